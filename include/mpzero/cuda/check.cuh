@@ -1,0 +1,31 @@
+// mpzero: CUDA error checking for the host API.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "../error.hpp"
+
+namespace mpzero {
+
+class cuda_error : public error {
+ public:
+  cuda_error(cudaError_t code, const std::string& what) : error(what), code_(code) {}
+  cudaError_t code() const noexcept { return code_; }
+
+ private:
+  cudaError_t code_;
+};
+
+namespace detail {
+inline void cuda_check(cudaError_t e, const char* call, const char* file, int line) {
+  if (e != cudaSuccess) {
+    throw cuda_error(e, std::string("mpzero: CUDA call ") + call + " failed at " + file + ":" + std::to_string(line) +
+                            ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+  }
+}
+}  // namespace detail
+}  // namespace mpzero
+
+#define MPZERO_CUDA_CHECK(call) ::mpzero::detail::cuda_check((call), #call, __FILE__, __LINE__)

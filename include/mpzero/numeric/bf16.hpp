@@ -1,0 +1,46 @@
+// mpzero: bfloat16 storage type and its conversions.
+//
+// Conversions are written once, in integer arithmetic, and used on host and device,
+// so both give the same bits. They reproduce CUDA's __float2bfloat16_rn and
+// __bfloat162float exactly (NaN becomes the canonical 0x7FFF); tests check every
+// 16-bit pattern and every rounding boundary.
+#pragma once
+
+#include <cstdint>
+
+#include "../config.hpp"
+#include "bits.hpp"
+
+namespace mpzero {
+
+struct bf16 {
+  std::uint16_t bits;
+
+  static constexpr bf16 from_bits(std::uint16_t b) noexcept { return bf16{b}; }
+  friend constexpr bool operator==(bf16 a, bf16 b) noexcept { return a.bits == b.bits; }
+};
+static_assert(sizeof(bf16) == 2 && alignof(bf16) == 2);
+
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr float to_float(bf16 x) noexcept {
+  return detail::bits_as_float(static_cast<std::uint32_t>(x.bits) << 16);
+}
+
+// Round to nearest, ties to even. Overflow goes to infinity, as IEEE requires.
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr bf16 bf16_from_float_rn(float f) noexcept {
+  const std::uint32_t u = detail::float_as_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{0x7fffu};  // canonical NaN
+  return bf16{static_cast<std::uint16_t>(detail::round_nearest_even(u >> 16, u & 0xffffu, 0x8000u))};
+}
+
+// Stochastic rounding: the magnitude rounds up with probability equal to the
+// discarded fraction, so E[to_float(result)] == f. `rand` supplies 32 uniform bits
+// (only the low 16 are needed). Values beyond the largest finite bf16 may round to
+// infinity with the probability that proportion implies; NaN and infinities pass through.
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr bf16 bf16_from_float_sr(float f, std::uint32_t rand) noexcept {
+  const std::uint32_t u = detail::float_as_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{0x7fffu};
+  if ((u & 0x7fffffffu) == 0x7f800000u) return bf16{static_cast<std::uint16_t>(u >> 16)};
+  return bf16{static_cast<std::uint16_t>((u + (rand & 0xffffu)) >> 16)};
+}
+
+}  // namespace mpzero

@@ -1,0 +1,165 @@
+// mpzero: one fused optimizer step over many tensors. This header holds the
+// description of the work (tensors, plan, per-step arguments) and the update of one
+// element; backends (host.hpp, cuda/fused_step.cuh) only move data and call it.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../config.hpp"
+#include "../error.hpp"
+#include "../multi_tensor/plan.hpp"
+#include "../numeric/convert.hpp"
+#include "../numeric/fp_ops.hpp"
+#include "../numeric/philox.hpp"
+#include "../optim/optimizer.hpp"
+#include "../policy/precision.hpp"
+
+namespace mpzero {
+
+// One tensor of the step: where its states live, in the dtypes the policy names.
+template <precision_policy Policy, optim::rule Optimizer>
+struct step_tensor {
+  using param_type = typename Policy::param_type;
+  using master_type = typename Policy::master_type;
+  using grad_type = typename Policy::grad_type;
+  using state_type = typename Policy::state_type;
+  static constexpr int n_states = Optimizer::n_states;
+
+  param_type* param = nullptr;    // model weights, written every step
+  master_type* master = nullptr;  // null when Policy::master_is_param (the param is the master)
+  const grad_type* grad = nullptr;
+  state_type* states[n_states] = {};
+  std::uint64_t numel = 0;
+  // Index of element 0 in the model's global element space. Keys the stochastic
+  // rounding bits, so it must not overlap another tensor's range (see
+  // assign_global_offsets); it does not change when the tensor is sharded.
+  std::uint64_t global_offset = 0;
+};
+
+// Gives each tensor a global offset equal to the running sum of the numels before it.
+template <class Tensor>
+void assign_global_offsets(std::span<Tensor> tensors, std::uint64_t first = 0) noexcept {
+  for (auto& t : tensors) {
+    t.global_offset = first;
+    first += t.numel;
+  }
+}
+
+// Per-step arguments: the optimizer's prepared scalars, the gradient multiplier
+// (1 / loss scale, times the clipping coefficient) and the rounding key.
+template <optim::rule Optimizer>
+struct step_args {
+  typename Optimizer::params opt;
+  float grad_scale = 1.0f;
+  std::uint64_t seed = 0;
+  std::uint64_t step = 1;
+};
+
+template <optim::rule Optimizer>
+step_args<Optimizer> make_step_args(const typename Optimizer::options& o, std::uint64_t step, float grad_scale = 1.0f,
+                                    std::uint64_t seed = 0) {
+  return step_args<Optimizer>{Optimizer::prepare(o, step), grad_scale, seed, step};
+}
+
+// The whole update of one element, in registers. `w` is the master value (the
+// parameter itself when Policy::master_is_param); `p` receives the parameter when
+// the master is separate.
+template <precision_policy Policy, optim::rule Optimizer>
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void update_element(const step_args<Optimizer>& a, std::uint64_t global_index,
+                                                          typename Policy::master_type& w,
+                                                          typename Policy::grad_type g,
+                                                          typename Policy::state_type (&s)[Optimizer::n_states],
+                                                          typename Policy::param_type& p) {
+  using R = typename Policy::rounding;
+  constexpr int n = Optimizer::n_states;
+  float wf = to_float(w);
+  const float gf = fp::mul(to_float(g), a.grad_scale);
+  float sf[n];
+  for (int k = 0; k < n; ++k) sf[k] = to_float(s[k]);
+  Optimizer::update(a.opt, wf, gf, sf);
+  philox_u32x4 bits{};
+  if constexpr (R::stochastic) bits = element_random_bits(a.seed, a.step, global_index);
+  w = round_as<typename Policy::master_type, R>(wf, bits.v[0]);
+  for (int k = 0; k < n; ++k) s[k] = round_as<typename Policy::state_type, R>(sf[k], bits.v[1 + k]);
+  if constexpr (!Policy::master_is_param) {
+    // The parameter is a copy of a wider master: nearest rounding, the master keeps the precision.
+    p = from_float<typename Policy::param_type>(wf);
+  } else {
+    (void)p;
+  }
+}
+
+// The description of a fused step: validated tensors and their chunk plan. Build it
+// once (tensors rarely change) and run it every step on a backend.
+template <precision_policy Policy, optim::rule Optimizer>
+class fused_step {
+ public:
+  using policy = Policy;
+  using optimizer = Optimizer;
+  using tensor = step_tensor<Policy, Optimizer>;
+
+  explicit fused_step(std::vector<tensor> tensors, plan_options options = {}) : tensors_(std::move(tensors)) {
+    validate();
+    std::vector<std::uint64_t> numels(tensors_.size());
+    for (std::size_t i = 0; i < tensors_.size(); ++i) numels[i] = tensors_[i].numel;
+    plan_ = multi_tensor_plan(numels, options);
+  }
+
+  std::span<const tensor> tensors() const noexcept { return tensors_; }
+  const multi_tensor_plan& plan() const noexcept { return plan_; }
+
+ private:
+  void validate() const {
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      const tensor& t = tensors_[i];
+      const std::string where = "fused_step: tensor " + std::to_string(i) + " (numel " + std::to_string(t.numel) + ")";
+      if constexpr (Policy::master_is_param) {
+        if (t.master != nullptr) {
+          detail::throw_invalid(where + ": master must be null, because this policy's master weights are the "
+                                        "parameters themselves (Master == Param)");
+        }
+      }
+      if (t.numel == 0) continue;
+      if (t.param == nullptr || t.grad == nullptr) detail::throw_invalid(where + ": param and grad must not be null");
+      if constexpr (!Policy::master_is_param) {
+        if (t.master == nullptr) detail::throw_invalid(where + ": master must point to the master weights");
+      }
+      for (int k = 0; k < tensor::n_states; ++k) {
+        if (t.states[k] == nullptr) {
+          detail::throw_invalid(where + ": optimizer state " + std::to_string(k) + " of " +
+                                std::string(Optimizer::name) + " must not be null");
+        }
+      }
+      if (t.global_offset + t.numel < t.global_offset) detail::throw_invalid(where + ": global_offset overflows");
+    }
+    if constexpr (Policy::stochastic_rounding) check_disjoint_offsets();
+  }
+
+  // Stochastic rounding draws its bits from the global index: two tensors that share
+  // indices would round with the same bits, a correlated bias.
+  void check_disjoint_offsets() const {
+    std::vector<std::pair<std::uint64_t, std::size_t>> order;
+    for (std::size_t i = 0; i < tensors_.size(); ++i)
+      if (tensors_[i].numel > 0) order.emplace_back(tensors_[i].global_offset, i);
+    std::sort(order.begin(), order.end());
+    for (std::size_t k = 1; k < order.size(); ++k) {
+      const tensor& prev = tensors_[order[k - 1].second];
+      if (prev.global_offset + prev.numel > order[k].first) {
+        detail::throw_invalid("fused_step: tensors " + std::to_string(order[k - 1].second) + " and " +
+                              std::to_string(order[k].second) +
+                              " overlap in global element index; stochastic rounding would give them the same "
+                              "random bits. Give each tensor its own range (mpzero::assign_global_offsets).");
+      }
+    }
+  }
+
+  std::vector<tensor> tensors_;
+  multi_tensor_plan plan_;
+};
+
+}  // namespace mpzero

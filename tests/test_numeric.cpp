@@ -1,0 +1,372 @@
+// Conversions, stochastic rounding and the counter-based RNG.
+//
+// References here are computed from values (ldexp, distances in long double), not
+// from bit tricks, so they share nothing with the code under test. Where the CUDA
+// toolkit's headers are present, the same inputs are also compared with CUDA's own
+// host implementations of the conversion intrinsics and of curand's Philox.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include <mpzero/numeric/bf16.hpp>
+#include <mpzero/numeric/convert.hpp>
+#include <mpzero/numeric/fp16.hpp>
+#include <mpzero/numeric/philox.hpp>
+
+#if defined(MPZERO_TEST_CUDA_HEADERS)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <curand_philox4x32_x.h>
+#endif
+
+using namespace mpzero;
+
+namespace {
+
+std::uint32_t bits_of(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+float float_of(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Value of a 16-bit float with `exp_bits` exponent bits and `man_bits` mantissa
+// bits, from its definition; NaN for NaN patterns.
+long double decode(std::uint16_t h, int exp_bits, int man_bits) {
+  const int bias = (1 << (exp_bits - 1)) - 1;
+  const int sign = h >> 15;
+  const int e = (h >> man_bits) & ((1 << exp_bits) - 1);
+  const int m = h & ((1 << man_bits) - 1);
+  long double v;
+  if (e == (1 << exp_bits) - 1) {
+    if (m != 0) return std::numeric_limits<long double>::quiet_NaN();
+    v = std::numeric_limits<long double>::infinity();
+  } else if (e == 0) {
+    v = std::ldexp(static_cast<long double>(m), 1 - bias - man_bits);
+  } else {
+    v = std::ldexp(static_cast<long double>(m + (1 << man_bits)), e - bias - man_bits);
+  }
+  return sign ? -v : v;
+}
+
+long double decode_bf16(std::uint16_t h) { return decode(h, 8, 7); }
+long double decode_fp16(std::uint16_t h) { return decode(h, 5, 10); }
+
+// Nearest-even rounding of a finite float by comparing distances to every
+// candidate's value: the largest finite value's successor is "infinity" at
+// max + ulp, per IEEE 754's overflow rule.
+template <class Decode>
+std::uint16_t reference_round(float x, Decode decode_fn, std::uint16_t max_finite, std::uint16_t inf_bits) {
+  const long double v = std::fabs(static_cast<long double>(x));
+  // Binary search for the largest non-negative pattern whose value <= v.
+  std::uint16_t lo = 0, hi = max_finite;
+  if (decode_fn(max_finite) <= v) {
+    lo = max_finite;
+  } else {
+    while (hi - lo > 1) {
+      const std::uint16_t mid = static_cast<std::uint16_t>((lo + hi) / 2);
+      if (decode_fn(mid) <= v) lo = mid; else hi = mid;
+    }
+  }
+  const long double below = decode_fn(lo);
+  std::uint16_t pick = lo;
+  if (below != v) {
+    const long double above = lo == max_finite ? below + (below - decode_fn(max_finite - 1)) : decode_fn(lo + 1);
+    const long double d_below = v - below, d_above = above - v;
+    if (d_above < d_below || (d_above == d_below && (lo & 1u))) pick = static_cast<std::uint16_t>(lo + 1);
+  }
+  if (pick > max_finite) pick = inf_bits;
+  return static_cast<std::uint16_t>(pick | (std::signbit(x) ? 0x8000u : 0u));
+}
+
+std::uint16_t reference_bf16(float x) { return reference_round(x, decode_bf16, 0x7f7f, 0x7f80); }
+std::uint16_t reference_fp16(float x) { return reference_round(x, decode_fp16, 0x7bff, 0x7c00); }
+
+// Floats around every rounding boundary of a 16-bit format: each finite pattern's
+// value, the midpoint to its successor, and the floats either side of both.
+template <class Decode>
+std::vector<float> boundary_floats(Decode decode_fn, std::uint16_t max_finite) {
+  std::vector<float> out;
+  for (std::uint32_t h = 0; h <= max_finite; ++h) {
+    for (int sign : {1, -1}) {
+      const float v = static_cast<float>(sign * decode_fn(static_cast<std::uint16_t>(h)));
+      const long double next = h == max_finite ? 2 * decode_fn(max_finite) - decode_fn(max_finite - 1)
+                                               : decode_fn(static_cast<std::uint16_t>(h + 1));
+      const long double mid_ld = (decode_fn(static_cast<std::uint16_t>(h)) + next) / 2;
+      const float mid = static_cast<float>(sign * mid_ld);
+      for (float f : {v, mid}) {
+        out.push_back(f);
+        out.push_back(std::nextafter(f, std::numeric_limits<float>::infinity()));
+        out.push_back(std::nextafter(f, -std::numeric_limits<float>::infinity()));
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<float> special_floats() {
+  const float inf = std::numeric_limits<float>::infinity();
+  return {0.0f, -0.0f, inf, -inf, std::numeric_limits<float>::denorm_min(), -std::numeric_limits<float>::denorm_min(),
+          std::numeric_limits<float>::min(), std::numeric_limits<float>::max(), -std::numeric_limits<float>::max(),
+          65504.0f, 65519.99f, 65520.0f, -65520.0f, 0x1p-24f, 0x1p-25f, std::nextafter(0x1p-25f, 1.0f), 0x1p-14f,
+          3.3895314e38f, 3.39e38f};
+}
+
+std::vector<float> random_floats(std::size_t n, std::uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::vector<float> out;
+  out.reserve(n);
+  while (out.size() < n) {
+    const float f = float_of(static_cast<std::uint32_t>(gen()));
+    if (!std::isnan(f)) out.push_back(f);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("bf16 -> float is exact for all 65536 patterns", "[numeric]") {
+  for (std::uint32_t h = 0; h < 65536; ++h) {
+    const float f = to_float(bf16::from_bits(static_cast<std::uint16_t>(h)));
+    const long double ref = decode_bf16(static_cast<std::uint16_t>(h));
+    if (std::isnan(ref)) {
+      REQUIRE(std::isnan(f));
+      REQUIRE(bits_of(f) == h << 16);  // bf16 -> float keeps the payload, as CUDA does
+    } else {
+      REQUIRE(static_cast<long double>(f) == ref);
+      REQUIRE(std::signbit(f) == ((h & 0x8000u) != 0));
+    }
+  }
+}
+
+TEST_CASE("fp16 -> float is exact for all 65536 patterns, NaN canonical", "[numeric]") {
+  for (std::uint32_t h = 0; h < 65536; ++h) {
+    const float f = to_float(fp16::from_bits(static_cast<std::uint16_t>(h)));
+    const long double ref = decode_fp16(static_cast<std::uint16_t>(h));
+    if (std::isnan(ref)) {
+      REQUIRE(bits_of(f) == 0x7fffffffu);
+    } else {
+      REQUIRE(static_cast<long double>(f) == ref);
+      REQUIRE(std::signbit(f) == ((h & 0x8000u) != 0));
+      // GCC's _Float16 is an independent IEEE implementation.
+      _Float16 x;
+      const std::uint16_t hh = static_cast<std::uint16_t>(h);
+      std::memcpy(&x, &hh, 2);
+      REQUIRE(bits_of(static_cast<float>(x)) == bits_of(f));
+    }
+  }
+}
+
+TEST_CASE("float -> bf16 rounds to nearest even at every boundary", "[numeric]") {
+  auto inputs = boundary_floats(decode_bf16, 0x7f7f);
+  for (float f : special_floats()) inputs.push_back(f);
+  for (float f : random_floats(1 << 20, 1)) inputs.push_back(f);
+  for (float f : inputs) {
+    INFO("x = " << f << " bits 0x" << std::hex << bits_of(f));
+    REQUIRE(bf16_from_float_rn(f).bits == reference_bf16(f));
+  }
+  // Every bf16 value converts back to itself.
+  for (std::uint32_t h = 0; h < 65536; ++h) {
+    if (std::isnan(decode_bf16(static_cast<std::uint16_t>(h)))) continue;
+    REQUIRE(bf16_from_float_rn(to_float(bf16::from_bits(static_cast<std::uint16_t>(h)))).bits == h);
+  }
+}
+
+TEST_CASE("float -> bf16: NaN is canonical, overflow goes to infinity", "[numeric]") {
+  REQUIRE(bf16_from_float_rn(std::numeric_limits<float>::quiet_NaN()).bits == 0x7fff);
+  REQUIRE(bf16_from_float_rn(-std::numeric_limits<float>::quiet_NaN()).bits == 0x7fff);
+  REQUIRE(bf16_from_float_rn(float_of(0x7f800001u)).bits == 0x7fff);  // signalling NaN stays NaN
+  REQUIRE(bf16_from_float_rn(std::numeric_limits<float>::max()).bits == 0x7f80);
+  REQUIRE(bf16_from_float_rn(-std::numeric_limits<float>::max()).bits == 0xff80);
+  REQUIRE(bf16_from_float_rn(std::numeric_limits<float>::denorm_min()).bits == 0x0000);
+  REQUIRE(bf16_from_float_rn(float_of(0x00008000u)).bits == 0x0000);  // tie to even (zero)
+  REQUIRE(bf16_from_float_rn(float_of(0x00018000u)).bits == 0x0002);  // tie to even (up)
+}
+
+TEST_CASE("float -> fp16 rounds to nearest even at every boundary", "[numeric]") {
+  auto inputs = boundary_floats(decode_fp16, 0x7bff);
+  for (float f : special_floats()) inputs.push_back(f);
+  for (float f : random_floats(1 << 20, 2)) inputs.push_back(f);
+  for (float f : inputs) {
+    INFO("x = " << f << " bits 0x" << std::hex << bits_of(f));
+    const std::uint16_t got = fp16_from_float_rn(f).bits;
+    REQUIRE(got == reference_fp16(f));
+    const _Float16 gcc = static_cast<_Float16>(f);  // independent implementation
+    std::uint16_t gcc_bits;
+    std::memcpy(&gcc_bits, &gcc, 2);
+    REQUIRE(got == gcc_bits);
+  }
+  for (std::uint32_t h = 0; h < 65536; ++h) {
+    if (std::isnan(decode_fp16(static_cast<std::uint16_t>(h)))) continue;
+    REQUIRE(fp16_from_float_rn(to_float(fp16::from_bits(static_cast<std::uint16_t>(h)))).bits == h);
+  }
+}
+
+TEST_CASE("float -> fp16: NaN, infinity, overflow and underflow", "[numeric]") {
+  REQUIRE(fp16_from_float_rn(std::numeric_limits<float>::quiet_NaN()).bits == 0x7fff);
+  REQUIRE(fp16_from_float_rn(-std::numeric_limits<float>::quiet_NaN()).bits == 0x7fff);
+  REQUIRE(fp16_from_float_rn(std::numeric_limits<float>::infinity()).bits == 0x7c00);
+  REQUIRE(fp16_from_float_rn(-std::numeric_limits<float>::infinity()).bits == 0xfc00);
+  REQUIRE(fp16_from_float_rn(65504.0f).bits == 0x7bff);
+  REQUIRE(fp16_from_float_rn(std::nextafter(65520.0f, 0.0f)).bits == 0x7bff);
+  REQUIRE(fp16_from_float_rn(65520.0f).bits == 0x7c00);
+  REQUIRE(fp16_from_float_rn(-1e10f).bits == 0xfc00);
+  REQUIRE(fp16_from_float_rn(0x1p-24f).bits == 0x0001);                          // smallest subnormal
+  REQUIRE(fp16_from_float_rn(0x1p-25f).bits == 0x0000);                          // tie to even: zero
+  REQUIRE(fp16_from_float_rn(std::nextafter(0x1p-25f, 1.0f)).bits == 0x0001);    // just above the tie
+  REQUIRE(fp16_from_float_rn(-std::nextafter(0x1p-25f, 1.0f)).bits == 0x8001);
+  REQUIRE(fp16_from_float_rn(0x3p-25f).bits == 0x0002);                          // 1.5 ulp: tie to even (up)
+  REQUIRE(fp16_from_float_rn(std::numeric_limits<float>::denorm_min()).bits == 0x0000);
+  REQUIRE(fp16_from_float_rn(-0.0f).bits == 0x8000);
+}
+
+#if defined(MPZERO_TEST_CUDA_HEADERS)
+TEST_CASE("conversions match CUDA's intrinsics (host implementations in the toolkit headers)", "[numeric]") {
+  for (std::uint32_t h = 0; h < 65536; ++h) {
+    const auto hh = static_cast<unsigned short>(h);
+    REQUIRE(bits_of(to_float(fp16::from_bits(hh))) == bits_of(__half2float(__ushort_as_half(hh))));
+    REQUIRE(bits_of(to_float(bf16::from_bits(hh))) == bits_of(__bfloat162float(__ushort_as_bfloat16(hh))));
+  }
+  auto inputs = boundary_floats(decode_fp16, 0x7bff);
+  const auto b = boundary_floats(decode_bf16, 0x7f7f);
+  inputs.insert(inputs.end(), b.begin(), b.end());
+  for (float f : special_floats()) inputs.push_back(f);
+  inputs.push_back(std::numeric_limits<float>::quiet_NaN());
+  inputs.push_back(-std::numeric_limits<float>::quiet_NaN());
+  for (float f : random_floats(1 << 20, 3)) inputs.push_back(f);
+  for (float f : inputs) {
+    INFO("x = " << f << " bits 0x" << std::hex << bits_of(f));
+    REQUIRE(fp16_from_float_rn(f).bits == __half_as_ushort(__float2half_rn(f)));
+    REQUIRE(bf16_from_float_rn(f).bits == __bfloat16_as_ushort(__float2bfloat16_rn(f)));
+  }
+}
+
+TEST_CASE("Philox matches curand's Philox4x32-10", "[numeric]") {
+  std::mt19937 gen(7);
+  auto u32 = [&] { return static_cast<unsigned>(gen()); };
+  for (int i = 0; i < 1000; ++i) {
+    const uint4 c{u32(), u32(), u32(), u32()};
+    const uint2 k{u32(), u32()};
+    const uint4 r = curand_Philox4x32_10(c, k);
+    const philox_u32x4 m = philox4x32_10({{c.x, c.y, c.z, c.w}}, k.x, k.y);
+    REQUIRE(m.v[0] == r.x);
+    REQUIRE(m.v[1] == r.y);
+    REQUIRE(m.v[2] == r.z);
+    REQUIRE(m.v[3] == r.w);
+  }
+}
+#endif
+
+TEST_CASE("Philox4x32-10 known-answer vectors (Random123)", "[numeric]") {
+  const philox_u32x4 zero = philox4x32_10({{0, 0, 0, 0}}, 0, 0);
+  CHECK(zero.v[0] == 0x6627e8d5u);
+  CHECK(zero.v[1] == 0xe169c58du);
+  CHECK(zero.v[2] == 0xbc57ac4cu);
+  CHECK(zero.v[3] == 0x9b00dbd8u);
+  const philox_u32x4 pi = philox4x32_10({{0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}}, 0xa4093822u, 0x299f31d0u);
+  CHECK(pi.v[0] == 0xd16cfe09u);
+  CHECK(pi.v[1] == 0x94fdccebu);
+  CHECK(pi.v[2] == 0x5001e420u);
+  CHECK(pi.v[3] == 0x24126ea1u);
+  static_assert(philox4x32_10({{0, 0, 0, 0}}, 0, 0).v[0] == 0x6627e8d5u, "usable in constant expressions");
+}
+
+TEST_CASE("element random bits depend on seed, step and index only", "[numeric]") {
+  const auto a = element_random_bits(42, 3, 1000);
+  const auto b = element_random_bits(42, 3, 1000);
+  CHECK(a.v[0] == b.v[0]);
+  CHECK(element_random_bits(42, 3, 1001).v[0] != a.v[0]);
+  CHECK(element_random_bits(42, 4, 1000).v[0] != a.v[0]);
+  CHECK(element_random_bits(43, 3, 1000).v[0] != a.v[0]);
+  CHECK(element_random_bits(42, 3, 1000ull + (1ull << 32)).v[0] != a.v[0]);  // high index bits matter
+}
+
+namespace {
+
+// Draws many stochastic roundings of x and checks: each result is one of the two
+// neighbours, and the mean is x within 6 standard errors (an SR result differs from
+// x by at most one ulp, so its standard deviation is at most ulp / 2).
+template <class T, class Round>
+void check_unbiased(float x, Round round, int samples, std::uint64_t seed) {
+  const float down = to_float(from_float<T>(x));  // one neighbour; find the other
+  long double sum = 0;
+  float lo = std::numeric_limits<float>::infinity(), hi = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < samples; ++i) {
+    const float r = to_float(round(x, element_random_bits(seed, 0, static_cast<std::uint64_t>(i)).v[0]));
+    lo = std::min(lo, r);
+    hi = std::max(hi, r);
+    sum += r;
+  }
+  (void)down;
+  INFO("x = " << x << " lo " << lo << " hi " << hi);
+  REQUIRE(lo <= x);
+  REQUIRE(hi >= x);
+  const long double ulp = static_cast<long double>(hi) - lo;
+  if (ulp == 0) {
+    REQUIRE(lo == x);  // representable values are kept exactly
+    return;
+  }
+  // Exactly two neighbours, one ulp apart.
+  REQUIRE(to_float(from_float<T>(lo)) == lo);
+  REQUIRE(to_float(from_float<T>(hi)) == hi);
+  const long double mean = sum / samples;
+  const long double bound = 6.0L * (ulp / 2) / std::sqrt(static_cast<long double>(samples));
+  REQUIRE(std::fabs(mean - static_cast<long double>(x)) <= bound);
+}
+
+}  // namespace
+
+TEST_CASE("stochastic rounding to bf16 is unbiased", "[numeric]") {
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<float> mant(1.0f, 2.0f);
+  std::uniform_int_distribution<int> expo(-140, 120);
+  for (int i = 0; i < 64; ++i) {
+    const float x = std::ldexp(mant(gen), expo(gen)) * (i % 2 ? -1.0f : 1.0f);
+    check_unbiased<bf16>(x, [](float v, std::uint32_t r) { return bf16_from_float_sr(v, r); }, 20000, i);
+  }
+  check_unbiased<bf16>(1.0f, [](float v, std::uint32_t r) { return bf16_from_float_sr(v, r); }, 1000, 1);
+  REQUIRE(bf16_from_float_sr(std::numeric_limits<float>::quiet_NaN(), 0xffffffffu).bits == 0x7fff);
+  REQUIRE(bf16_from_float_sr(std::numeric_limits<float>::infinity(), 0xffffffffu).bits == 0x7f80);
+  REQUIRE(bf16_from_float_sr(-std::numeric_limits<float>::infinity(), 0xffffffffu).bits == 0xff80);
+}
+
+TEST_CASE("stochastic rounding to fp16 is unbiased, subnormals included", "[numeric]") {
+  std::mt19937 gen(12);
+  std::uniform_real_distribution<float> mant(1.0f, 2.0f);
+  std::uniform_int_distribution<int> expo(-27, 15);  // subnormal range, normals, up to 65536
+  for (int i = 0; i < 64; ++i) {
+    const float x = std::ldexp(mant(gen), expo(gen)) * (i % 2 ? -1.0f : 1.0f);
+    if (std::fabs(x) >= 65504.0f) continue;
+    check_unbiased<fp16>(x, [](float v, std::uint32_t r) { return fp16_from_float_sr(v, r); }, 20000, 100 + i);
+  }
+  REQUIRE(fp16_from_float_sr(std::numeric_limits<float>::quiet_NaN(), 0).bits == 0x7fff);
+  REQUIRE(fp16_from_float_sr(70000.0f, 0xffffffffu).bits == 0x7c00);
+  REQUIRE(fp16_from_float_sr(-std::numeric_limits<float>::infinity(), 0).bits == 0xfc00);
+  // Far below the smallest subnormal: rounds up with (truncated) probability ~0.
+  REQUIRE(fp16_from_float_sr(1e-30f, 0).bits == 0x0000);
+}
+
+TEST_CASE("stochastic rounding: aggregate bias over many values is below 1e-3 ulp", "[numeric]") {
+  // One draw for each of many values: the mean signed error, in ulps, must vanish.
+  std::mt19937 gen(13);
+  std::uniform_real_distribution<float> dist(1.0f, 2.0f);  // bf16 ulp is 2^-7 here
+  const int n = 1 << 20;
+  long double err = 0;
+  for (int i = 0; i < n; ++i) {
+    const float x = dist(gen);
+    const float r = to_float(bf16_from_float_sr(x, element_random_bits(5, 1, static_cast<std::uint64_t>(i)).v[0]));
+    err += (static_cast<long double>(r) - x) / 0x1p-7L;
+  }
+  // Standard error of the mean of n errors each within one ulp: <= 0.5 / sqrt(n) ~ 5e-4.
+  REQUIRE(std::fabs(err / n) < 3e-3L);
+}
