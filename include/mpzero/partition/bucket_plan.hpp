@@ -1,0 +1,79 @@
+// mpzero: gradient buckets. Consecutive parameters are grouped, greedily and in
+// parameter order, into buckets of at most bucket_numel elements, so one collective
+// moves a whole bucket once all its gradients exist. Pure host logic.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../error.hpp"
+#include "flat_layout.hpp"
+
+namespace mpzero {
+
+// Parameters [first_param, end_param); `range` is their contiguous span of the flat
+// buffer. Padding belongs to no bucket, so the last bucket ends at total_numel.
+struct bucket {
+  std::size_t first_param, end_param;
+  flat_range range;
+  constexpr std::size_t num_params() const noexcept { return end_param - first_param; }
+  friend constexpr bool operator==(const bucket&, const bucket&) noexcept = default;
+};
+
+class bucket_plan {
+ public:
+  bucket_plan() = default;
+
+  // A parameter larger than bucket_numel gets a bucket of its own; zero-size
+  // parameters join the bucket of the parameter before them (or, at the start, the
+  // one after). Buckets are listed in parameter order; backward produces gradients
+  // roughly in reverse order, so the LAST bucket usually completes first.
+  bucket_plan(const flat_layout& layout, std::uint64_t bucket_numel) : bucket_numel_(bucket_numel) {
+    if (bucket_numel == 0) {
+      detail::throw_invalid("bucket_plan: bucket_numel = 0; it must be at least 1 (DeepSpeed's "
+                            "reduce_bucket_size default is 5e8 elements)");
+    }
+    const std::size_t n = layout.num_params();
+    if (n == 0) return;
+    bucket current{0, 0, {layout.offset(0), layout.offset(0)}};
+    for (std::size_t p = 0; p < n; ++p) {
+      const std::uint64_t size = layout.numel(p);
+      // Close the current bucket only when it holds elements, so a bucket has zero size
+      // only when every parameter has. The sum cannot overflow: it is at most total_numel.
+      if (size > 0 && !current.range.empty() && current.range.size() + size > bucket_numel) {
+        buckets_.push_back(current);
+        current = bucket{p, p, {current.range.end, current.range.end}};
+      }
+      current.end_param = p + 1;
+      current.range.end += size;
+    }
+    buckets_.push_back(current);
+  }
+
+  std::span<const bucket> buckets() const noexcept { return buckets_; }
+  std::size_t num_buckets() const noexcept { return buckets_.size(); }
+  std::uint64_t bucket_numel() const noexcept { return bucket_numel_; }
+
+  // Index of the bucket holding `param`.
+  std::size_t bucket_of(std::size_t param) const {
+    const std::size_t n = buckets_.empty() ? 0 : buckets_.back().end_param;
+    if (param >= n) {
+      detail::throw_invalid("bucket_plan::bucket_of: parameter index " + std::to_string(param) +
+                            " is out of range; the plan covers " + std::to_string(n) + " parameters");
+    }
+    // First bucket whose end_param exceeds param.
+    const auto it = std::upper_bound(buckets_.begin(), buckets_.end(), param,
+                                     [](std::size_t q, const bucket& b) { return q < b.end_param; });
+    return static_cast<std::size_t>(it - buckets_.begin());
+  }
+
+ private:
+  std::vector<bucket> buckets_;
+  std::uint64_t bucket_numel_ = 0;
+};
+
+}  // namespace mpzero
