@@ -16,6 +16,8 @@
 // per-parameter costs and are left out; tests account for them separately.
 #pragma once
 
+#include <string>
+
 #include "../error.hpp"
 #include "../numeric/dtype.hpp"
 #include "precision.hpp"
@@ -36,10 +38,13 @@ struct state_layout {
 
 constexpr memory_footprint bytes_per_param(const state_layout& s, int zero_stage, offload_kind offload,
                                            int world_size) {
-  if (zero_stage < 0 || zero_stage > 3) detail::throw_invalid("ZeRO stage must be 0..3");
-  if (world_size < 1) detail::throw_invalid("world size must be at least 1");
+  if (zero_stage < 0 || zero_stage > 3)
+    detail::throw_invalid("ZeRO stage " + std::to_string(zero_stage) + " does not exist: use 0, 1, 2 or 3");
+  if (world_size < 1)
+    detail::throw_invalid("world size " + std::to_string(world_size) + " is invalid: it must be at least 1");
   if (offload == offload_kind::cpu && zero_stage == 0)
-    detail::throw_invalid("CPU offload needs ZeRO stage 1, 2 or 3 (the host keeps the rank's partition)");
+    detail::throw_invalid("CPU offload with ZeRO stage 0: the host keeps each rank's partition, so offload needs "
+                          "stage 1, 2 or 3 (or offload none)");
   const double w = world_size;
   const double p = static_cast<double>(size_of(s.param));
   const double g = static_cast<double>(size_of(s.grad));

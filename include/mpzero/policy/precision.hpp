@@ -22,9 +22,13 @@ inline constexpr bool is_16bit_pair = (std::same_as<A, bf16> && std::same_as<B, 
 // Grad:   gradients as they are accumulated, reduced and read by the step.
 // State:  optimizer states (Adam's moments, momentum). fp32 or bf16.
 // Rounding: how low-precision master weights and states are written.
-template <storage_type Param, storage_type Master, storage_type Grad, storage_type State,
-          rounding_mode Rounding = round_nearest>
+template <class Param, class Master, class Grad, class State, class Rounding = round_nearest>
 struct precision {
+  static_assert(storage_type<Param> && storage_type<Master> && storage_type<Grad> && storage_type<State>,
+                "mpzero: precision<Param, Master, Grad, State> stores model states as mpzero::fp32 (float), "
+                "mpzero::bf16 or mpzero::fp16.");
+  static_assert(rounding_mode<Rounding>,
+                "mpzero: the rounding of a precision policy is mpzero::round_nearest or mpzero::round_stochastic.");
   using param_type = Param;
   using master_type = Master;
   using grad_type = Grad;

@@ -1,0 +1,103 @@
+# Builds and runs a consumer project of mpzero in a fresh directory, then removes it.
+#
+#   cmake -DMODE=find_package|add_subdirectory -DMPZERO_SOURCE_DIR=<src>
+#         [-DMPZERO_BINARY_DIR=<configured mpzero build, find_package mode>]
+#         -DWORK_DIR=<scratch dir> -DGENERATOR=<gen> -DCXX_COMPILER=<c++>
+#         [-DMAKE_PROGRAM=<make>] [-DBUILD_TYPE=Release] -P run_consumer.cmake
+#
+# find_package: installs mpzero from MPZERO_BINARY_DIR into WORK_DIR/prefix, checks the
+# installed files, then configures consumer/find_package against that prefix only.
+# add_subdirectory: configures consumer/add_subdirectory on the source tree.
+# Both then build the consumer and run it. WORK_DIR is removed before the run and
+# after a successful one; after a failure it is kept for inspection and named.
+cmake_minimum_required(VERSION 3.24)
+
+foreach(_v MODE MPZERO_SOURCE_DIR WORK_DIR GENERATOR CXX_COMPILER)
+  if(NOT DEFINED ${_v} OR "${${_v}}" STREQUAL "")
+    message(FATAL_ERROR "run_consumer.cmake: -D${_v}=... is required")
+  endif()
+endforeach()
+if(NOT MODE MATCHES "^(find_package|add_subdirectory)$")
+  message(FATAL_ERROR "run_consumer.cmake: MODE must be find_package or add_subdirectory, got '${MODE}'")
+endif()
+if(NOT BUILD_TYPE)
+  set(BUILD_TYPE Release)
+endif()
+
+set(_consumer "${CMAKE_CURRENT_LIST_DIR}/${MODE}")
+set(_build "${WORK_DIR}/build")
+set(_prefix "${WORK_DIR}/prefix")
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+
+# Runs a command; on failure stops with its output. Leaves the output in _out.
+function(step what)
+  string(TIMESTAMP _t0 "%s")
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE _rc OUTPUT_VARIABLE _o ERROR_VARIABLE _o)
+  string(TIMESTAMP _t1 "%s")
+  math(EXPR _dt "${_t1} - ${_t0}")
+  if(NOT _rc EQUAL 0)
+    message(FATAL_ERROR "${MODE} consumer: ${what} failed (${_rc}):\n${_o}\nscratch kept in ${WORK_DIR}")
+  endif()
+  message(STATUS "${MODE} consumer: ${what}: ok (${_dt} s)")
+  set(_out "${_o}" PARENT_SCOPE)
+endfunction()
+
+function(fail what)
+  message(FATAL_ERROR "${MODE} consumer: ${what}\nscratch kept in ${WORK_DIR}")
+endfunction()
+
+set(_configure "${CMAKE_COMMAND}" -S "${_consumer}" -B "${_build}" -G "${GENERATOR}"
+    "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" "-DCMAKE_BUILD_TYPE=${BUILD_TYPE}")
+if(MAKE_PROGRAM)
+  list(APPEND _configure "-DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM}")
+endif()
+
+if(MODE STREQUAL "find_package")
+  if(NOT IS_DIRECTORY "${MPZERO_BINARY_DIR}")
+    fail("-DMPZERO_BINARY_DIR must name a configured mpzero build tree")
+  endif()
+  step("install" "${CMAKE_COMMAND}" --install "${MPZERO_BINARY_DIR}" --prefix "${_prefix}")
+  if(NOT EXISTS "${_prefix}/include/mpzero/mpzero.hpp")
+    fail("install did not put the headers in ${_prefix}/include/mpzero")
+  endif()
+  foreach(_f mpzeroConfig.cmake mpzeroConfigVersion.cmake mpzeroTargets.cmake)
+    file(GLOB_RECURSE _found "${_prefix}/*/${_f}")
+    if(NOT _found)
+      fail("install did not produce ${_f} under ${_prefix}")
+    endif()
+  endforeach()
+  # Only the fresh prefix: no package registry, no other prefix.
+  list(APPEND _configure "-DCMAKE_PREFIX_PATH=${_prefix}" "-DEXPECTED_PREFIX=${_prefix}"
+       -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF -DCMAKE_FIND_USE_SYSTEM_PACKAGE_REGISTRY=OFF)
+else()
+  list(APPEND _configure "-DMPZERO_SOURCE_DIR=${MPZERO_SOURCE_DIR}")
+endif()
+
+step("configure" ${_configure})
+step("build" "${CMAKE_COMMAND}" --build "${_build}" --config "${BUILD_TYPE}")
+
+if(MODE STREQUAL "add_subdirectory")
+  # Nothing of mpzero's own test, benchmark or example trees was generated or built.
+  foreach(_d tests bench examples)
+    if(EXISTS "${_build}/mpzero/${_d}")
+      fail("add_subdirectory generated mpzero's ${_d}/ (${_build}/mpzero/${_d})")
+    endif()
+  endforeach()
+  file(STRINGS "${_build}/CMakeCache.txt" _cached REGEX "^MPZERO_BUILD_TESTS:")
+  if(NOT _cached STREQUAL "MPZERO_BUILD_TESTS:BOOL=OFF")
+    fail("expected MPZERO_BUILD_TESTS:BOOL=OFF in the consumer's cache, found '${_cached}'")
+  endif()
+endif()
+
+find_program(_exe consumer PATHS "${_build}" "${_build}/${BUILD_TYPE}" NO_DEFAULT_PATH NO_CACHE)
+if(NOT _exe)
+  fail("no consumer executable under ${_build}")
+endif()
+step("run" "${_exe}")
+if(NOT _out MATCHES "mpzero consumer: ok")
+  fail("the consumer did not report success:\n${_out}")
+endif()
+message(STATUS "${MODE} consumer: ${_out}")
+
+file(REMOVE_RECURSE "${WORK_DIR}")
