@@ -1,0 +1,136 @@
+// mpzero: the host backend as the ZeRO optimizer sees it: owning buffers in main
+// memory, element-wise helpers and the fused step, all on OpenMP threads.
+// backend/cuda_backend.cuh offers the same members for device memory.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../error.hpp"
+#include "../numeric/convert.hpp"
+#include "../step/fused_step.hpp"
+#include "../step/grad_stats.hpp"
+#include "host.hpp"
+
+namespace mpzero {
+
+// An owning, zero-initialised, 64-byte aligned array in host memory.
+template <class T>
+class host_buffer {
+ public:
+  host_buffer() = default;
+  explicit host_buffer(std::uint64_t n) : n_(n) {
+    if (n == 0) return;
+    if (n > (std::uint64_t{1} << 62) / sizeof(T)) detail::throw_invalid("host_buffer: " + std::to_string(n) + " elements is too many");
+    const std::size_t bytes = (static_cast<std::size_t>(n) * sizeof(T) + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, bytes);
+    if (p == nullptr) {
+      throw error("mpzero: out of host memory allocating " + std::to_string(bytes) + " bytes");
+    }
+    std::memset(p, 0, bytes);
+    p_.reset(static_cast<T*>(p));
+  }
+  T* data() noexcept { return p_.get(); }
+  const T* data() const noexcept { return p_.get(); }
+  std::uint64_t size() const noexcept { return n_; }
+  std::uint64_t bytes() const noexcept { return n_ * sizeof(T); }
+  std::span<T> span() noexcept { return {p_.get(), static_cast<std::size_t>(n_)}; }
+  std::span<const T> span() const noexcept { return {p_.get(), static_cast<std::size_t>(n_)}; }
+
+ private:
+  struct free_deleter {
+    void operator()(T* p) const noexcept { std::free(p); }
+  };
+  std::unique_ptr<T, free_deleter> p_;
+  std::uint64_t n_ = 0;
+};
+
+struct host_backend {
+  host::options options{};
+
+  template <class T>
+  using buffer = host_buffer<T>;
+
+  static constexpr bool device_memory = false;
+
+  template <class T>
+  buffer<T> allocate(std::uint64_t n) const {
+    return buffer<T>(n);
+  }
+
+  template <class T>
+  void zero(T* p, std::uint64_t n) const {
+    if (n > 0) std::memset(static_cast<void*>(p), 0, static_cast<std::size_t>(n) * sizeof(T));
+  }
+
+  template <class T>
+  void copy(T* dst, const T* src, std::uint64_t n) const {
+    if (n > 0 && dst != src) std::memmove(static_cast<void*>(dst), src, static_cast<std::size_t>(n) * sizeof(T));
+  }
+
+  // dst[i] = round_to_nearest(dst[i] + src[i]), the sum taken in fp32.
+  template <storage_type D, storage_type S>
+  void accumulate(D* MPZERO_RESTRICT dst, const S* MPZERO_RESTRICT src, std::uint64_t n) const {
+    parallel_for(n, [&](std::uint64_t begin, std::uint64_t end) {
+      for (std::uint64_t i = begin; i < end; ++i) dst[i] = from_float<D>(fp::add(to_float(dst[i]), to_float(src[i])));
+    });
+  }
+
+  // dst[i] = round_to_nearest(src[i]).
+  template <storage_type D, storage_type S>
+  void convert(D* MPZERO_RESTRICT dst, const S* MPZERO_RESTRICT src, std::uint64_t n) const {
+    parallel_for(n, [&](std::uint64_t begin, std::uint64_t end) {
+      for (std::uint64_t i = begin; i < end; ++i) dst[i] = from_float<D>(to_float(src[i]));
+    });
+  }
+
+  template <storage_type G>
+  grad_stats stats(const G* p, std::uint64_t n) const {
+    const std::uint64_t numel[1] = {n};
+    const multi_tensor_plan plan(numel);
+    const grad_view<G> view[1] = {{p, n}};
+    return host::gradient_stats<G>(plan, view, options);
+  }
+
+  // A prepared fused step over fixed tensors.
+  template <precision_policy Policy, optim::rule Optimizer>
+  class stepper {
+   public:
+    stepper(const host_backend& b, std::vector<step_tensor<Policy, Optimizer>> tensors)
+        : options_(b.options), step_(std::move(tensors)) {}
+    void run(const step_args<Optimizer>& args) const { host::run(step_, args, options_); }
+
+   private:
+    host::options options_;
+    fused_step<Policy, Optimizer> step_;
+  };
+
+  template <precision_policy Policy, optim::rule Optimizer>
+  stepper<Policy, Optimizer> make_stepper(std::vector<step_tensor<Policy, Optimizer>> tensors) const {
+    return stepper<Policy, Optimizer>(*this, std::move(tensors));
+  }
+
+  // The backend's work is complete when its calls return.
+  void synchronize() const noexcept {}
+
+ private:
+  // Splits [0, n) into blocks of whole cache lines across threads.
+  template <class Body>
+  void parallel_for(std::uint64_t n, Body&& body) const {
+    constexpr std::uint64_t block = 1u << 16;
+    const std::uint64_t blocks = (n + block - 1) / block;
+    host::detail::for_each_chunk(static_cast<std::size_t>(blocks), options, [&](std::size_t b) {
+      const std::uint64_t begin = b * block;
+      body(begin, begin + block < n ? begin + block : n);
+    });
+  }
+};
+
+}  // namespace mpzero

@@ -1,0 +1,646 @@
+// mpzero: ZeroOptimizer, ZeRO stages 0-3 over one communicator and one backend.
+//
+//   stage 0  every rank keeps everything; gradients are all-reduced at the step.
+//   stage 1  master weights and optimizer states are partitioned; gradients are
+//            reduce-scattered at the step; updated parameters are all-gathered.
+//   stage 2  gradients are partitioned too: they are reduce-scattered in buckets
+//            while backward runs, into the owner's partition.
+//   stage 3  parameters are partitioned too: gather() a group of parameters before
+//            use (prefetch() the next one), release() it after; parameters of at
+//            most param_persistence_threshold elements stay whole on every rank.
+//
+// The flat buffers place large parameters first, in the caller's order, then the
+// small (persistent) ones; the layout is the same for every stage and world size, so
+// an element's global index, which keys stochastic rounding, never changes: stages
+// 1-3 give the bits stage 0 gives from the same reduced gradients.
+//
+// During backward, report each gradient with accumulate_grad(); end a backward pass
+// with end_backward(); call step() at the accumulation boundary. Gradients of every
+// pass and micro-step are summed until step() (or zero_grad()).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../backend/host_backend.hpp"
+#include "../comm/communicator.hpp"
+#include "../error.hpp"
+#include "../optim/optimizer.hpp"
+#include "../partition/bucket_plan.hpp"
+#include "../partition/flat_layout.hpp"
+#include "../policy/memory_model.hpp"
+#include "../policy/precision.hpp"
+#include "../policy/stage.hpp"
+#include "../step/fused_step.hpp"
+#include "clipping.hpp"
+#include "loss_scaler.hpp"
+
+namespace mpzero {
+
+struct zero_options {
+  // Gradient elements reduced together in stages 2 and 3 (DeepSpeed's reduce_bucket_size).
+  std::uint64_t reduce_bucket_numel = 500'000'000;
+  // Parameters of at most this many elements are never partitioned in stage 3
+  // (stage3_param_persistence_threshold). Every stage places them last in the flat buffers.
+  std::uint64_t param_persistence_threshold = 100'000;
+  // Clip gradients to this global L2 norm; 0 disables (DeepSpeed's gradient_clipping).
+  double gradient_clipping = 0.0;
+  // Loss scaling: required by policies with fp16 weights or gradients.
+  bool loss_scaling = false;
+  loss_scale_options loss_scale{};
+  // Skip a step whose gradients are not finite (always on with loss scaling; bf16's check_grad_overflow).
+  bool check_overflow = true;
+  // Average gradients over ranks (data parallelism) rather than summing them.
+  bool average_gradients = true;
+  // Key of stochastic rounding.
+  std::uint64_t seed = 0;
+  flat_layout_options layout{};
+};
+
+struct step_report {
+  std::uint64_t step = 0;      // optimizer steps taken so far; a skipped step does not count
+  bool skipped = false;        // the update was not applied (overflow)
+  bool overflow = false;       // some gradient element was not finite, on some rank
+  double grad_norm = 0;        // global L2 norm of the averaged, unscaled gradient, before clipping
+  double clip_coefficient = 1; // multiplier applied for clipping
+  double loss_scale = 1;       // the scale the step's gradients carried
+};
+
+// Bytes this rank holds, by kind. The first four are model states, what the
+// memory model predicts; buckets are transient communication buffers.
+struct memory_report {
+  std::uint64_t params = 0, grads = 0, master = 0, states = 0;
+  std::uint64_t buckets = 0;
+  std::uint64_t model_numel = 0;    // trainable elements, unpadded
+  std::uint64_t padding_numel = 0;  // elements added to align the partitions
+  std::uint64_t model_state_bytes() const noexcept { return params + grads + master + states; }
+};
+
+template <precision_policy Policy, optim::rule Optimizer, class Stage, comm::communicator Comm,
+          class Backend = host_backend>
+class ZeroOptimizer {
+ public:
+  using policy = Policy;
+  using optimizer = Optimizer;
+  using backend_type = Backend;
+  using param_type = typename Policy::param_type;
+  using master_type = typename Policy::master_type;
+  using grad_type = typename Policy::grad_type;
+  using state_type = typename Policy::state_type;
+  static constexpr int zero_stage = Stage::value;
+  static constexpr int n_states = Optimizer::n_states;
+
+  ZeroOptimizer(Comm& comm, std::span<const std::uint64_t> numels, const typename Optimizer::options& opt,
+                const zero_options& zo = {}, Backend backend = {})
+      : comm_(comm), backend_(std::move(backend)), opt_(opt), zo_(zo), world_(comm.size()), rank_(comm.rank()) {
+    if constexpr (Policy::needs_loss_scaling) {
+      if (!zo.loss_scaling) {
+        detail::throw_invalid(
+            "ZeroOptimizer: this policy keeps fp16 weights or gradients, which underflow without loss scaling: set "
+            "zero_options::loss_scaling = true (dynamic by default), or use a bf16 policy");
+      }
+    }
+    if (zo.reduce_bucket_numel == 0) {
+      detail::throw_invalid("ZeroOptimizer: reduce_bucket_numel = 0; use a positive bucket size (DeepSpeed's default is 5e8)");
+    }
+    if (!(zo.gradient_clipping >= 0) || !std::isfinite(zo.gradient_clipping)) {
+      detail::throw_invalid("ZeroOptimizer: gradient_clipping = " + std::to_string(zo.gradient_clipping) +
+                            "; use a finite max norm >= 0 (0 disables clipping)");
+    }
+    (void)Optimizer::prepare(opt, 1);  // validates the hyperparameters now, not at the first step
+    if (zo.loss_scaling) scaler_.emplace(zo.loss_scale);
+    build_layout(numels);
+    allocate();
+    stepper_.emplace(backend_.template make_stepper<Policy, Optimizer>(shard_tensors()));
+  }
+
+  ZeroOptimizer(const ZeroOptimizer&) = delete;
+  ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
+
+  // ---- parameters -------------------------------------------------------------
+  std::size_t num_params() const noexcept { return slot_of_.size(); }
+  std::uint64_t numel(std::size_t i) const { return layout_.numel(slot(i)); }
+  bool is_persistent(std::size_t i) const { return layout_.offset(slot(i)) >= persistent_begin_; }
+
+  // The parameter's storage, in the backend's memory. Stage 3: only while gathered
+  // (or persistent); writes to a gathered copy are not kept.
+  std::span<param_type> param(std::size_t i) {
+    const std::size_t s = slot(i);
+    const std::uint64_t off = layout_.offset(s), n = layout_.numel(s);
+    if constexpr (zero_stage < 3) {
+      return {params_.data() + off, static_cast<std::size_t>(n)};
+    } else {
+      if (off >= persistent_begin_) return {persistent_.data() + (off - persistent_begin_), static_cast<std::size_t>(n)};
+      if (gathered_[s] == nullptr) {
+        detail::throw_invalid("ZeroOptimizer::param(" + std::to_string(i) +
+                              "): the parameter is partitioned (ZeRO stage 3); gather() its group first");
+      }
+      return {gathered_[s], static_cast<std::size_t>(n)};
+    }
+  }
+
+  // Sets a parameter's value (and its master copy) from `values` (host memory for
+  // the host backend, device memory otherwise), `numel(i)` elements in any storage
+  // type. Every rank calls it with the same values.
+  template <storage_type T>
+  void load_param(std::size_t i, const T* values) {
+    const std::size_t s = slot(i);
+    const flat_range r = layout_.param_range(s);
+    // The parameter storage this rank keeps.
+    if constexpr (zero_stage < 3) {
+      backend_.convert(params_.data() + r.begin, values, r.size());
+    } else if (r.begin >= persistent_begin_) {
+      backend_.convert(persistent_.data() + (r.begin - persistent_begin_), values, r.size());
+    } else {
+      const flat_range own = intersect(r, intersect(shard_, flat_range{0, persistent_begin_}));
+      if (!own.empty()) backend_.convert(params_.data() + (own.begin - shard_.begin), values + (own.begin - r.begin), own.size());
+    }
+    if constexpr (!Policy::master_is_param) {
+      const flat_range own = intersect(r, shard_);
+      if (!own.empty()) backend_.convert(master_.data() + (own.begin - shard_.begin), values + (own.begin - r.begin), own.size());
+    }
+  }
+
+  // ---- gradients --------------------------------------------------------------
+  // Adds `src` (numel(i) elements, any storage type, backend memory) to parameter
+  // i's gradient. Stages 2 and 3 reduce a bucket once all its parameters have
+  // reported in this backward pass and every later bucket has gone.
+  template <storage_type S>
+  void accumulate_grad(std::size_t i, const S* src) {
+    const std::size_t s = slot(i);
+    const flat_range r = layout_.param_range(s);
+    in_backward_ = true;
+    if constexpr (zero_stage < 2) {
+      backend_.accumulate(grads_.data() + r.begin, src, r.size());
+    } else {
+      const std::size_t b = buckets_.bucket_of(s);
+      const bucket& bk = buckets_.buckets()[b];
+      if (staging_of_[b] < 0) staging_of_[b] = acquire_staging();
+      backend_.accumulate(staging_[static_cast<std::size_t>(staging_of_[b])].data() + (r.begin - bk.range.begin), src,
+                          r.size());
+      if (!reported_[s]) {
+        reported_[s] = 1;
+        if (--remaining_[b] == 0) launch_ready_buckets();
+      } else if (launched_[b]) {
+        dirty_[b] = 1;  // reported again after its bucket went: reduce it once more at end_backward()
+      }
+    }
+  }
+
+  // Stages 0 and 1 keep the whole gradient, so it can also be written in place
+  // (no copy); the reduction happens at step().
+  std::span<grad_type> grad(std::size_t i) {
+    if constexpr (zero_stage >= 2) {
+      detail::throw_invalid("ZeroOptimizer::grad(" + std::to_string(i) +
+                            "): gradients are partitioned at ZeRO stage 2 and 3; report them with accumulate_grad()");
+    } else {
+      const flat_range r = layout_.param_range(slot(i));
+      in_backward_ = true;
+      return {grads_.data() + r.begin, static_cast<std::size_t>(r.size())};
+    }
+  }
+
+  // Ends one backward pass: stages 2 and 3 reduce every bucket still pending
+  // (parameters that got no gradient count as zero). Collective.
+  void end_backward() {
+    if constexpr (zero_stage >= 2) {
+      launch_all_remaining();
+      // A parameter reported again after its bucket was reduced (a second backward
+      // through it, or a shared weight) makes its bucket dirty; all ranks agree on the
+      // dirty set so that they issue the same reductions in the same order.
+      if (!dirty_.empty()) {
+        comm_.all_reduce(dirty_.data(), dirty_.data(), dirty_.size(), comm::reduce_op::max);
+        for (std::size_t b = dirty_.size(); b-- > 0;) {
+          if (dirty_[b]) {
+            if (staging_of_[b] < 0) staging_of_[b] = acquire_staging();
+            launch(b);
+          }
+        }
+      }
+      drain();
+      std::fill(reported_.begin(), reported_.end(), std::uint8_t{0});
+      std::fill(launched_.begin(), launched_.end(), std::uint8_t{0});
+      std::fill(dirty_.begin(), dirty_.end(), std::int32_t{0});
+      for (std::size_t b = 0; b < remaining_.size(); ++b) remaining_[b] = params_in_bucket_[b];
+      next_launch_ = static_cast<std::ptrdiff_t>(remaining_.size()) - 1;
+    }
+    in_backward_ = false;
+  }
+
+  // Drops all accumulated gradients.
+  void zero_grad() {
+    if (in_backward_) end_backward();
+    backend_.zero(grads_.data(), grads_.size());
+  }
+
+  // ---- the step -----------------------------------------------------------------
+  // Reduces what is left, checks for overflow on all ranks, clips, updates this
+  // rank's shard, gathers the parameters (stages 1 and 2) and zeroes the gradients.
+  // Collective. Throws loss_scale_error (on every rank) when fp16 training diverges.
+  step_report step() {
+    if (in_backward_) end_backward();
+    const double W = static_cast<double>(world_);
+    if constexpr (zero_stage == 0) {
+      if (world_ > 1) comm_.all_reduce(grads_.data(), grads_.data(), grads_.size(), comm::reduce_op::sum);
+    } else if constexpr (zero_stage == 1) {
+      if (world_ > 1) {
+        const std::vector<std::uint64_t> counts(static_cast<std::size_t>(world_), layout_.partition_numel());
+        comm_.reduce_scatter_v(grads_.data(), grads_.data() + shard_.begin, counts, comm::reduce_op::sum);
+      }
+    }
+    const grad_stats local = backend_.stats(shard_grads(), shard_.size());
+    double norm_sq = local.nonfinite ? std::numeric_limits<double>::infinity() : local.norm_squared;
+    // Stage 0 computed the full norm on every rank; the others sum their partitions.
+    if (zero_stage > 0 && world_ > 1) comm_.all_reduce(&norm_sq, &norm_sq, 1, comm::reduce_op::sum);
+
+    step_report rep;
+    rep.overflow = !std::isfinite(norm_sq);
+    rep.loss_scale = scaler_ ? scaler_->scale() : 1.0;
+    const double unscale = (zo_.average_gradients ? 1.0 / W : 1.0) / rep.loss_scale;
+    rep.grad_norm = std::sqrt(norm_sq) * unscale;
+    if (scaler_) {
+      rep.skipped = scaler_->update(rep.overflow);  // may throw loss_scale_error, alike on every rank
+    } else {
+      rep.skipped = rep.overflow && zo_.check_overflow;
+    }
+    if (!rep.skipped) {
+      rep.clip_coefficient = clip_coefficient(rep.grad_norm, zo_.gradient_clipping);
+      ++steps_;
+      const auto args = make_step_args<Optimizer>(opt_, steps_, static_cast<float>(unscale * rep.clip_coefficient), zo_.seed);
+      stepper_->run(args);
+      gather_updated_params();
+    }
+    rep.step = steps_;
+    backend_.zero(grads_.data(), grads_.size());
+    return rep;
+  }
+
+  // ---- ZeRO-3 parameter gathering -----------------------------------------------
+  // Makes parameters [first, end) available through param(). prefetch() starts the
+  // gather without waiting; gather() waits for it (or does it). Collective.
+  void prefetch(std::size_t first, std::size_t end) requires(zero_stage == 3) {
+    const auto key = std::make_pair(first, end);
+    if (groups_.count(key)) return;
+    const flat_range r = gather_range(first, end);
+    gathered_group g;
+    g.range = r;
+    if (!r.empty()) {
+      g.data = backend_.template allocate<param_type>(r.size());
+      const std::vector<std::uint64_t> counts = layout_.rank_counts(r);
+      const flat_range own = intersect(r, shard_);
+      const param_type* in = params_.data() + (own.empty() ? 0 : own.begin - shard_.begin);
+      g.request.emplace(comm_.iall_gather_v(in, counts[static_cast<std::size_t>(rank_)], g.data.data(), counts));
+    }
+    groups_.emplace(key, std::move(g));
+  }
+
+  void gather(std::size_t first, std::size_t end) requires(zero_stage == 3) {
+    prefetch(first, end);
+    gathered_group& g = groups_.at(std::make_pair(first, end));
+    if (g.request) {
+      g.request->wait();
+      g.request.reset();
+    }
+    for (std::size_t i = first; i < end; ++i) {
+      const std::size_t s = slot(i);
+      const std::uint64_t off = layout_.offset(s);
+      if (off < persistent_begin_) gathered_[s] = g.data.data() + (off - g.range.begin);
+    }
+  }
+
+  // Frees the gathered copy of [first, end).
+  void release(std::size_t first, std::size_t end) requires(zero_stage == 3) {
+    auto it = groups_.find(std::make_pair(first, end));
+    if (it == groups_.end()) {
+      detail::throw_invalid("ZeroOptimizer::release(" + std::to_string(first) + ", " + std::to_string(end) +
+                            "): that group is not gathered; release exactly the ranges you gathered");
+    }
+    if (it->second.request) it->second.request->wait();
+    for (std::size_t i = first; i < end; ++i) {
+      const std::size_t s = slot(i);
+      if (layout_.offset(s) < persistent_begin_) gathered_[s] = nullptr;
+    }
+    groups_.erase(it);
+  }
+
+  // ---- inspection -----------------------------------------------------------------
+  const flat_layout& layout() const noexcept { return layout_; }
+  // The flat range of elements whose master weights and states this rank updates.
+  flat_range shard() const noexcept { return shard_; }
+  std::uint64_t steps() const noexcept { return steps_; }
+  double loss_scale() const noexcept { return scaler_ ? scaler_->scale() : 1.0; }
+  const std::optional<loss_scaler>& scaler() const noexcept { return scaler_; }
+  const typename Optimizer::options& options() const noexcept { return opt_; }
+  void set_options(const typename Optimizer::options& o) {
+    (void)Optimizer::prepare(o, 1);
+    opt_ = o;
+  }
+  // Flat element index of parameter i's first element.
+  std::uint64_t flat_offset(std::size_t i) const { return layout_.offset(slot(i)); }
+
+  // The master weights of this rank's shard, as floats, in flat order (backend memory
+  // is copied out by the caller for device backends).
+  template <class Out>
+  void read_master_shard(Out&& out) const {
+    for (const auto& t : shard_tensors_) {
+      for (std::uint64_t k = 0; k < t.numel; ++k) {
+        if constexpr (Policy::master_is_param) {
+          out(t.global_offset + k, to_float(t.param[k]));
+        } else {
+          out(t.global_offset + k, to_float(t.master[k]));
+        }
+      }
+    }
+  }
+  template <class Out>
+  void read_state_shard(int which, Out&& out) const {
+    for (const auto& t : shard_tensors_)
+      for (std::uint64_t k = 0; k < t.numel; ++k) out(t.global_offset + k, to_float(t.states[which][k]));
+  }
+
+  memory_report memory() const {
+    memory_report m;
+    m.params = params_.bytes() + persistent_.bytes();
+    m.grads = grads_.bytes();
+    m.master = master_.bytes();
+    for (const auto& s : states_) m.states += s.bytes();
+    for (const auto& b : staging_) m.buckets += b.bytes();
+    for (const auto& b : recv_) m.buckets += b.bytes();
+    for (const auto& [k, g] : groups_) m.buckets += g.data.bytes();
+    m.model_numel = layout_.total_numel();
+    m.padding_numel = layout_.padded_numel() - layout_.total_numel();
+    return m;
+  }
+
+ private:
+  template <class T>
+  using buffer = typename Backend::template buffer<T>;
+  using request_t = typename Comm::request_type;
+
+  struct in_flight {
+    std::size_t bucket;
+    int staging, recv;
+    request_t request;
+  };
+  struct gathered_group {
+    flat_range range;
+    buffer<param_type> data;
+    std::optional<request_t> request;
+  };
+
+  std::size_t slot(std::size_t i) const {
+    if (i >= slot_of_.size()) {
+      detail::throw_invalid("ZeroOptimizer: parameter index " + std::to_string(i) + " is out of range; the optimizer has " +
+                            std::to_string(slot_of_.size()) + " parameters");
+    }
+    return slot_of_[i];
+  }
+
+  void build_layout(std::span<const std::uint64_t> numels) {
+    const std::size_t n = numels.size();
+    std::vector<std::size_t> order;
+    order.reserve(n);
+    for (std::size_t i = 0; i < n; ++i)
+      if (numels[i] > zo_.param_persistence_threshold) order.push_back(i);
+    const std::size_t n_large = order.size();
+    for (std::size_t i = 0; i < n; ++i)
+      if (numels[i] <= zo_.param_persistence_threshold) order.push_back(i);
+    slot_of_.assign(n, 0);
+    std::vector<std::uint64_t> slot_numels(n);
+    for (std::size_t s = 0; s < n; ++s) {
+      slot_of_[order[s]] = s;
+      slot_numels[s] = numels[order[s]];
+    }
+    layout_ = flat_layout(slot_numels, world_, zo_.layout);
+    persistent_begin_ = n_large < n ? layout_.offset(n_large) : layout_.total_numel();
+    // Nothing is persistent below stage 3, nor when only empty parameters are small:
+    // the padding then stays partitioned with the rest.
+    if (zero_stage < 3 || persistent_begin_ == layout_.total_numel()) persistent_begin_ = layout_.padded_numel();
+    shard_ = zero_stage == 0 ? flat_range{0, layout_.padded_numel()} : layout_.partition(rank_);
+    if constexpr (zero_stage >= 2) {
+      buckets_ = bucket_plan(layout_, zo_.reduce_bucket_numel);
+      const std::size_t nb = buckets_.buckets().size();
+      params_in_bucket_.assign(nb, 0);
+      for (std::size_t s = 0; s < n; ++s) ++params_in_bucket_[buckets_.bucket_of(s)];
+      remaining_ = params_in_bucket_;
+      staging_of_.assign(nb, -1);
+      launched_.assign(nb, 0);
+      dirty_.assign(nb, 0);
+      reported_.assign(n, 0);
+      next_launch_ = static_cast<std::ptrdiff_t>(nb) - 1;
+    }
+  }
+
+  void allocate() {
+    const std::uint64_t padded = layout_.padded_numel();
+    if constexpr (zero_stage < 3) {
+      params_ = backend_.template allocate<param_type>(padded);
+    } else {
+      params_ = backend_.template allocate<param_type>(intersect(shard_, flat_range{0, persistent_begin_}).size());
+      persistent_ = backend_.template allocate<param_type>(padded - persistent_begin_);
+      gathered_.assign(layout_.num_params(), nullptr);
+    }
+    if constexpr (!Policy::master_is_param) master_ = backend_.template allocate<master_type>(shard_.size());
+    grads_ = backend_.template allocate<grad_type>(zero_stage >= 2 ? shard_.size() : padded);
+    for (auto& s : states_) s = backend_.template allocate<state_type>(shard_.size());
+  }
+
+  // The shard as step tensors: one, or in stage 3 two (partitioned and persistent
+  // parameters live in different buffers). Global offsets are flat offsets.
+  std::vector<step_tensor<Policy, Optimizer>> shard_tensors() {
+    std::vector<flat_range> pieces;
+    if constexpr (zero_stage == 3) {
+      pieces.push_back(intersect(shard_, flat_range{0, persistent_begin_}));
+      pieces.push_back(intersect(shard_, flat_range{persistent_begin_, layout_.padded_numel()}));
+    } else {
+      pieces.push_back(shard_);
+    }
+    std::vector<step_tensor<Policy, Optimizer>> out;
+    for (const flat_range& p : pieces) {
+      if (p.empty()) continue;
+      step_tensor<Policy, Optimizer> t;
+      const std::uint64_t in_shard = p.begin - shard_.begin;
+      if constexpr (zero_stage < 3) {
+        t.param = params_.data() + p.begin;
+      } else {
+        t.param = p.begin < persistent_begin_ ? params_.data() + in_shard : persistent_.data() + (p.begin - persistent_begin_);
+      }
+      if constexpr (!Policy::master_is_param) t.master = master_.data() + in_shard;
+      t.grad = shard_grads() + in_shard;
+      for (int k = 0; k < n_states; ++k) t.states[k] = states_[static_cast<std::size_t>(k)].data() + in_shard;
+      t.numel = p.size();
+      t.global_offset = p.begin;
+      out.push_back(t);
+    }
+    shard_tensors_ = out;
+    return out;
+  }
+
+  const grad_type* shard_grads() const {
+    return zero_stage >= 2 ? grads_.data() : grads_.data() + shard_.begin;
+  }
+
+  void gather_updated_params() {
+    if (world_ == 1) return;
+    if constexpr (zero_stage == 1 || zero_stage == 2) {
+      const std::vector<std::uint64_t> counts(static_cast<std::size_t>(world_), layout_.partition_numel());
+      comm_.all_gather_v(params_.data() + shard_.begin, layout_.partition_numel(), params_.data(), counts);
+    } else if constexpr (zero_stage == 3) {
+      const flat_range r{persistent_begin_, layout_.padded_numel()};
+      if (r.empty()) return;
+      const std::vector<std::uint64_t> counts = layout_.rank_counts(r);
+      const flat_range own = intersect(r, shard_);
+      param_type* in = persistent_.data() + (own.empty() ? 0 : own.begin - persistent_begin_);
+      comm_.all_gather_v(in, counts[static_cast<std::size_t>(rank_)], persistent_.data(), counts);
+    }
+  }
+
+  flat_range gather_range(std::size_t first, std::size_t end) const {
+    if (first > end || end > num_params()) {
+      detail::throw_invalid("ZeroOptimizer::gather(" + std::to_string(first) + ", " + std::to_string(end) +
+                            "): not a range of parameters [first, end) within [0, " + std::to_string(num_params()) + ")");
+    }
+    flat_range r{0, 0};
+    bool any = false;
+    for (std::size_t i = first; i < end; ++i) {
+      const flat_range p = layout_.param_range(slot(i));
+      if (p.begin >= persistent_begin_ || p.empty()) continue;
+      r = any ? flat_range{std::min(r.begin, p.begin), std::max(r.end, p.end)} : p;
+      any = true;
+    }
+    return r;
+  }
+
+  // ---- stage 2/3 buckets ----------------------------------------------------------
+  int acquire_staging() {
+    int idx;
+    if (!free_staging_.empty()) {
+      idx = free_staging_.back();
+      free_staging_.pop_back();
+    } else {
+      idx = static_cast<int>(staging_.size());
+      staging_.push_back(backend_.template allocate<grad_type>(max_bucket_numel()));
+      return idx;  // fresh buffers are zero
+    }
+    backend_.zero(staging_[static_cast<std::size_t>(idx)].data(), staging_[static_cast<std::size_t>(idx)].size());
+    return idx;
+  }
+
+  std::uint64_t max_bucket_numel() const {
+    std::uint64_t m = 0;
+    for (const bucket& b : buckets_.buckets()) m = std::max(m, b.range.size());
+    return m;
+  }
+
+  // Buckets go in descending order, the order backward usually completes them, so
+  // every rank issues the same reductions in the same order whatever its timing.
+  void launch_ready_buckets() {
+    while (next_launch_ >= 0 && remaining_[static_cast<std::size_t>(next_launch_)] == 0) {
+      launch(static_cast<std::size_t>(next_launch_));
+      --next_launch_;
+    }
+  }
+
+  void launch_all_remaining() {
+    while (next_launch_ >= 0) {
+      const auto b = static_cast<std::size_t>(next_launch_);
+      if (staging_of_[b] < 0) staging_of_[b] = acquire_staging();  // no gradient this pass: reduce zeros
+      launch(b);
+      --next_launch_;
+    }
+  }
+
+  void launch(std::size_t b) {
+    constexpr std::size_t max_in_flight = 2;
+    while (pending_.size() >= max_in_flight) complete_oldest();
+    const bucket& bk = buckets_.buckets()[b];
+    const std::vector<std::uint64_t> counts = layout_.rank_counts(bk.range);
+    const std::uint64_t mine = counts[static_cast<std::size_t>(rank_)];
+    int recv = acquire_recv(mine);
+    const int st = staging_of_[b];
+    staging_of_[b] = -1;
+    launched_[b] = 1;
+    pending_.push_back(in_flight{b, st, recv,
+                                 comm_.ireduce_scatter_v(staging_[static_cast<std::size_t>(st)].data(),
+                                                         recv_[static_cast<std::size_t>(recv)].data(), counts,
+                                                         comm::reduce_op::sum)});
+  }
+
+  int acquire_recv(std::uint64_t n) {
+    for (std::size_t i = 0; i < recv_.size(); ++i) {
+      if (!recv_busy_[i] && recv_[i].size() >= n) {
+        recv_busy_[i] = 1;
+        return static_cast<int>(i);
+      }
+    }
+    recv_.push_back(backend_.template allocate<grad_type>(std::max<std::uint64_t>(n, 1)));
+    recv_busy_.push_back(1);
+    return static_cast<int>(recv_.size() - 1);
+  }
+
+  void complete_oldest() {
+    in_flight f = std::move(pending_.front());
+    pending_.pop_front();
+    f.request.wait();
+    const flat_range own = intersect(buckets_.buckets()[f.bucket].range, shard_);
+    if (!own.empty()) {
+      backend_.accumulate(grads_.data() + (own.begin - shard_.begin), recv_[static_cast<std::size_t>(f.recv)].data(),
+                          own.size());
+    }
+    recv_busy_[static_cast<std::size_t>(f.recv)] = 0;
+    free_staging_.push_back(f.staging);
+  }
+
+  void drain() {
+    while (!pending_.empty()) complete_oldest();
+  }
+
+  Comm& comm_;
+  Backend backend_;
+  typename Optimizer::options opt_;
+  zero_options zo_;
+  int world_, rank_;
+  std::optional<loss_scaler> scaler_;
+  std::uint64_t steps_ = 0;
+  bool in_backward_ = false;
+
+  flat_layout layout_;
+  std::vector<std::size_t> slot_of_;  // parameter index -> position in the flat buffers
+  std::uint64_t persistent_begin_ = 0;
+  flat_range shard_{};
+
+  buffer<param_type> params_;      // stages 0-2: all parameters; stage 3: this rank's partitioned ones
+  buffer<param_type> persistent_;  // stage 3: the persistent parameters, whole
+  buffer<master_type> master_;     // the shard's master weights (absent when the master is the parameter)
+  buffer<grad_type> grads_;        // stages 0-1: all gradients; stages 2-3: the shard's
+  buffer<state_type> states_[n_states];
+  std::optional<typename Backend::template stepper<Policy, Optimizer>> stepper_;
+  std::vector<step_tensor<Policy, Optimizer>> shard_tensors_;
+
+  // stages 2-3
+  bucket_plan buckets_;
+  std::vector<std::uint32_t> params_in_bucket_, remaining_;
+  std::vector<int> staging_of_;
+  std::vector<std::uint8_t> launched_, reported_;
+  std::vector<std::int32_t> dirty_;
+  std::ptrdiff_t next_launch_ = -1;
+  std::vector<buffer<grad_type>> staging_;
+  std::vector<int> free_staging_;
+  std::vector<buffer<grad_type>> recv_;
+  std::vector<std::uint8_t> recv_busy_;
+  std::deque<in_flight> pending_;
+
+  // stage 3
+  std::vector<param_type*> gathered_;
+  std::map<std::pair<std::size_t, std::size_t>, gathered_group> groups_;
+};
+
+}  // namespace mpzero

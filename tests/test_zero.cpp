@@ -1,0 +1,484 @@
+// ZeroOptimizer under mpirun (1-4 ranks): every stage against a single-process
+// reference, bit for bit.
+//
+// Gradients are small multiples of a power of two, so their sums over ranks,
+// micro-steps and backward passes are exact in every dtype and in any order: all
+// stages then see the same reduced gradients, and the issue's promise ("sharding
+// never changes the math") can be checked to the bit, stochastic rounding included.
+// The reference is the fused step run by hand over the whole model in one process,
+// with those exact sums, so it shares no partitioning, bucketing or communication
+// code with the code under test.
+#include <catch2/catch.hpp>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstring>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include <mpzero/backend/host.hpp>
+#include <mpzero/comm/mpi.hpp>
+#include <mpzero/zero/zero_optimizer.hpp>
+
+using namespace mpzero;
+
+namespace {
+
+comm::mpi_communicator& world() {
+  static comm::mpi_communicator c(MPI_COMM_WORLD);
+  return c;
+}
+
+// The gradient element `e` of parameter `p` that rank `r` reports in backward pass
+// `pass` of optimizer step `step`: an integer in [-8, 8] times 2^-6.
+float grad_value(int r, std::uint64_t step, int pass, std::size_t p, std::uint64_t e) {
+  const auto bits = element_random_bits(1000 + static_cast<std::uint64_t>(r) * 7919 + p,
+                                        step * 16 + static_cast<std::uint64_t>(pass), e);
+  return static_cast<float>(static_cast<int>(bits.v[0] % 17u) - 8) * 0x1p-6f;
+}
+
+float init_value(std::size_t p, std::uint64_t e) {
+  const auto bits = element_random_bits(77, p, e);
+  return (static_cast<float>(bits.v[0] % 2001u) - 1000.0f) * 1e-3f;
+}
+
+struct scenario {
+  std::vector<std::uint64_t> numels;
+  int steps = 3;
+  int passes = 1;                     // backward passes per optimizer step
+  bool skip_param_1_on_step_2 = false;  // a parameter that gets no gradient in one step
+  bool report_twice = false;          // parameter 0 reported twice per pass (a shared weight)
+  zero_options zo;
+};
+
+// Everything a run ends with, indexed by flat element.
+struct outcome {
+  std::vector<float> params, master, state0, state1;
+  std::vector<double> norms;
+};
+
+template <class Policy>
+std::vector<typename Policy::grad_type> to_grad(const std::vector<float>& v) {
+  std::vector<typename Policy::grad_type> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = from_float<typename Policy::grad_type>(v[i]);
+  return out;
+}
+
+// Gathers a shard's values (flat index -> value) from every rank into one vector.
+std::vector<float> allgather_flat(const std::vector<std::pair<std::uint64_t, float>>& mine, std::uint64_t total) {
+  std::vector<float> local(total, 0.0f), out(total, 0.0f);
+  std::vector<int> have(total, 0), have_all(total, 0);
+  for (const auto& [i, v] : mine) {
+    local[i] = v;
+    have[i] = 1;
+  }
+  MPI_Allreduce(local.data(), out.data(), static_cast<int>(total), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+  MPI_Allreduce(have.data(), have_all.data(), static_cast<int>(total), MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+  // Every element is owned by exactly one rank.
+  REQUIRE(std::count(have_all.begin(), have_all.end(), 1) == static_cast<std::ptrdiff_t>(total));
+  return out;
+}
+
+template <class Policy, class Opt, int Stage>
+outcome run_zero(const scenario& sc, const typename Opt::options& opt) {
+  auto& c = world();
+  ZeroOptimizer<Policy, Opt, stage<Stage>, comm::mpi_communicator> z(c, sc.numels, opt, sc.zo);
+  const std::size_t n = sc.numels.size();
+  for (std::size_t p = 0; p < n; ++p) {
+    std::vector<float> v(sc.numels[p]);
+    for (std::uint64_t e = 0; e < v.size(); ++e) v[e] = init_value(p, e);
+    z.load_param(p, v.data());
+  }
+  outcome out;
+  std::mt19937 order_gen(static_cast<unsigned>(c.rank()) * 31u + 5u);
+  for (int step = 1; step <= sc.steps; ++step) {
+    for (int pass = 0; pass < sc.passes; ++pass) {
+      // Each rank reports in its own random order: the bucket logic must not care.
+      std::vector<std::size_t> order(n);
+      std::iota(order.begin(), order.end(), std::size_t{0});
+      std::shuffle(order.begin(), order.end(), order_gen);
+      for (std::size_t p : order) {
+        if (sc.skip_param_1_on_step_2 && step == 2 && p == 1) continue;
+        std::vector<float> g(sc.numels[p]);
+        for (std::uint64_t e = 0; e < g.size(); ++e) g[e] = grad_value(c.rank(), static_cast<std::uint64_t>(step), pass, p, e);
+        const auto gt = to_grad<Policy>(g);
+        z.accumulate_grad(p, gt.data());
+        if (sc.report_twice && p == 0) z.accumulate_grad(p, gt.data());
+      }
+      z.end_backward();
+    }
+    const step_report r = z.step();
+    REQUIRE_FALSE(r.skipped);
+    out.norms.push_back(r.grad_norm);
+  }
+  // Parameters: stage 3 gathers everything once.
+  const std::uint64_t padded = z.layout().padded_numel();
+  if constexpr (Stage == 3) z.gather(0, n);
+  out.params.assign(padded, 0.0f);
+  for (std::size_t p = 0; p < n; ++p) {
+    const auto span = z.param(p);
+    for (std::uint64_t e = 0; e < span.size(); ++e) out.params[z.flat_offset(p) + e] = to_float(span[e]);
+  }
+  if constexpr (Stage == 3) z.release(0, n);
+  std::vector<std::pair<std::uint64_t, float>> m, s0, s1;
+  z.read_master_shard([&](std::uint64_t i, float v) { m.emplace_back(i, v); });
+  z.read_state_shard(0, [&](std::uint64_t i, float v) { s0.emplace_back(i, v); });
+  if constexpr (Opt::n_states > 1) z.read_state_shard(1, [&](std::uint64_t i, float v) { s1.emplace_back(i, v); });
+  if constexpr (Stage == 0) {
+    out.master.assign(padded, 0.0f);  // every rank holds everything: no gather
+    for (const auto& [i, v] : m) out.master[i] = v;
+    out.state0.assign(padded, 0.0f);
+    for (const auto& [i, v] : s0) out.state0[i] = v;
+    out.state1.assign(padded, 0.0f);
+    for (const auto& [i, v] : s1) out.state1[i] = v;
+  } else {
+    out.master = allgather_flat(m, padded);
+    out.state0 = allgather_flat(s0, padded);
+    if constexpr (Opt::n_states > 1) out.state1 = allgather_flat(s1, padded);
+    else out.state1.assign(padded, 0.0f);
+  }
+  return out;
+}
+
+// The single-process reference: the whole model as one flat tensor (in the same
+// flat order as the optimizer: large parameters first), exact gradient sums over
+// all ranks, the fused step with grad_scale = 1 / world.
+template <class Policy, class Opt>
+outcome run_reference(const scenario& sc, const typename Opt::options& opt, const std::vector<std::uint64_t>& flat_offset,
+                      std::uint64_t padded) {
+  const int W = world().size();
+  using P = typename Policy::param_type;
+  using M = typename Policy::master_type;
+  using S = typename Policy::state_type;
+  std::vector<P> param(padded);
+  std::vector<M> master(Policy::master_is_param ? 0 : padded);
+  std::vector<S> s0(padded), s1(padded);
+  std::vector<typename Policy::grad_type> grad(padded);
+  for (std::size_t p = 0; p < sc.numels.size(); ++p) {
+    for (std::uint64_t e = 0; e < sc.numels[p]; ++e) {
+      param[flat_offset[p] + e] = from_float<P>(init_value(p, e));
+      if constexpr (!Policy::master_is_param) master[flat_offset[p] + e] = from_float<M>(init_value(p, e));
+    }
+  }
+  step_tensor<Policy, Opt> t;
+  t.param = param.data();
+  if constexpr (!Policy::master_is_param) t.master = master.data();
+  t.grad = grad.data();
+  t.states[0] = s0.data();
+  if constexpr (Opt::n_states > 1) t.states[1] = s1.data();
+  t.numel = padded;
+  fused_step<Policy, Opt> fs({t});
+  outcome out;
+  for (int step = 1; step <= sc.steps; ++step) {
+    long double norm_sq = 0;
+    for (std::size_t p = 0; p < sc.numels.size(); ++p) {
+      for (std::uint64_t e = 0; e < sc.numels[p]; ++e) {
+        float sum = 0;  // exact: small integers times 2^-6
+        const int reports = sc.report_twice && p == 0 ? 2 : 1;
+        for (int r = 0; r < W; ++r)
+          for (int pass = 0; pass < sc.passes; ++pass)
+            if (!(sc.skip_param_1_on_step_2 && step == 2 && p == 1))
+              sum += static_cast<float>(reports) * grad_value(r, static_cast<std::uint64_t>(step), pass, p, e);
+        grad[flat_offset[p] + e] = from_float<typename Policy::grad_type>(sum);
+        if (to_float(grad[flat_offset[p] + e]) != sum) FAIL("the premise broke: a gradient sum is not exact in the grad dtype");
+        norm_sq += static_cast<long double>(sum) * sum;
+      }
+    }
+    out.norms.push_back(static_cast<double>(std::sqrt(norm_sq) / W));
+    host::run(fs, make_step_args<Opt>(opt, static_cast<std::uint64_t>(step), static_cast<float>(1.0 / W), sc.zo.seed));
+  }
+  out.params.resize(padded);
+  out.master.resize(padded);
+  out.state0.resize(padded);
+  out.state1.assign(padded, 0.0f);
+  for (std::uint64_t i = 0; i < padded; ++i) {
+    out.params[i] = to_float(param[i]);
+    if constexpr (Policy::master_is_param) {
+      out.master[i] = to_float(param[i]);
+    } else {
+      out.master[i] = to_float(master[i]);
+    }
+    out.state0[i] = to_float(s0[i]);
+    if constexpr (Opt::n_states > 1) out.state1[i] = to_float(s1[i]);
+  }
+  return out;
+}
+
+template <class Policy, class Opt, int Stage>
+void check_against_reference(const scenario& sc, const typename Opt::options& opt) {
+  const outcome got = run_zero<Policy, Opt, Stage>(sc, opt);
+  // The flat order, from an optimizer with the same layout rules.
+  comm::mpi_communicator& c = world();
+  ZeroOptimizer<Policy, Opt, stage<0>, comm::mpi_communicator> probe(c, sc.numels, opt, sc.zo);
+  std::vector<std::uint64_t> offsets(sc.numels.size());
+  for (std::size_t p = 0; p < offsets.size(); ++p) offsets[p] = probe.flat_offset(p);
+  const outcome ref = run_reference<Policy, Opt>(sc, opt, offsets, probe.layout().padded_numel());
+  INFO("stage " << Stage << ", rank " << c.rank() << " of " << c.size());
+  REQUIRE(got.params.size() == ref.params.size());
+  std::size_t mismatches = 0;
+  for (std::size_t i = 0; i < ref.params.size(); ++i) {
+    const bool same = std::memcmp(&got.params[i], &ref.params[i], 4) == 0 && std::memcmp(&got.master[i], &ref.master[i], 4) == 0 &&
+                      std::memcmp(&got.state0[i], &ref.state0[i], 4) == 0 && std::memcmp(&got.state1[i], &ref.state1[i], 4) == 0;
+    if (!same && mismatches++ == 0) {
+      UNSCOPED_INFO("first mismatch at flat " << i << ": param " << got.params[i] << " vs " << ref.params[i] << ", master "
+                                              << got.master[i] << " vs " << ref.master[i] << ", m " << got.state0[i]
+                                              << " vs " << ref.state0[i] << ", v " << got.state1[i] << " vs " << ref.state1[i]);
+    }
+  }
+  REQUIRE(mismatches == 0);
+  for (std::size_t s = 0; s < ref.norms.size(); ++s) REQUIRE(got.norms[s] == Approx(ref.norms[s]).epsilon(1e-12));
+}
+
+scenario uneven() {
+  scenario sc;
+  // Zero-sized parameters first, middle and last; sizes not divisible by any world
+  // size; one large parameter straddling every partition; persistent small ones.
+  sc.numels = {0, 5, 1000, 3, 70001, 17, 1, 0, 25000, 0};
+  sc.zo.reduce_bucket_numel = 4096;  // many buckets
+  sc.zo.param_persistence_threshold = 20;
+  sc.zo.seed = 99;
+  return sc;
+}
+
+template <class Policy, class Opt>
+void all_stages(const scenario& sc, const typename Opt::options& opt) {
+  SECTION("stage 0") { check_against_reference<Policy, Opt, 0>(sc, opt); }
+  SECTION("stage 1") { check_against_reference<Policy, Opt, 1>(sc, opt); }
+  SECTION("stage 2") { check_against_reference<Policy, Opt, 2>(sc, opt); }
+  SECTION("stage 3") { check_against_reference<Policy, Opt, 3>(sc, opt); }
+}
+
+optim::adamw::options adamw_opts() {
+  optim::adamw::options o;
+  o.lr = 1e-2;
+  o.weight_decay = 0.1;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("ZeRO stages match the single-process reference bit for bit: fp32", "[zero]") {
+  all_stages<policies::fp32, optim::adamw>(uneven(), adamw_opts());
+}
+
+TEST_CASE("ZeRO stages match the reference: bf16 params with fp32 master", "[zero]") {
+  all_stages<policies::bf16_fp32_master, optim::adam>(uneven(), optim::adam::options{});
+}
+
+TEST_CASE("ZeRO stages match the reference: all bf16 with stochastic rounding", "[zero]") {
+  all_stages<policies::bf16_all_sr, optim::adamw>(uneven(), adamw_opts());
+}
+
+TEST_CASE("ZeRO stages match the reference: bf16 master (the parameters) with fp32 states", "[zero]") {
+  all_stages<policies::bf16_master_fp32_states, optim::adamw>(uneven(), adamw_opts());
+}
+
+TEST_CASE("ZeRO: accumulation over several backward passes per step, a shared weight, a missing gradient", "[zero]") {
+  scenario sc = uneven();
+  sc.passes = 3;
+  sc.report_twice = true;
+  sc.skip_param_1_on_step_2 = true;
+  all_stages<policies::bf16_all_sr, optim::adamw>(sc, adamw_opts());
+}
+
+TEST_CASE("ZeRO: 3 ranks, two tiny parameters (empty partitions), and an empty model", "[zero]") {
+  scenario sc;
+  sc.numels = {1, 2};
+  sc.zo.param_persistence_threshold = 0;
+  all_stages<policies::fp32, optim::adamw>(sc, adamw_opts());
+  scenario empty;
+  empty.numels = {0, 0};
+  all_stages<policies::fp32, optim::adamw>(empty, adamw_opts());
+}
+
+namespace {
+
+template <class Policy, class Opt, int Stage>
+void check_memory(const std::vector<std::uint64_t>& numels) {
+  auto& c = world();
+  zero_options zo;
+  zo.param_persistence_threshold = 0;  // the model counts partitioned parameters only
+  zo.reduce_bucket_numel = 1000;
+  zo.loss_scaling = Policy::needs_loss_scaling;
+  ZeroOptimizer<Policy, Opt, stage<Stage>, comm::mpi_communicator> z(c, numels, typename Opt::options{}, zo);
+  const memory_report m = z.memory();
+  const std::uint64_t padded = z.layout().padded_numel();
+  const double model = bytes_per_param<Policy, Opt, stage<Stage>>(c.size()).device_bytes;
+  INFO("stage " << Stage << " world " << c.size() << " padded " << padded);
+  // The model's fractions (14/3 bytes, say) are not exact in double: within half a byte.
+  REQUIRE(std::fabs(static_cast<double>(m.model_state_bytes()) - model * static_cast<double>(padded)) < 0.5);
+  // Padding: the partitions are multiples of 8 elements.
+  REQUIRE(m.padding_numel < 8u * static_cast<std::uint64_t>(c.size()));
+  REQUIRE(m.model_numel + m.padding_numel == padded);
+  // Nothing transient before the first backward.
+  REQUIRE(m.buckets == 0);
+}
+
+template <class Policy, class Opt>
+void check_memory_all_stages() {
+  const std::vector<std::uint64_t> numels{0, 5, 1000, 3, 70001, 17, 1, 0, 25000};
+  check_memory<Policy, Opt, 0>(numels);
+  check_memory<Policy, Opt, 1>(numels);
+  check_memory<Policy, Opt, 2>(numels);
+  check_memory<Policy, Opt, 3>(numels);
+}
+
+}  // namespace
+
+TEST_CASE("ZeRO: allocated model-state bytes equal the memory model for every stage and policy", "[zero]") {
+  check_memory_all_stages<policies::fp32, optim::adam>();
+  check_memory_all_stages<policies::bf16_fp32_master, optim::adamw>();
+  check_memory_all_stages<policies::bf16_master_fp32_states, optim::adamw>();
+  check_memory_all_stages<policies::bf16_all_sr, optim::adamw>();
+  check_memory_all_stages<policies::fp16_fp32_master, optim::adam>();
+  check_memory_all_stages<policies::bf16_all, optim::sgd>();
+  check_memory_all_stages<policies::bf16_fp32_master, optim::lion>();
+}
+
+TEST_CASE("ZeRO: an fp16 policy without loss scaling is refused with a message", "[zero]") {
+  auto& c = world();
+  const std::vector<std::uint64_t> numels{10};
+  using Z = ZeroOptimizer<policies::fp16_fp32_master, optim::adam, stage<1>, comm::mpi_communicator>;
+  REQUIRE_THROWS_WITH(Z(c, numels, optim::adam::options{}, zero_options{}),
+                      Catch::Contains("loss_scaling = true") && Catch::Contains("bf16"));
+}
+
+TEST_CASE("ZeRO: an overflow on one rank skips the step on all ranks and leaves every state untouched", "[zero]") {
+  auto& c = world();
+  const std::vector<std::uint64_t> numels{300, 7, 5000};
+  zero_options zo;
+  zo.loss_scaling = true;
+  zo.loss_scale.initial_scale_power = 8;
+  zo.loss_scale.hysteresis = 1;
+  zo.reduce_bucket_numel = 512;
+  ZeroOptimizer<policies::fp16_fp32_master, optim::adam, stage<2>, comm::mpi_communicator> z(c, numels, {}, zo);
+  auto feed = [&](bool poison) {
+    for (std::size_t p = 0; p < numels.size(); ++p) {
+      std::vector<fp16> g(numels[p], fp16_from_float_rn(0.25f));
+      // The last rank alone sees an infinity (an fp16 overflow of its scaled loss).
+      if (poison && p == 2 && c.rank() == c.size() - 1) g[4999] = fp16::from_bits(0x7c00);
+      z.accumulate_grad(p, g.data());
+    }
+    z.end_backward();
+  };
+  feed(false);
+  step_report r = z.step();
+  REQUIRE_FALSE(r.skipped);
+  REQUIRE(r.loss_scale == 256.0);
+  std::vector<std::pair<std::uint64_t, float>> before, after, sb, sa;
+  z.read_master_shard([&](std::uint64_t i, float v) { before.emplace_back(i, v); });
+  z.read_state_shard(1, [&](std::uint64_t i, float v) { sb.emplace_back(i, v); });
+  const float p0 = to_float(z.param(0)[0]);
+  feed(true);
+  r = z.step();
+  REQUIRE(r.overflow);
+  REQUIRE(r.skipped);
+  REQUIRE(r.step == 1);               // the skipped step does not count
+  REQUIRE(z.loss_scale() == 128.0);   // hysteresis 1: halved at once
+  z.read_master_shard([&](std::uint64_t i, float v) { after.emplace_back(i, v); });
+  z.read_state_shard(1, [&](std::uint64_t i, float v) { sa.emplace_back(i, v); });
+  REQUIRE(before == after);
+  REQUIRE(sb == sa);
+  REQUIRE(to_float(z.param(0)[0]) == p0);
+  // The next clean step proceeds from the untouched state, with the gradients of the
+  // skipped step gone (they were zeroed).
+  feed(false);
+  r = z.step();
+  REQUIRE_FALSE(r.skipped);
+  REQUIRE(r.step == 2);
+  REQUIRE(r.loss_scale == 128.0);
+}
+
+TEST_CASE("ZeRO: fp16 training that keeps overflowing ends in loss_scale_error on every rank", "[zero]") {
+  auto& c = world();
+  const std::vector<std::uint64_t> numels{64};
+  zero_options zo;
+  zo.loss_scaling = true;
+  zo.loss_scale.initial_scale_power = 2;  // 4 -> 2 -> 1 (the minimum) -> error
+  zo.loss_scale.hysteresis = 1;
+  ZeroOptimizer<policies::fp16_fp32_master, optim::adam, stage<1>, comm::mpi_communicator> z(c, numels, {}, zo);
+  std::vector<fp16> g(64, fp16::from_bits(0x7e00));  // NaN on every rank
+  int steps = 0;
+  bool threw = false;
+  try {
+    for (; steps < 10; ++steps) {
+      z.accumulate_grad(0, g.data());
+      z.step();
+    }
+  } catch (const loss_scale_error& e) {
+    threw = true;
+    REQUIRE_THAT(e.what(), Catch::Contains("bf16"));
+  }
+  REQUIRE(threw);
+  REQUIRE(steps == 2);  // two halvings, then the overflow at the minimum throws
+  int all = 0;
+  MPI_Allreduce(&steps, &all, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);  // every rank got here, no hang
+  REQUIRE(all == 2 * c.size());
+}
+
+TEST_CASE("ZeRO: gradient clipping uses the global norm over all partitions", "[zero]") {
+  auto& c = world();
+  const std::vector<std::uint64_t> numels{1000, 3, 2000};
+  for (int st : {0, 2}) {
+    zero_options zo;
+    zo.gradient_clipping = 0.5;
+    zo.reduce_bucket_numel = 700;
+    optim::sgd::options o;
+    o.lr = 1.0;
+    o.momentum = 0.0;
+    // Rank r reports gradient (r + 1) * 2^-4 everywhere; the average is (W + 1) / 2 * 2^-4.
+    std::vector<float> g(2000, static_cast<float>(c.rank() + 1) * 0x1p-4f);
+    const double avg = (c.size() + 1) / 2.0 * 0x1p-4;
+    const double norm = avg * std::sqrt(3003.0);
+    auto check = [&](auto& z) {
+      for (std::size_t p = 0; p < numels.size(); ++p) z.accumulate_grad(p, g.data());
+      const step_report r = z.step();
+      REQUIRE(r.grad_norm == Approx(norm).epsilon(1e-12));
+      REQUIRE(r.clip_coefficient == Approx(0.5 / (norm + 1e-6)).epsilon(1e-12));
+      // SGD with lr 1 from zero: the parameter is minus the clipped gradient.
+      const float expect = -static_cast<float>(avg * r.clip_coefficient);
+      REQUIRE(z.param(1)[0] == Approx(expect).epsilon(1e-6));
+    };
+    if (st == 0) {
+      ZeroOptimizer<policies::fp32, optim::sgd, stage<0>, comm::mpi_communicator> z(c, numels, o, zo);
+      check(z);
+    } else {
+      ZeroOptimizer<policies::fp32, optim::sgd, stage<2>, comm::mpi_communicator> z(c, numels, o, zo);
+      check(z);
+    }
+  }
+}
+
+TEST_CASE("ZeRO-3: prefetch, gather and release; using a partitioned parameter without gathering is an error", "[zero]") {
+  auto& c = world();
+  const std::vector<std::uint64_t> numels{4000, 10, 3000, 5000};
+  zero_options zo;
+  zo.param_persistence_threshold = 100;
+  ZeroOptimizer<policies::bf16_all, optim::adamw, stage<3>, comm::mpi_communicator> z(c, numels, {}, zo);
+  for (std::size_t p = 0; p < numels.size(); ++p) {
+    std::vector<float> v(numels[p]);
+    for (std::uint64_t e = 0; e < v.size(); ++e) v[e] = init_value(p, e);
+    z.load_param(p, v.data());
+  }
+  REQUIRE_THROWS_WITH(z.param(0), Catch::Contains("gather()"));
+  REQUIRE(z.param(1).size() == 10);  // persistent: always whole
+  z.prefetch(0, 2);
+  z.prefetch(2, 4);
+  z.gather(0, 2);
+  z.gather(2, 4);
+  for (std::size_t p : {0u, 2u, 3u}) {
+    const auto s = z.param(p);
+    REQUIRE(s.size() == numels[p]);
+    for (std::uint64_t e = 0; e < s.size(); e += 97) REQUIRE(to_float(s[e]) == to_float(bf16_from_float_rn(init_value(p, e))));
+  }
+  REQUIRE(z.memory().buckets > 0);
+  z.release(0, 2);
+  z.release(2, 4);
+  REQUIRE_THROWS_WITH(z.param(2), Catch::Contains("gather()"));
+  REQUIRE_THROWS_WITH(z.release(0, 2), Catch::Contains("not gathered"));
+  REQUIRE(z.memory().buckets == 0);
+}
