@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Configures and builds mpzero into build/ (Release). Extra arguments go to cmake.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cuda_flag=()
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+  cuda_flag=(-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
+fi
+cmake -S "$root" -B "$root/build" -DCMAKE_BUILD_TYPE=Release "${cuda_flag[@]}" "$@" >/dev/null
+cmake --build "$root/build" -j "$(nproc)"
