@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "../comm/communicator.hpp"
 #include "../error.hpp"
 #include "../numeric/convert.hpp"
 #include "../step/fused_step.hpp"
@@ -75,6 +76,16 @@ struct host_backend {
     if (n > 0 && dst != src) std::memmove(static_cast<void*>(dst), src, static_cast<std::size_t>(n) * sizeof(T));
   }
 
+  // Transfers between the caller's host memory and the backend's memory: plain copies here.
+  template <class T>
+  void upload(T* dst, const T* host_src, std::uint64_t n) const {
+    copy(dst, host_src, n);
+  }
+  template <class T>
+  void download(T* host_dst, const T* src, std::uint64_t n) const {
+    copy(host_dst, src, n);
+  }
+
   // dst[i] = round_to_nearest(dst[i] + src[i]), the sum taken in fp32.
   template <storage_type D, storage_type S>
   void accumulate(D* MPZERO_RESTRICT dst, const S* MPZERO_RESTRICT src, std::uint64_t n) const {
@@ -117,8 +128,16 @@ struct host_backend {
     return stepper<Policy, Optimizer>(*this, std::move(tensors));
   }
 
-  // The backend's work is complete when its calls return.
+  // The backend's work is complete when its calls return: nothing to order.
   void synchronize() const noexcept {}
+  template <class Comm>
+  void before_comm(Comm&) const noexcept {}
+
+  // All-reduce of a few values in host memory.
+  template <class Comm, class T>
+  void all_reduce_host(Comm& comm, T* values, std::uint64_t n, comm::reduce_op op) const {
+    comm.all_reduce(values, values, n, op);
+  }
 
  private:
   // Splits [0, n) into blocks of whole cache lines across threads.

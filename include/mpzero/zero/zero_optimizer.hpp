@@ -217,7 +217,7 @@ class ZeroOptimizer {
       // through it, or a shared weight) makes its bucket dirty; all ranks agree on the
       // dirty set so that they issue the same reductions in the same order.
       if (!dirty_.empty()) {
-        comm_.all_reduce(dirty_.data(), dirty_.data(), dirty_.size(), comm::reduce_op::max);
+        backend_.all_reduce_host(comm_, dirty_.data(), dirty_.size(), comm::reduce_op::max);
         for (std::size_t b = dirty_.size(); b-- > 0;) {
           if (dirty_[b]) {
             if (staging_of_[b] < 0) staging_of_[b] = acquire_staging();
@@ -248,6 +248,7 @@ class ZeroOptimizer {
   step_report step() {
     if (in_backward_) end_backward();
     const double W = static_cast<double>(world_);
+    if (world_ > 1 && zero_stage < 2) backend_.before_comm(comm_);
     if constexpr (zero_stage == 0) {
       if (world_ > 1) comm_.all_reduce(grads_.data(), grads_.data(), grads_.size(), comm::reduce_op::sum);
     } else if constexpr (zero_stage == 1) {
@@ -259,7 +260,7 @@ class ZeroOptimizer {
     const grad_stats local = backend_.stats(shard_grads(), shard_.size());
     double norm_sq = local.nonfinite ? std::numeric_limits<double>::infinity() : local.norm_squared;
     // Stage 0 computed the full norm on every rank; the others sum their partitions.
-    if (zero_stage > 0 && world_ > 1) comm_.all_reduce(&norm_sq, &norm_sq, 1, comm::reduce_op::sum);
+    if (zero_stage > 0 && world_ > 1) backend_.all_reduce_host(comm_, &norm_sq, 1, comm::reduce_op::sum);
 
     step_report rep;
     rep.overflow = !std::isfinite(norm_sq);
@@ -297,6 +298,7 @@ class ZeroOptimizer {
       const std::vector<std::uint64_t> counts = layout_.rank_counts(r);
       const flat_range own = intersect(r, shard_);
       const param_type* in = params_.data() + (own.empty() ? 0 : own.begin - shard_.begin);
+      backend_.before_comm(comm_);
       g.request.emplace(comm_.iall_gather_v(in, counts[static_cast<std::size_t>(rank_)], g.data.data(), counts));
     }
     groups_.emplace(key, std::move(g));
@@ -346,24 +348,25 @@ class ZeroOptimizer {
   // Flat element index of parameter i's first element.
   std::uint64_t flat_offset(std::size_t i) const { return layout_.offset(slot(i)); }
 
-  // The master weights of this rank's shard, as floats, in flat order (backend memory
-  // is copied out by the caller for device backends).
+  // Calls out(flat index, value) for the master weights (or state `which`) of this
+  // rank's shard, copied to the host. For checkpoints and tests.
   template <class Out>
   void read_master_shard(Out&& out) const {
     for (const auto& t : shard_tensors_) {
-      for (std::uint64_t k = 0; k < t.numel; ++k) {
-        if constexpr (Policy::master_is_param) {
-          out(t.global_offset + k, to_float(t.param[k]));
-        } else {
-          out(t.global_offset + k, to_float(t.master[k]));
-        }
+      if constexpr (Policy::master_is_param) {
+        read_values(t.param, t.numel, t.global_offset, out);
+      } else {
+        read_values(t.master, t.numel, t.global_offset, out);
       }
     }
   }
   template <class Out>
   void read_state_shard(int which, Out&& out) const {
-    for (const auto& t : shard_tensors_)
-      for (std::uint64_t k = 0; k < t.numel; ++k) out(t.global_offset + k, to_float(t.states[which][k]));
+    if (which < 0 || which >= n_states) {
+      detail::throw_invalid("ZeroOptimizer::read_state_shard: state " + std::to_string(which) + " does not exist; " +
+                            std::string(Optimizer::name) + " has " + std::to_string(n_states));
+    }
+    for (const auto& t : shard_tensors_) read_values(t.states[which], t.numel, t.global_offset, out);
   }
 
   memory_report memory() const {
@@ -395,6 +398,13 @@ class ZeroOptimizer {
     buffer<param_type> data;
     std::optional<request_t> request;
   };
+
+  template <class T, class Out>
+  void read_values(const T* p, std::uint64_t n, std::uint64_t first, Out& out) const {
+    std::vector<T> host(n);
+    backend_.download(host.data(), p, n);
+    for (std::uint64_t k = 0; k < n; ++k) out(first + k, to_float(host[k]));
+  }
 
   std::size_t slot(std::size_t i) const {
     if (i >= slot_of_.size()) {
@@ -490,6 +500,7 @@ class ZeroOptimizer {
 
   void gather_updated_params() {
     if (world_ == 1) return;
+    backend_.before_comm(comm_);
     if constexpr (zero_stage == 1 || zero_stage == 2) {
       const std::vector<std::uint64_t> counts(static_cast<std::size_t>(world_), layout_.partition_numel());
       comm_.all_gather_v(params_.data() + shard_.begin, layout_.partition_numel(), params_.data(), counts);
@@ -568,6 +579,7 @@ class ZeroOptimizer {
     const int st = staging_of_[b];
     staging_of_[b] = -1;
     launched_[b] = 1;
+    backend_.before_comm(comm_);
     pending_.push_back(in_flight{b, st, recv,
                                  comm_.ireduce_scatter_v(staging_[static_cast<std::size_t>(st)].data(),
                                                          recv_[static_cast<std::size_t>(recv)].data(), counts,

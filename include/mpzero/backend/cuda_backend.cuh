@@ -1,0 +1,237 @@
+// mpzero: the CUDA backend as the ZeRO optimizer sees it: device buffers, element-wise
+// kernels and the fused step, all ordered on one stream. Same members as host_backend.
+//
+// Ordering with a communicator: before every collective the optimizer calls
+// before_comm(comm), which makes the communicator's stream wait for this stream (NCCL)
+// or synchronises it (host communicators reading device memory is not supported:
+// pair the CUDA backend with nccl_communicator).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "../comm/communicator.hpp"
+#include "../cuda/check.cuh"
+#include "../cuda/fused_step.cuh"
+#include "../numeric/convert.hpp"
+#include "../step/fused_step.hpp"
+#include "../step/grad_stats.hpp"
+
+namespace mpzero {
+
+// An owning, zero-initialised array in device memory.
+template <class T>
+class cuda_buffer {
+ public:
+  cuda_buffer() = default;
+  cuda_buffer(std::uint64_t n, cudaStream_t stream) : n_(n) {
+    if (n == 0) return;
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, static_cast<std::size_t>(n) * sizeof(T));
+    if (e != cudaSuccess) {
+      throw cuda_error(e, "mpzero: cudaMalloc of " + std::to_string(n * sizeof(T)) +
+                              " bytes failed (" + cudaGetErrorString(e) +
+                              "); use a higher ZeRO stage, a lower-precision policy or CPU offload");
+    }
+    p_.reset(static_cast<T*>(p));
+    MPZERO_CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<std::size_t>(n) * sizeof(T), stream));
+  }
+  T* data() noexcept { return p_.get(); }
+  const T* data() const noexcept { return p_.get(); }
+  std::uint64_t size() const noexcept { return n_; }
+  std::uint64_t bytes() const noexcept { return n_ * sizeof(T); }
+
+ private:
+  struct deleter {
+    void operator()(T* p) const noexcept { cudaFree(p); }
+  };
+  std::unique_ptr<T, deleter> p_;
+  std::uint64_t n_ = 0;
+};
+
+namespace cuda::detail {
+
+template <storage_type D, storage_type S>
+__global__ void accumulate_kernel(D* dst, const S* src, std::uint64_t n) {
+  for (std::uint64_t i = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::uint64_t{gridDim.x} * blockDim.x) {
+    dst[i] = from_float<D>(fp::add(to_float(dst[i]), to_float(src[i])));
+  }
+}
+
+template <storage_type D, storage_type S>
+__global__ void convert_kernel(D* dst, const S* src, std::uint64_t n) {
+  for (std::uint64_t i = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::uint64_t{gridDim.x} * blockDim.x) {
+    dst[i] = from_float<D>(to_float(src[i]));
+  }
+}
+
+inline unsigned grid_for(std::uint64_t n) {
+  const std::uint64_t blocks = (n + 255) / 256;
+  return static_cast<unsigned>(blocks < 65536 ? blocks : 65536);
+}
+
+}  // namespace cuda::detail
+
+struct cuda_backend {
+  cudaStream_t stream = nullptr;  // the stream all work is ordered on (0: the legacy default stream)
+
+  cuda_backend() = default;
+  explicit cuda_backend(cudaStream_t s) : stream(s) {}
+
+  template <class T>
+  using buffer = cuda_buffer<T>;
+
+  static constexpr bool device_memory = true;
+
+  template <class T>
+  buffer<T> allocate(std::uint64_t n) const {
+    return buffer<T>(n, stream);
+  }
+
+  template <class T>
+  void zero(T* p, std::uint64_t n) const {
+    if (n > 0) MPZERO_CUDA_CHECK(cudaMemsetAsync(p, 0, static_cast<std::size_t>(n) * sizeof(T), stream));
+  }
+
+  template <class T>
+  void copy(T* dst, const T* src, std::uint64_t n) const {
+    if (n > 0 && dst != src)
+      MPZERO_CUDA_CHECK(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyDefault, stream));
+  }
+
+  // Host <-> device transfers of small or inspected data; they synchronise.
+  template <class T>
+  void upload(T* dst, const T* host_src, std::uint64_t n) const {
+    if (n == 0) return;
+    MPZERO_CUDA_CHECK(cudaMemcpyAsync(dst, host_src, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyHostToDevice, stream));
+    MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  template <class T>
+  void download(T* host_dst, const T* src, std::uint64_t n) const {
+    if (n == 0) return;
+    MPZERO_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyDeviceToHost, stream));
+    MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  template <storage_type D, storage_type S>
+  void accumulate(D* dst, const S* src, std::uint64_t n) const {
+    if (n == 0) return;
+    cuda::detail::accumulate_kernel<D, S><<<cuda::detail::grid_for(n), 256, 0, stream>>>(dst, src, n);
+    MPZERO_CUDA_CHECK(cudaGetLastError());
+  }
+
+  template <storage_type D, storage_type S>
+  void convert(D* dst, const S* src, std::uint64_t n) const {
+    if (n == 0) return;
+    cuda::detail::convert_kernel<D, S><<<cuda::detail::grid_for(n), 256, 0, stream>>>(dst, src, n);
+    MPZERO_CUDA_CHECK(cudaGetLastError());
+  }
+
+  // Norm and non-finite check of one contiguous gradient range; returns on the host
+  // (the step needs the decision there). The launcher and its workspace are kept for
+  // the next call on the same range, which is the optimizer's pattern.
+  template <storage_type G>
+  grad_stats stats(const G* p, std::uint64_t n) const {
+    auto& cache = stats_cache<G>();
+    if (!cache || cache->data != p || cache->numel != n || cache->stream != stream) cache = std::make_unique<stats_entry<G>>(p, n, stream);
+    return cache->run();
+  }
+
+  template <precision_policy Policy, optim::rule Optimizer>
+  class stepper {
+   public:
+    stepper(const cuda_backend& b, std::vector<step_tensor<Policy, Optimizer>> tensors)
+        : stream_(b.stream), step_(std::move(tensors)), launcher_(step_), workspace_(launcher_.workspace_bytes(), stream_) {
+      launcher_.upload(workspace_.data(), workspace_.size(), stream_);
+    }
+    void run(const step_args<Optimizer>& args) const { launcher_.run(args, stream_); }
+
+   private:
+    cudaStream_t stream_;
+    fused_step<Policy, Optimizer> step_;
+    cuda::fused_step_launcher<Policy, Optimizer> launcher_;
+    cuda_buffer<unsigned char> workspace_;
+  };
+
+  template <precision_policy Policy, optim::rule Optimizer>
+  stepper<Policy, Optimizer> make_stepper(std::vector<step_tensor<Policy, Optimizer>> tensors) const {
+    return stepper<Policy, Optimizer>(*this, std::move(tensors));
+  }
+
+  // Orders a collective after the work queued so far.
+  template <class Comm>
+  void before_comm(Comm& c) const {
+    if constexpr (requires { c.wait_for(stream); }) {
+      c.wait_for(stream);
+    } else {
+      MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+  }
+
+  // All-reduce of a few host values through device scratch (NCCL reads device memory).
+  template <class Comm, class T>
+  void all_reduce_host(Comm& c, T* values, std::uint64_t n, comm::reduce_op op) const {
+    if (n == 0) return;
+    cuda_buffer<T> scratch(n, stream);
+    upload(scratch.data(), values, n);
+    before_comm(c);
+    c.all_reduce(scratch.data(), scratch.data(), n, op);
+    download(values, scratch.data(), n);
+  }
+
+  void synchronize() const { MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream)); }
+
+ private:
+  template <storage_type G>
+  struct stats_entry {
+    stats_entry(const G* p, std::uint64_t n, cudaStream_t s) : data(p), numel(n), stream(s) {
+      const std::uint64_t numels[1] = {n};
+      plan = multi_tensor_plan(numels);
+      const grad_view<G> views[1] = {{p, n}};
+      launcher = std::make_unique<cuda::gradient_stats_launcher<G>>(plan, views);
+      workspace = cuda_buffer<unsigned char>(launcher->workspace_bytes(), s);
+      result = cuda_buffer<double>(1, s);
+      flag = cuda_buffer<int>(1, s);
+      launcher->upload(workspace.data(), workspace.size(), s);
+    }
+    grad_stats run() {
+      MPZERO_CUDA_CHECK(cudaMemsetAsync(flag.data(), 0, sizeof(int), stream));
+      launcher->run(result.data(), flag.data(), stream);
+      double norm_sq = 0;
+      int bad = 0;
+      MPZERO_CUDA_CHECK(cudaMemcpyAsync(&norm_sq, result.data(), sizeof(double), cudaMemcpyDeviceToHost, stream));
+      MPZERO_CUDA_CHECK(cudaMemcpyAsync(&bad, flag.data(), sizeof(int), cudaMemcpyDeviceToHost, stream));
+      MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream));
+      return {norm_sq, bad != 0};
+    }
+    const G* data;
+    std::uint64_t numel;
+    cudaStream_t stream;
+    multi_tensor_plan plan;
+    std::unique_ptr<cuda::gradient_stats_launcher<G>> launcher;
+    cuda_buffer<unsigned char> workspace;
+    cuda_buffer<double> result;
+    cuda_buffer<int> flag;
+  };
+
+  template <storage_type G>
+  std::unique_ptr<stats_entry<G>>& stats_cache() const {
+    return std::get<std::unique_ptr<stats_entry<G>>>(*caches_);
+  }
+
+  std::shared_ptr<std::tuple<std::unique_ptr<stats_entry<float>>, std::unique_ptr<stats_entry<bf16>>,
+                             std::unique_ptr<stats_entry<fp16>>>>
+      caches_ = std::make_shared<std::tuple<std::unique_ptr<stats_entry<float>>, std::unique_ptr<stats_entry<bf16>>,
+                                            std::unique_ptr<stats_entry<fp16>>>>();
+};
+
+}  // namespace mpzero
