@@ -83,10 +83,10 @@ std::vector<float> allgather_flat(const std::vector<std::pair<std::uint64_t, flo
   return out;
 }
 
-template <class Policy, class Opt, int Stage>
+template <class Policy, class Opt, int Stage, class Wire = typename Policy::grad_type>
 outcome run_zero(const scenario& sc, const typename Opt::options& opt) {
   auto& c = world();
-  ZeroOptimizer<Policy, Opt, stage<Stage>, comm::mpi_communicator> z(c, sc.numels, opt, sc.zo);
+  ZeroOptimizer<Policy, Opt, stage<Stage>, comm::mpi_communicator, host_backend, Wire> z(c, sc.numels, opt, sc.zo);
   const std::size_t n = sc.numels.size();
   for (std::size_t p = 0; p < n; ++p) {
     std::vector<float> v(sc.numels[p]);
@@ -208,9 +208,9 @@ outcome run_reference(const scenario& sc, const typename Opt::options& opt, cons
   return out;
 }
 
-template <class Policy, class Opt, int Stage>
+template <class Policy, class Opt, int Stage, class Wire = typename Policy::grad_type>
 void check_against_reference(const scenario& sc, const typename Opt::options& opt) {
-  const outcome got = run_zero<Policy, Opt, Stage>(sc, opt);
+  const outcome got = run_zero<Policy, Opt, Stage, Wire>(sc, opt);
   // The flat order, from an optimizer with the same layout rules.
   comm::mpi_communicator& c = world();
   ZeroOptimizer<Policy, Opt, stage<0>, comm::mpi_communicator> probe(c, sc.numels, opt, sc.zo);
@@ -244,12 +244,12 @@ scenario uneven() {
   return sc;
 }
 
-template <class Policy, class Opt>
+template <class Policy, class Opt, class Wire = typename Policy::grad_type>
 void all_stages(const scenario& sc, const typename Opt::options& opt) {
-  SECTION("stage 0") { check_against_reference<Policy, Opt, 0>(sc, opt); }
-  SECTION("stage 1") { check_against_reference<Policy, Opt, 1>(sc, opt); }
-  SECTION("stage 2") { check_against_reference<Policy, Opt, 2>(sc, opt); }
-  SECTION("stage 3") { check_against_reference<Policy, Opt, 3>(sc, opt); }
+  SECTION("stage 0") { check_against_reference<Policy, Opt, 0, Wire>(sc, opt); }
+  SECTION("stage 1") { check_against_reference<Policy, Opt, 1, Wire>(sc, opt); }
+  SECTION("stage 2") { check_against_reference<Policy, Opt, 2, Wire>(sc, opt); }
+  SECTION("stage 3") { check_against_reference<Policy, Opt, 3, Wire>(sc, opt); }
 }
 
 optim::adamw::options adamw_opts() {
@@ -481,4 +481,42 @@ TEST_CASE("ZeRO-3: prefetch, gather and release; using a partitioned parameter w
   REQUIRE_THROWS_WITH(z.param(2), Catch::Contains("gather()"));
   REQUIRE_THROWS_WITH(z.release(0, 2), Catch::Contains("not gathered"));
   REQUIRE(z.memory().buckets == 0);
+}
+
+TEST_CASE("ZeRO: gradients may travel in another dtype (bf16 on the wire for fp32 gradients)", "[zero]") {
+  // The gradient sums stay small multiples of 2^-6, exact in bf16: same bits as the reference.
+  scenario sc = uneven();
+  sc.passes = 2;
+  all_stages<policies::fp32, optim::adamw, bf16>(sc, adamw_opts());
+}
+
+TEST_CASE("ZeRO: full_grad reads the averaged reduced gradient; accumulate_grad scales its input", "[zero]") {
+  auto& c = world();
+  const std::vector<std::uint64_t> numels{300, 5, 4000};
+  for (int st : {0, 1, 2, 3}) {
+    auto run = [&](auto& z) {
+      // Rank r reports (r + 1) * 2^-3 scaled by 1/2 (one micro-step of two), twice.
+      std::vector<float> g(4000, static_cast<float>(c.rank() + 1) * 0x1p-3f);
+      for (int pass = 0; pass < 2; ++pass) {
+        for (std::size_t p = numels.size(); p-- > 0;) z.accumulate_grad(p, g.data(), 0.5f);
+        z.end_backward();
+      }
+      const float expect = static_cast<float>((c.size() + 1) / 2.0 * 0x1p-3);  // mean over ranks of 2 x half
+      for (std::size_t p = 0; p < numels.size(); ++p) {
+        const std::vector<float> full = z.full_grad(p);
+        REQUIRE(full.size() == numels[p]);
+        REQUIRE(std::count(full.begin(), full.end(), expect) == static_cast<std::ptrdiff_t>(full.size()));
+      }
+      REQUIRE_THROWS_WITH(z.accumulate_grad(0, g.data()), Catch::Contains("already reduced"));
+      const step_report r = z.step();
+      REQUIRE(r.grad_norm == Approx(expect * std::sqrt(4305.0)).epsilon(1e-12));
+    };
+    zero_options zo;
+    zo.reduce_bucket_numel = 1000;
+    zo.param_persistence_threshold = 10;
+    if (st == 0) { ZeroOptimizer<policies::fp32, optim::adam, stage<0>, comm::mpi_communicator> z(c, numels, {}, zo); run(z); }
+    if (st == 1) { ZeroOptimizer<policies::fp32, optim::adam, stage<1>, comm::mpi_communicator> z(c, numels, {}, zo); run(z); }
+    if (st == 2) { ZeroOptimizer<policies::fp32, optim::adam, stage<2>, comm::mpi_communicator> z(c, numels, {}, zo); run(z); }
+    if (st == 3) { ZeroOptimizer<policies::fp32, optim::adam, stage<3>, comm::mpi_communicator> z(c, numels, {}, zo); run(z); }
+  }
 }

@@ -59,10 +59,10 @@ class cuda_buffer {
 namespace cuda::detail {
 
 template <storage_type D, storage_type S>
-__global__ void accumulate_kernel(D* dst, const S* src, std::uint64_t n) {
+__global__ void accumulate_kernel(D* dst, const S* src, std::uint64_t n, float scale) {
   for (std::uint64_t i = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; i < n;
        i += std::uint64_t{gridDim.x} * blockDim.x) {
-    dst[i] = from_float<D>(fp::add(to_float(dst[i]), to_float(src[i])));
+    dst[i] = from_float<D>(fp::add(to_float(dst[i]), fp::mul(to_float(src[i]), scale)));
   }
 }
 
@@ -123,9 +123,9 @@ struct cuda_backend {
   }
 
   template <storage_type D, storage_type S>
-  void accumulate(D* dst, const S* src, std::uint64_t n) const {
+  void accumulate(D* dst, const S* src, std::uint64_t n, float scale = 1.0f) const {
     if (n == 0) return;
-    cuda::detail::accumulate_kernel<D, S><<<cuda::detail::grid_for(n), 256, 0, stream>>>(dst, src, n);
+    cuda::detail::accumulate_kernel<D, S><<<cuda::detail::grid_for(n), 256, 0, stream>>>(dst, src, n, scale);
     MPZERO_CUDA_CHECK(cudaGetLastError());
   }
 

@@ -86,11 +86,12 @@ struct host_backend {
     copy(host_dst, src, n);
   }
 
-  // dst[i] = round_to_nearest(dst[i] + src[i]), the sum taken in fp32.
+  // dst[i] = round_to_nearest(dst[i] + src[i] * scale), computed in fp32.
   template <storage_type D, storage_type S>
-  void accumulate(D* MPZERO_RESTRICT dst, const S* MPZERO_RESTRICT src, std::uint64_t n) const {
+  void accumulate(D* MPZERO_RESTRICT dst, const S* MPZERO_RESTRICT src, std::uint64_t n, float scale = 1.0f) const {
     parallel_for(n, [&](std::uint64_t begin, std::uint64_t end) {
-      for (std::uint64_t i = begin; i < end; ++i) dst[i] = from_float<D>(fp::add(to_float(dst[i]), to_float(src[i])));
+      for (std::uint64_t i = begin; i < end; ++i)
+        dst[i] = from_float<D>(fp::add(to_float(dst[i]), fp::mul(to_float(src[i]), scale)));
     });
   }
 

@@ -84,9 +84,15 @@ struct memory_report {
   std::uint64_t model_state_bytes() const noexcept { return params + grads + master + states; }
 };
 
+// Wire: the element type gradients travel in (DeepSpeed's communication_data_type);
+// by default the gradient type. With another type, buckets are converted before the
+// reduction and the results converted back (sums of 16-bit wire types are formed in
+// fp32 by the communicators, one rounding per combine).
 template <precision_policy Policy, optim::rule Optimizer, class Stage, comm::communicator Comm,
-          class Backend = host_backend>
+          class Backend = host_backend, class Wire = typename Policy::grad_type>
 class ZeroOptimizer {
+  static_assert(storage_type<Wire>, "mpzero: the wire type of gradients is mpzero::fp32, mpzero::bf16 or mpzero::fp16.");
+
  public:
   using policy = Policy;
   using optimizer = Optimizer;
@@ -95,6 +101,8 @@ class ZeroOptimizer {
   using master_type = typename Policy::master_type;
   using grad_type = typename Policy::grad_type;
   using state_type = typename Policy::state_type;
+  using wire_type = Wire;
+  static constexpr bool converts_on_wire = !std::same_as<Wire, typename Policy::grad_type>;
   static constexpr int zero_stage = Stage::value;
   static constexpr int n_states = Optimizer::n_states;
 
@@ -170,22 +178,28 @@ class ZeroOptimizer {
   }
 
   // ---- gradients --------------------------------------------------------------
-  // Adds `src` (numel(i) elements, any storage type, backend memory) to parameter
-  // i's gradient. Stages 2 and 3 reduce a bucket once all its parameters have
-  // reported in this backward pass and every later bucket has gone.
+  // Adds `src` * scale (numel(i) elements, any storage type, backend memory) to
+  // parameter i's gradient; scale is e.g. 1 / gradient_accumulation_steps. Stages 2
+  // and 3 reduce a bucket once all its parameters have reported in this backward pass
+  // and every later bucket has gone.
   template <storage_type S>
-  void accumulate_grad(std::size_t i, const S* src) {
+  void accumulate_grad(std::size_t i, const S* src, float scale = 1.0f) {
     const std::size_t s = slot(i);
     const flat_range r = layout_.param_range(s);
+    if (reduced_) {
+      detail::throw_invalid("ZeroOptimizer::accumulate_grad(" + std::to_string(i) +
+                            "): this step's gradients were already reduced (reduce_gradients()); call step() or "
+                            "zero_grad() before the next backward");
+    }
     in_backward_ = true;
     if constexpr (zero_stage < 2) {
-      backend_.accumulate(grads_.data() + r.begin, src, r.size());
+      backend_.accumulate(grads_.data() + r.begin, src, r.size(), scale);
     } else {
       const std::size_t b = buckets_.bucket_of(s);
       const bucket& bk = buckets_.buckets()[b];
       if (staging_of_[b] < 0) staging_of_[b] = acquire_staging();
       backend_.accumulate(staging_[static_cast<std::size_t>(staging_of_[b])].data() + (r.begin - bk.range.begin), src,
-                          r.size());
+                          r.size(), scale);
       if (!reported_[s]) {
         reported_[s] = 1;
         if (--remaining_[b] == 0) launch_ready_buckets();
@@ -239,6 +253,47 @@ class ZeroOptimizer {
   void zero_grad() {
     if (in_backward_) end_backward();
     backend_.zero(grads_.data(), grads_.size());
+    reduced_ = false;
+  }
+
+  // Finishes the reduction of this step's gradients now (step() does it otherwise):
+  // afterwards every rank holds the rank-sum of its shard's gradients, and
+  // full_grad() can read them. Collective.
+  void reduce_gradients() {
+    if (in_backward_) end_backward();
+    if (reduced_) return;
+    if (world_ > 1 && zero_stage < 2) {
+      backend_.before_comm(comm_);
+      if constexpr (converts_on_wire) {
+        reduce_full_grads_on_wire();
+      } else if constexpr (zero_stage == 0) {
+        comm_.all_reduce(grads_.data(), grads_.data(), grads_.size(), comm::reduce_op::sum);
+      } else if constexpr (zero_stage == 1) {
+        const std::vector<std::uint64_t> counts(static_cast<std::size_t>(world_), layout_.partition_numel());
+        comm_.reduce_scatter_v(grads_.data(), grads_.data() + shard_.begin, counts, comm::reduce_op::sum);
+      }
+    }
+    reduced_ = true;
+  }
+
+  // Parameter i's reduced gradient as the optimizer will use it (averaged over ranks
+  // if so configured, unscaled by the loss scale, before clipping), in host memory.
+  // Reduces first if needed. Collective (pieces live on their owners).
+  std::vector<float> full_grad(std::size_t i) {
+    reduce_gradients();
+    const flat_range r = layout_.param_range(slot(i));
+    const flat_range own = intersect(r, shard_);
+    std::vector<float> out(r.size(), 0.0f);
+    if (!own.empty()) {
+      std::vector<grad_type> host(own.size());
+      backend_.download(host.data(), shard_grads() + (own.begin - shard_.begin), own.size());
+      for (std::uint64_t k = 0; k < own.size(); ++k) out[own.begin - r.begin + k] = to_float(host[k]);
+    }
+    // Stage 0 holds everything everywhere; otherwise each element has one owner.
+    if (zero_stage > 0 && world_ > 1) backend_.all_reduce_host(comm_, out.data(), out.size(), comm::reduce_op::sum);
+    const double unscale = (zo_.average_gradients ? 1.0 / world_ : 1.0) / (scaler_ ? scaler_->scale() : 1.0);
+    for (float& v : out) v = static_cast<float>(v * unscale);
+    return out;
   }
 
   // ---- the step -----------------------------------------------------------------
@@ -246,17 +301,9 @@ class ZeroOptimizer {
   // rank's shard, gathers the parameters (stages 1 and 2) and zeroes the gradients.
   // Collective. Throws loss_scale_error (on every rank) when fp16 training diverges.
   step_report step() {
-    if (in_backward_) end_backward();
+    reduce_gradients();
+    reduced_ = false;
     const double W = static_cast<double>(world_);
-    if (world_ > 1 && zero_stage < 2) backend_.before_comm(comm_);
-    if constexpr (zero_stage == 0) {
-      if (world_ > 1) comm_.all_reduce(grads_.data(), grads_.data(), grads_.size(), comm::reduce_op::sum);
-    } else if constexpr (zero_stage == 1) {
-      if (world_ > 1) {
-        const std::vector<std::uint64_t> counts(static_cast<std::size_t>(world_), layout_.partition_numel());
-        comm_.reduce_scatter_v(grads_.data(), grads_.data() + shard_.begin, counts, comm::reduce_op::sum);
-      }
-    }
     const grad_stats local = backend_.stats(shard_grads(), shard_.size());
     double norm_sq = local.nonfinite ? std::numeric_limits<double>::infinity() : local.norm_squared;
     // Stage 0 computed the full norm on every rank; the others sum their partitions.
@@ -377,6 +424,7 @@ class ZeroOptimizer {
     for (const auto& s : states_) m.states += s.bytes();
     for (const auto& b : staging_) m.buckets += b.bytes();
     for (const auto& b : recv_) m.buckets += b.bytes();
+    for (const auto& b : wire_) m.buckets += b.bytes();
     for (const auto& [k, g] : groups_) m.buckets += g.data.bytes();
     m.model_numel = layout_.total_numel();
     m.padding_numel = layout_.padded_numel() - layout_.total_numel();
@@ -390,7 +438,8 @@ class ZeroOptimizer {
 
   struct in_flight {
     std::size_t bucket;
-    int staging, recv;
+    int staging;  // gradient-typed bucket (or, when converting, the wire-typed copy)
+    int recv;
     request_t request;
   };
   struct gathered_group {
@@ -576,13 +625,22 @@ class ZeroOptimizer {
     const std::vector<std::uint64_t> counts = layout_.rank_counts(bk.range);
     const std::uint64_t mine = counts[static_cast<std::size_t>(rank_)];
     int recv = acquire_recv(mine);
-    const int st = staging_of_[b];
+    int st = staging_of_[b];
     staging_of_[b] = -1;
     launched_[b] = 1;
+    const Wire* send = nullptr;
+    if constexpr (converts_on_wire) {
+      const int w = acquire_wire();
+      backend_.convert(wire_[static_cast<std::size_t>(w)].data(), staging_[static_cast<std::size_t>(st)].data(), bk.range.size());
+      free_staging_.push_back(st);
+      st = w;
+      send = wire_[static_cast<std::size_t>(w)].data();
+    } else {
+      send = staging_[static_cast<std::size_t>(st)].data();
+    }
     backend_.before_comm(comm_);
     pending_.push_back(in_flight{b, st, recv,
-                                 comm_.ireduce_scatter_v(staging_[static_cast<std::size_t>(st)].data(),
-                                                         recv_[static_cast<std::size_t>(recv)].data(), counts,
+                                 comm_.ireduce_scatter_v(send, recv_[static_cast<std::size_t>(recv)].data(), counts,
                                                          comm::reduce_op::sum)});
   }
 
@@ -593,7 +651,7 @@ class ZeroOptimizer {
         return static_cast<int>(i);
       }
     }
-    recv_.push_back(backend_.template allocate<grad_type>(std::max<std::uint64_t>(n, 1)));
+    recv_.push_back(backend_.template allocate<Wire>(std::max<std::uint64_t>(n, 1)));
     recv_busy_.push_back(1);
     return static_cast<int>(recv_.size() - 1);
   }
@@ -608,7 +666,44 @@ class ZeroOptimizer {
                           own.size());
     }
     recv_busy_[static_cast<std::size_t>(f.recv)] = 0;
-    free_staging_.push_back(f.staging);
+    if constexpr (converts_on_wire) {
+      free_wire_.push_back(f.staging);
+    } else {
+      free_staging_.push_back(f.staging);
+    }
+  }
+
+  int acquire_wire() {
+    if (!free_wire_.empty()) {
+      const int idx = free_wire_.back();
+      free_wire_.pop_back();
+      return idx;
+    }
+    wire_.push_back(backend_.template allocate<Wire>(max_bucket_numel()));
+    return static_cast<int>(wire_.size() - 1);
+  }
+
+  // Stages 0 and 1 with a wire type other than the gradient type: the full gradient
+  // buffer goes through a wire-typed buffer one bucket-sized piece at a time.
+  void reduce_full_grads_on_wire() {
+    const std::uint64_t padded = layout_.padded_numel();
+    const std::uint64_t piece = std::min<std::uint64_t>(zo_.reduce_bucket_numel, std::max<std::uint64_t>(padded, 1));
+    buffer<Wire> send = backend_.template allocate<Wire>(piece);
+    buffer<Wire> recv = backend_.template allocate<Wire>(piece);
+    for (std::uint64_t begin = 0; begin < padded; begin += piece) {
+      const flat_range r{begin, std::min(begin + piece, padded)};
+      backend_.convert(send.data(), grads_.data() + r.begin, r.size());
+      backend_.before_comm(comm_);
+      if constexpr (zero_stage == 0) {
+        comm_.all_reduce(send.data(), send.data(), r.size(), comm::reduce_op::sum);
+        backend_.convert(grads_.data() + r.begin, send.data(), r.size());
+      } else {
+        const std::vector<std::uint64_t> counts = layout_.rank_counts(r);
+        comm_.reduce_scatter_v(send.data(), recv.data(), counts, comm::reduce_op::sum);
+        const flat_range own = intersect(r, shard_);
+        if (!own.empty()) backend_.convert(grads_.data() + own.begin, recv.data(), own.size());
+      }
+    }
   }
 
   void drain() {
@@ -623,6 +718,7 @@ class ZeroOptimizer {
   std::optional<loss_scaler> scaler_;
   std::uint64_t steps_ = 0;
   bool in_backward_ = false;
+  bool reduced_ = false;  // reduce_gradients() ran for this step
 
   flat_layout layout_;
   std::vector<std::size_t> slot_of_;  // parameter index -> position in the flat buffers
@@ -646,7 +742,9 @@ class ZeroOptimizer {
   std::ptrdiff_t next_launch_ = -1;
   std::vector<buffer<grad_type>> staging_;
   std::vector<int> free_staging_;
-  std::vector<buffer<grad_type>> recv_;
+  std::vector<buffer<Wire>> recv_;
+  std::vector<buffer<Wire>> wire_;  // wire-typed copies of buckets in flight (when converting)
+  std::vector<int> free_wire_;
   std::vector<std::uint8_t> recv_busy_;
   std::deque<in_flight> pending_;
 
