@@ -37,8 +37,8 @@ struct sgd {
     detail::require_step("SGD", step);
     if (o.nesterov && (o.momentum <= 0.0 || o.dampening != 0.0)) {
       mpzero::detail::throw_invalid("SGD: nesterov = true needs momentum > 0 and dampening = 0 (got momentum = " +
-                                    std::to_string(o.momentum) + ", dampening = " + std::to_string(o.dampening) +
-                                    ")");
+                                    mpzero::detail::format_double(o.momentum) + ", dampening = " +
+                                    mpzero::detail::format_double(o.dampening) + ")");
     }
     return params{static_cast<float>(o.lr), static_cast<float>(o.momentum), static_cast<float>(1.0 - o.dampening),
                   static_cast<float>(o.weight_decay), o.nesterov, step == 1};

@@ -12,9 +12,9 @@ inline void require_range(const char* optimizer, const char* name, double value,
                           bool hi_inclusive) {
   const bool ok = std::isfinite(value) && value >= lo && (hi_inclusive ? value <= hi : value < hi);
   if (!ok) {
-    mpzero::detail::throw_invalid(std::string(optimizer) + ": " + name + " = " + std::to_string(value) +
-                                  " is out of range; it must lie in [" + std::to_string(lo) + ", " +
-                                  std::to_string(hi) + (hi_inclusive ? "]" : ")"));
+    mpzero::detail::throw_invalid(std::string(optimizer) + ": " + name + " = " + mpzero::detail::format_double(value) +
+                                  " is out of range; it must lie in [" + mpzero::detail::format_double(lo) + ", " +
+                                  mpzero::detail::format_double(hi) + (hi_inclusive ? "]" : ")"));
   }
 }
 

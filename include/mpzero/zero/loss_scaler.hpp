@@ -60,13 +60,6 @@ class loss_scale_error : public mpzero::error {
 
 namespace detail {
 
-// Shortest round-trip text of a double, for error messages ("65536", "0.25").
-inline std::string format_double(double v) {
-  char buf[32];
-  const auto r = std::to_chars(buf, buf + sizeof buf, v);
-  return std::string(buf, r.ptr);
-}
-
 }  // namespace detail
 
 class loss_scaler {

@@ -1,0 +1,129 @@
+// mpzero::torch: the DeepSpeed-style JSON configuration, parsed and validated.
+// Torch-free: this header and config.cpp use only nlohmann-json and the core.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include <mpzero/error.hpp>
+#include <mpzero/numeric/dtype.hpp>
+#include <mpzero/zero/loss_scaler.hpp>
+
+namespace mpzero::torch {
+
+// A configuration error: names the key (as a JSON path, e.g. "zero_optimization.stage"),
+// the bad value and the valid choices.
+class config_error : public mpzero::invalid_argument {
+ public:
+  using invalid_argument::invalid_argument;
+};
+
+enum class optimizer_type { adam, adamw, sgd, lion };
+enum class scheduler_type { none, warmup_lr, warmup_decay_lr, warmup_cosine_lr };
+enum class offload_device { none, cpu };
+
+struct optimizer_config {
+  optimizer_type type = optimizer_type::adamw;
+  double lr = 1e-3;
+  double beta1 = 0.9, beta2 = 0.999;  // Adam/AdamW/Lion "betas"
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double momentum = 0.0;  // SGD
+  double dampening = 0.0;
+  bool nesterov = false;
+  bool bias_correction = true;  // Adam/AdamW
+};
+
+struct scheduler_config {
+  scheduler_type type = scheduler_type::none;
+  double warmup_min_lr = 0.0;
+  double warmup_max_lr = 1e-3;
+  std::uint64_t warmup_num_steps = 1000;
+  std::string warmup_type = "log";   // "log" or "linear" (WarmupLR, WarmupDecayLR)
+  std::uint64_t total_num_steps = 0;  // WarmupDecayLR, WarmupCosineLR
+  double warmup_min_ratio = 0.0;      // WarmupCosineLR
+  double cos_min_ratio = 1e-4;        // WarmupCosineLR
+};
+
+struct zero_config {
+  int stage = 0;
+  offload_device offload_optimizer = offload_device::none;
+  bool offload_pin_memory = true;
+  std::uint64_t reduce_bucket_size = 500'000'000;
+  std::uint64_t allgather_bucket_size = 500'000'000;
+  bool overlap_comm = true;
+  bool contiguous_gradients = true;
+  bool reduce_scatter = true;
+  std::uint64_t stage3_param_persistence_threshold = 100'000;
+  std::uint64_t stage3_prefetch_bucket_size = 50'000'000;
+  std::vector<std::string> leaf_module_classes, leaf_module_names, leaf_module_name_suffixes;
+};
+
+struct autocast_config {
+  bool enabled = false;
+  dtype dtype_ = dtype::bf16;  // "dtype": "bfloat16" | "float16" (also "bf16", "fp16")
+  std::vector<std::string> lower_precision_safe_modules = {"Linear", "Conv1d", "Conv2d", "Conv3d"};
+};
+
+// The whole configuration after parsing, defaulting and validation.
+struct config {
+  // Batch sizes: all three resolved (train = micro * gas * world).
+  std::uint64_t train_batch_size = 0;
+  std::uint64_t train_micro_batch_size_per_gpu = 0;
+  std::uint64_t gradient_accumulation_steps = 1;
+
+  bool bf16 = false;
+  bool bf16_master_weights_and_grads = false;
+  bool bf16_optimizer_states = false;
+  bool check_grad_overflow = true;  // bf16.check_grad_overflow
+
+  bool fp16 = false;
+  bool fp16_master_weights_and_grads = false;
+  double loss_scale = 0.0;  // 0: dynamic
+  loss_scale_options loss_scaler;  // the dynamic/static scaler options derived from "fp16"
+
+  autocast_config torch_autocast;
+  zero_config zero;
+  optimizer_config optimizer;
+  scheduler_config scheduler;
+  double gradient_clipping = 1.0;  // DeepSpeed's default; 0 disables
+  std::optional<dtype> communication_data_type;
+  std::uint64_t seed = 0;  // "seed": stochastic rounding key (mpzero extension)
+  std::string rounding = "nearest";  // "rounding": "nearest" | "stochastic" (mpzero extension)
+  // "data_types.grad_accum_dtype" (DeepSpeed's key): the dtype gradients are accumulated
+  // in; unset means the model's dtype, as in DeepSpeed. mpzero honours it at every stage.
+  std::optional<dtype> grad_accum_dtype;
+
+  // The storage dtypes the configuration selects (DeepSpeed's rules; see config.cpp).
+  dtype param_dtype() const;
+  dtype master_dtype() const;
+  dtype grad_dtype() const;
+  dtype state_dtype() const;
+  // The dtype gradients are reduced in: communication_data_type, else the model's dtype
+  // (param_dtype()), as DeepSpeed's engine resolves it.
+  dtype comm_dtype() const;
+  bool stochastic_rounding() const { return rounding == "stochastic"; }
+};
+
+// The names the config uses ("AdamW", "WarmupCosineLR", "cpu"; "" for scheduler_type::none).
+std::string_view optimizer_name(optimizer_type t);
+std::string_view scheduler_name(scheduler_type t);
+std::string_view offload_device_name(offload_device d);
+
+// Parses and validates. `world_size` resolves the batch-size triangle. Throws config_error.
+config parse_config(const nlohmann::json& j, int world_size);
+config parse_config_text(const std::string& json_text, int world_size);
+// Reads a file; errors name the path. JSON comments are allowed and duplicate keys are
+// an error (as DeepSpeed, which reads files with hjson and refuses duplicates).
+config load_config_file(const std::string& path, int world_size);
+
+// The resolved configuration as JSON: every key spelled out, defaults included. Parsing
+// it again (with the same world size) gives the same configuration.
+nlohmann::json to_json(const config& c);
+
+}  // namespace mpzero::torch

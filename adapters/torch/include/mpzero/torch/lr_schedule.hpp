@@ -1,0 +1,97 @@
+// mpzero::torch: DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR,
+// WarmupCosineLR), torch-free.
+//
+// The formulas are DeepSpeed's (deepspeed/runtime/lr_schedules.py, v0.19), step for step,
+// so that a run ported from DeepSpeed sees the same learning rates:
+//  - `step` counts the scheduler steps taken, i.e. the optimizer updates applied so far
+//    (DeepSpeed's engine steps the scheduler after every update it does not skip). The
+//    lr that update number k (1-based) uses is lr_at(s, base_lr, k - 1). DeepSpeed's
+//    last_batch_iteration is step - 1.
+//  - Before any step (step == 0), WarmupLR and WarmupDecayLR give warmup_min_lr and
+//    WarmupCosineLR gives 0 (DeepSpeed's get_lr returns 0.0 there, whatever
+//    warmup_min_ratio says); with iteration i = step - 1 >= 0:
+//  - Warmup (i < W, W = max(2, warmup_num_steps), as DeepSpeed clamps it):
+//      "log":    gamma = ln(i + 1) / ln(W)        "linear": gamma = i / W
+//    WarmupLR/WarmupDecayLR: lr = min_lr + (max_lr - min_lr) * gamma
+//    WarmupCosineLR: lr = base_lr * (min_ratio + (1 - min_ratio) * gamma)
+//  - After warmup (i >= W), with T = total_num_steps:
+//    WarmupLR:       lr = max_lr
+//    WarmupDecayLR:  lr = min_lr + (max_lr - min_lr) * max(0, (T - i) / max(1, T - W))
+//    WarmupCosineLR: p = min(1, (i - W + 1) / max(1, T - W)),
+//                    lr = base_lr * max(0, cos_min + (1 - cos_min) * (1 + cos(pi p)) / 2)
+//  - WarmupLR and WarmupDecayLR set the lr outright (base_lr is not used); WarmupCosineLR
+//    scales the optimizer's lr. scheduler_type::none returns base_lr.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+#include <utility>
+
+#include "config.hpp"
+
+namespace mpzero::torch {
+
+namespace detail {
+
+// DeepSpeed's warmup gamma at iteration i (0 <= i < W).
+inline double warmup_gamma(const scheduler_config& s, double i, double w) {
+  if (s.warmup_type == "linear") return i / w;
+  // "log" (DeepSpeed's fallback for any other name too): (1 / ln W) * ln(i + 1).
+  return (1.0 / std::log(w)) * std::log(i + 1.0);
+}
+
+}  // namespace detail
+
+// The learning rate after `step` scheduler steps (see above).
+inline double lr_at(const scheduler_config& s, double base_lr, std::uint64_t step) {
+  if (s.type == scheduler_type::none) return base_lr;
+  const double w = static_cast<double>(std::max<std::uint64_t>(2, s.warmup_num_steps));
+  const double t = static_cast<double>(s.total_num_steps);
+  if (s.type == scheduler_type::warmup_cosine_lr) {
+    if (step == 0) return 0.0;
+    const double i = static_cast<double>(step - 1);
+    double ratio;
+    if (i < w) {
+      ratio = s.warmup_min_ratio + detail::warmup_gamma(s, i, w) * (1.0 - s.warmup_min_ratio);
+    } else {
+      const double progress = std::min(1.0, (i - w + 1.0) / std::max(1.0, t - w));
+      const double cosine = (1.0 + std::cos(std::numbers::pi * progress)) / 2.0;
+      ratio = std::max(0.0, s.cos_min_ratio + (1.0 - s.cos_min_ratio) * cosine);
+    }
+    return base_lr * ratio;
+  }
+  if (step == 0) return s.warmup_min_lr;
+  const double i = static_cast<double>(step - 1);
+  double gamma;
+  if (i < w) {
+    gamma = detail::warmup_gamma(s, i, w);
+  } else if (s.type == scheduler_type::warmup_decay_lr) {
+    gamma = std::max(0.0, (t - i) / std::max(1.0, t - w));
+  } else {
+    gamma = 1.0;
+  }
+  return s.warmup_min_lr + (s.warmup_max_lr - s.warmup_min_lr) * gamma;
+}
+
+// A schedule with its position: lr() is the rate for the next update; step() after each
+// applied (not skipped) update. The position is the only state a checkpoint needs.
+class lr_schedule {
+ public:
+  lr_schedule(scheduler_config s, double base_lr) : s_(std::move(s)), base_lr_(base_lr) {}
+
+  double lr() const { return lr_at(s_, base_lr_, steps_); }
+  void step() { ++steps_; }
+  std::uint64_t steps() const noexcept { return steps_; }
+  void set_steps(std::uint64_t n) noexcept { steps_ = n; }
+  double base_lr() const noexcept { return base_lr_; }
+  const scheduler_config& config() const noexcept { return s_; }
+
+ private:
+  scheduler_config s_;
+  double base_lr_;
+  std::uint64_t steps_ = 0;
+};
+
+}  // namespace mpzero::torch

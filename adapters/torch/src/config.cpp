@@ -1,0 +1,1119 @@
+// The DeepSpeed-style JSON configuration: parsing, defaults and validation.
+//
+// Key names, defaults and rules follow DeepSpeed v0.19 (deepspeed/runtime/config.py,
+// precision_config.py, zero/config.py, zero/offload_config.py, lr_schedules.py, and the
+// engine's optimizer construction). docs/config.md is the reference; every deliberate
+// difference is listed there. Errors are config_error with the full key path.
+#include <mpzero/torch/config.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <set>
+#include <sstream>
+
+#include <mpzero/optim/optimizer.hpp>
+
+namespace mpzero::torch {
+
+using nlohmann::json;
+
+namespace {
+
+// ---- messages ---------------------------------------------------------------
+
+[[noreturn]] void fail(const std::string& what) { throw config_error("mpzero: config: " + what); }
+
+std::string join_path(const std::string& path, std::string_view key) {
+  return path.empty() ? std::string(key) : path + "." + std::string(key);
+}
+
+std::string squote(std::string_view s) {
+  std::string r;
+  r.reserve(s.size() + 2);
+  r.push_back('\'');
+  r.append(s);
+  r.push_back('\'');
+  return r;
+}
+
+std::string lower(std::string_view s) {
+  std::string r(s);
+  for (auto& c : r) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return r;
+}
+
+// "string \"2\"", "array [1,2]", ...: what the user wrote, shortened.
+std::string describe(const json& v) {
+  std::string text = v.dump();
+  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  switch (v.type()) {
+    case json::value_t::null: return "null";
+    case json::value_t::boolean: return "boolean " + text;
+    case json::value_t::string: return "string " + text;
+    case json::value_t::array: return "array " + text;
+    case json::value_t::object: return "object " + text;
+    case json::value_t::number_float: return "number " + text;
+    default: return "integer " + text;
+  }
+}
+
+std::string format_number(double v) {
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  // Prefer the shortest text that reads back exactly.
+  for (int p = 1; p <= 17; ++p) {
+    std::ostringstream t;
+    t.precision(p);
+    t << v;
+    if (std::stod(t.str()) == v) return t.str();
+  }
+  return os.str();
+}
+
+// Damerau (optimal string alignment) distance, case-insensitive: "satge" is one edit
+// from "stage", "Stage" none.
+std::size_t edit_distance(std::string_view a0, std::string_view b0) {
+  const std::string a = lower(a0), b = lower(b0);
+  std::vector<std::vector<std::size_t>> d(a.size() + 1, std::vector<std::size_t>(b.size() + 1));
+  for (std::size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (std::size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      const std::size_t cost = a[i - 1] == b[j - 1] ? 0 : 1;
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  }
+  return d[a.size()][b.size()];
+}
+
+std::vector<std::string> tokens(std::string_view s) {
+  std::vector<std::string> r;
+  std::string cur;
+  for (char ch : lower(s)) {
+    if (ch == '_' || ch == '.') {
+      if (!cur.empty()) r.push_back(cur);
+      cur.clear();
+    } else {
+      cur.push_back(ch);
+    }
+  }
+  if (!cur.empty()) r.push_back(cur);
+  return r;
+}
+
+// The closest candidate: one edit away; failing that, the shortest candidate holding
+// every word of a multi-word key ("warmup_steps" -> "warmup_num_steps"); failing that,
+// within a few edits (scaled with the length); or "".
+std::string closest(std::string_view word, const std::vector<std::string_view>& candidates) {
+  auto nearest = [&](std::size_t limit) {
+    std::string best;
+    std::size_t best_d = limit + 1;
+    for (auto c : candidates) {
+      const std::size_t d = edit_distance(word, c);
+      if (d < best_d) best_d = d, best = std::string(c);
+    }
+    return best;
+  };
+  if (auto one = nearest(1); !one.empty()) return one;
+  const auto words = tokens(word);
+  if (words.size() >= 2) {
+    std::string best;
+    for (auto c : candidates) {
+      const auto have = tokens(c);
+      const bool all = std::all_of(words.begin(), words.end(), [&](const std::string& w) {
+        return std::find(have.begin(), have.end(), w) != have.end();
+      });
+      if (all && (best.empty() || c.size() < best.size())) best = std::string(c);
+    }
+    if (!best.empty()) return best;
+  }
+  return nearest(word.size() <= 4 ? 1 : word.size() <= 10 ? 2 : 3);
+}
+
+std::string list(const std::vector<std::string_view>& names) {
+  std::string r;
+  for (auto n : names) r += (r.empty() ? "" : ", ") + std::string(n);
+  return r;
+}
+
+// ---- keys -----------------------------------------------------------------
+
+// A DeepSpeed key mpzero does not implement. `accepted` is the JSON text of the one
+// value that matches what mpzero does anyway ("*": any value, the key cannot change
+// results; nullptr: no value, the key must go).
+struct foreign_key {
+  std::string_view name;
+  const char* accepted;
+  std::string_view why;
+};
+
+// Checks every key of `obj` against the supported ones (and DeepSpeed's keys that mpzero
+// accepts or explains). Unknown keys name the path, the closest valid key and the list.
+void check_keys(const json& obj, const std::string& path, const std::vector<std::string_view>& supported,
+                const std::vector<foreign_key>& foreign = {}) {
+  for (auto it = obj.begin(); it != obj.end(); ++it) {
+    const std::string& key = it.key();
+    if (std::find(supported.begin(), supported.end(), key) != supported.end()) continue;
+    const std::string full = join_path(path, key);
+    const auto f = std::find_if(foreign.begin(), foreign.end(), [&](const foreign_key& k) { return k.name == key; });
+    if (f != foreign.end()) {
+      if (f->accepted != nullptr && std::string_view(f->accepted) == "*") continue;
+      if (f->accepted != nullptr) {
+        if (it.value() == json::parse(f->accepted)) continue;
+        fail(squote(full) + " = " + it.value().dump() + " is not supported by mpzero: " + std::string(f->why) +
+             " (only " + std::string(f->accepted) + " is accepted; remove the key or set it to " +
+             std::string(f->accepted) + ")");
+      }
+      fail(squote(full) + " is a DeepSpeed setting that mpzero does not implement: " + std::string(f->why) +
+           "; remove it");
+    }
+    std::vector<std::string_view> candidates = supported;
+    for (const auto& k : foreign) candidates.push_back(k.name);
+    std::string msg = "unknown key " + squote(full);
+    const std::string guess = closest(key, candidates);
+    if (!guess.empty()) msg += "; did you mean " + squote(guess) + "?";
+    msg += path.empty() ? " Valid top-level keys: " : " Valid keys in " + squote(path) + ": ";
+    msg += list(supported);
+    fail(msg);
+  }
+}
+
+// Typed reads of one object's values. A JSON null reads as absent (the default applies),
+// as DeepSpeed's optional keys do.
+class reader {
+ public:
+  reader(const json& obj, std::string path) : obj_(obj), path_(std::move(path)) {}
+
+  const json* find(std::string_view key) const {
+    const auto it = obj_.find(std::string(key));
+    if (it == obj_.end() || it->is_null()) return nullptr;
+    return &*it;
+  }
+  bool has(std::string_view key) const { return find(key) != nullptr; }
+  std::string path(std::string_view key) const { return join_path(path_, key); }
+
+  [[noreturn]] void type_error(std::string_view key, const json& v, std::string_view expected) const {
+    std::string msg = squote(path(key)) + " must be " + std::string(expected) + ", got " + describe(v);
+    if (v.is_string()) {
+      const std::string s = v.get<std::string>();
+      if (s == "auto") {
+        msg += " (\"auto\" is a placeholder that Hugging Face's Trainer fills in; mpzero needs the value itself, "
+               "or remove the key for the default)";
+      } else if (!s.empty() && (expected.find("number") != std::string_view::npos ||
+                                expected.find("integer") != std::string_view::npos)) {
+        char* end = nullptr;
+        std::strtod(s.c_str(), &end);
+        if (end && *end == '\0') msg += " (write the number without quotes)";
+      } else if ((s == "true" || s == "false") && expected.find("boolean") != std::string_view::npos) {
+        msg += " (write " + s + " without quotes)";
+      }
+    }
+    fail(msg);
+  }
+
+  bool boolean(std::string_view key, bool dflt) const {
+    const json* v = find(key);
+    if (!v) return dflt;
+    if (!v->is_boolean()) type_error(key, *v, "a boolean (true or false)");
+    return v->get<bool>();
+  }
+
+  double number(std::string_view key, double dflt) const {
+    const json* v = find(key);
+    if (!v) return dflt;
+    if (!v->is_number()) type_error(key, *v, "a number");
+    return v->get<double>();
+  }
+
+  // An integer in [lo, hi]; integral floats such as 5e8 count (JSON has no integer type).
+  std::int64_t integer(std::string_view key, std::int64_t dflt, std::int64_t lo, std::int64_t hi) const {
+    const json* v = find(key);
+    if (!v) return dflt;
+    std::int64_t r = 0;
+    if (v->is_number_unsigned()) {
+      const auto u = v->get<std::uint64_t>();
+      if (u > static_cast<std::uint64_t>(hi)) range_error(key, *v, lo, hi);
+      r = static_cast<std::int64_t>(u);
+    } else if (v->is_number_integer()) {
+      r = v->get<std::int64_t>();
+    } else if (v->is_number_float()) {
+      const double d = v->get<double>();
+      if (d != std::floor(d)) type_error(key, *v, "an integer");
+      if (!(d >= static_cast<double>(lo) && d <= static_cast<double>(hi))) range_error(key, *v, lo, hi);
+      r = static_cast<std::int64_t>(d);
+    } else {
+      type_error(key, *v, "an integer");
+    }
+    if (r < lo || r > hi) range_error(key, *v, lo, hi);
+    return r;
+  }
+
+  // A non-negative integer up to 2^64 - 1, at least `lo`.
+  std::uint64_t unsigned_integer(std::string_view key, std::uint64_t dflt, std::uint64_t lo) const {
+    const json* v = find(key);
+    if (!v) return dflt;
+    std::uint64_t r = 0;
+    if (v->is_number_unsigned()) {
+      r = v->get<std::uint64_t>();
+    } else if (v->is_number_integer()) {
+      const auto i = v->get<std::int64_t>();
+      if (i < 0) unsigned_error(key, *v, lo);
+      r = static_cast<std::uint64_t>(i);
+    } else if (v->is_number_float()) {
+      const double d = v->get<double>();
+      if (d != std::floor(d)) type_error(key, *v, "an integer");
+      if (!(d >= 0 && d < 18446744073709551616.0)) unsigned_error(key, *v, lo);
+      r = static_cast<std::uint64_t>(d);
+    } else {
+      type_error(key, *v, "an integer");
+    }
+    if (r < lo) unsigned_error(key, *v, lo);
+    return r;
+  }
+
+  std::string string(std::string_view key, const std::string& dflt) const {
+    const json* v = find(key);
+    if (!v) return dflt;
+    if (!v->is_string()) type_error(key, *v, "a string");
+    return v->get<std::string>();
+  }
+
+  // A list of strings; a single string counts as a list of one when `allow_single`.
+  std::vector<std::string> strings(std::string_view key, const std::vector<std::string>& dflt, bool allow_single) const {
+    const json* v = find(key);
+    if (!v) return dflt;
+    if (allow_single && v->is_string()) return {v->get<std::string>()};
+    const char* expected = allow_single ? "a list of strings (or one string)" : "a list of strings";
+    if (!v->is_array()) type_error(key, *v, expected);
+    std::vector<std::string> r;
+    for (const auto& e : *v) {
+      if (!e.is_string()) {
+        fail(squote(path(key)) + " must be " + expected + ", but an element is " + describe(e));
+      }
+      r.push_back(e.get<std::string>());
+    }
+    return r;
+  }
+
+  // A nested object, or nullptr when absent.
+  const json* object(std::string_view key) const {
+    const json* v = find(key);
+    if (v && !v->is_object()) type_error(key, *v, "an object {...}");
+    return v;
+  }
+
+ private:
+  [[noreturn]] void range_error(std::string_view key, const json& v, std::int64_t lo, std::int64_t hi) const {
+    fail(squote(path(key)) + " = " + v.dump() + " is out of range; it must be an integer in [" + std::to_string(lo) +
+         ", " + std::to_string(hi) + "]");
+  }
+  [[noreturn]] void unsigned_error(std::string_view key, const json& v, std::uint64_t lo) const {
+    fail(squote(path(key)) + " = " + v.dump() + " is out of range; it must be an integer >= " + std::to_string(lo));
+  }
+
+  const json& obj_;
+  std::string path_;
+};
+
+void require_finite_range(const std::string& path, double v, double lo, double hi, const std::string& why) {
+  if (!(std::isfinite(v) && v >= lo && v <= hi)) {
+    fail(squote(path) + " = " + format_number(v) + " is out of range; it must lie in [" + format_number(lo) + ", " +
+         format_number(hi) + "]" + (why.empty() ? "" : " (" + why + ")"));
+  }
+}
+
+// Rethrows a core library's invalid_argument as a config_error under `where`.
+template <class F>
+void with_context(const std::string& where, F&& f) {
+  try {
+    f();
+  } catch (const config_error&) {
+    throw;
+  } catch (const mpzero::invalid_argument& e) {
+    std::string m = e.what();
+    if (m.rfind("mpzero: ", 0) == 0) m = m.substr(8);
+    fail(where + m);
+  }
+}
+
+// ---- dtypes -----------------------------------------------------------------
+
+// DeepSpeed's DtypeEnum spellings (runtime/config.py), without int8.
+std::optional<dtype> dtype_from_deepspeed_name(const std::string& s) {
+  static const std::vector<std::pair<std::string_view, dtype>> names = {
+      {"torch.float16", dtype::fp16}, {"fp16", dtype::fp16},         {"float16", dtype::fp16},
+      {"half", dtype::fp16},          {"torch.bfloat16", dtype::bf16}, {"bf16", dtype::bf16},
+      {"bfloat16", dtype::bf16},      {"torch.float32", dtype::fp32},  {"fp32", dtype::fp32},
+      {"float32", dtype::fp32},       {"float", dtype::fp32}};
+  for (const auto& [n, d] : names)
+    if (n == s) return d;
+  return std::nullopt;
+}
+
+std::string_view dtype_json_name(dtype d) { return name_of(d); }
+
+// ---- sections -----------------------------------------------------------------
+
+const std::vector<std::string_view> top_level_keys = {
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "fp16",
+    "torch_autocast", "zero_optimization", "gradient_clipping", "optimizer", "scheduler", "communication_data_type",
+    "data_types", "seed", "rounding"};
+
+const std::vector<foreign_key> top_level_foreign = {
+    {"steps_per_print", "*", "logging only"},
+    {"wall_clock_breakdown", "*", "logging only"},
+    {"memory_breakdown", "*", "logging only"},
+    {"zero_allow_untested_optimizer", "*", "mpzero runs only its own optimizers"},
+    {"bfloat16", nullptr, "it is DeepSpeed's old name of the section; write \"bf16\""},
+    {"prescale_gradients", "false", "gradients are averaged after the reduction"},
+    {"gradient_predivide_factor", "1.0", "gradients are averaged after the reduction"},
+    {"gradient_allreduce_op", "\"mean\"", "data-parallel gradients are averaged"},
+    {"sparse_gradients", "false", "gradients are dense"},
+    {"amp", nullptr, "use \"bf16\", \"fp16\" or \"torch_autocast\""},
+    {"zero_force_ds_cpu_optimizer", "*", "the CPU optimizer is mpzero's own"},
+    {"activation_checkpointing", nullptr, "checkpoint activations in the model"},
+    {"flops_profiler", nullptr, "no profiler"},
+    {"tensorboard", nullptr, "no monitors"},
+    {"wandb", nullptr, "no monitors"},
+    {"csv_monitor", nullptr, "no monitors"},
+    {"comms_logger", nullptr, "no communication logger"},
+    {"pipeline", nullptr, "no pipeline parallelism"},
+    {"elasticity", nullptr, "no elastic training"},
+    {"checkpoint", nullptr, "checkpointing is configured in code"},
+    {"compression_training", nullptr, "no compression"},
+    {"sparse_attention", nullptr, "no sparse attention kernels"},
+    {"aio", nullptr, "no NVMe offload"},
+    {"seq_parallel_communication_data_type", nullptr, "no sequence parallelism"},
+};
+
+void parse_bf16(const json& j, config& c) {
+  const std::string p = "bf16";
+  check_keys(j, p, {"enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow"},
+             {{"immediate_grad_update", "false", "gradients are applied at the optimizer step"}});
+  reader r(j, p);
+  c.bf16 = r.boolean("enabled", false);
+  c.bf16_master_weights_and_grads = r.boolean("bf16_master_weights_and_grads", false);
+  c.bf16_optimizer_states = r.boolean("bf16_optimizer_states", false);
+  c.check_grad_overflow = r.boolean("check_grad_overflow", true);
+}
+
+void parse_fp16(const json& j, config& c) {
+  const std::string p = "fp16";
+  check_keys(j, p,
+             {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+              "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads"},
+             {{"auto_cast", "false", "inputs are not cast; use \"torch_autocast\" for autocast"},
+              {"fp16_optimizer_states", "false",
+               "fp16 optimizer states are refused: Adam's second moment under- and overflows fp16's range "
+               "(use \"bf16\" with bf16_optimizer_states, or fp32 states)"}});
+  reader r(j, p);
+  c.fp16 = r.boolean("enabled", false);
+  c.fp16_master_weights_and_grads = r.boolean("fp16_master_weights_and_grads", false);
+  c.loss_scale = r.number("loss_scale", 0.0);
+  if (!(c.loss_scale >= 0)) {
+    fail("'fp16.loss_scale' = " + format_number(c.loss_scale) +
+         " is invalid; it must be >= 0 (0 enables dynamic loss scaling, a positive value is a static scale)");
+  }
+  loss_scale_options o;
+  o.dynamic = c.loss_scale == 0.0;
+  o.static_scale = o.dynamic ? 1.0 : c.loss_scale;
+  o.initial_scale_power = static_cast<int>(r.integer("initial_scale_power", 16, -1000, 1000));
+  o.loss_scale_window = static_cast<int>(r.integer("loss_scale_window", 1000, std::numeric_limits<int>::min(),
+                                                   std::numeric_limits<int>::max()));
+  o.hysteresis =
+      static_cast<int>(r.integer("hysteresis", 2, std::numeric_limits<int>::min(), std::numeric_limits<int>::max()));
+  o.consecutive_hysteresis = r.boolean("consecutive_hysteresis", false);
+  o.min_loss_scale = r.number("min_loss_scale", 1.0);
+  c.loss_scaler = o;
+}
+
+void parse_autocast(const json& j, config& c) {
+  const std::string p = "torch_autocast";
+  check_keys(j, p, {"enabled", "dtype", "lower_precision_safe_modules"});
+  reader r(j, p);
+  c.torch_autocast.enabled = r.boolean("enabled", false);
+  if (const json* v = r.find("dtype")) {
+    if (!v->is_string()) r.type_error("dtype", *v, "a string (\"bfloat16\" or \"float16\")");
+    const auto d = dtype_from_deepspeed_name(v->get<std::string>());
+    if (!d || *d == dtype::fp32) {
+      fail("'torch_autocast.dtype' = " + v->dump() +
+           " is invalid; autocast runs in a 16-bit dtype: \"bfloat16\" (also \"bf16\", \"torch.bfloat16\") or "
+           "\"float16\" (also \"fp16\", \"half\", \"torch.float16\")");
+    }
+    c.torch_autocast.dtype_ = *d;
+  }
+  if (r.has("lower_precision_safe_modules")) {
+    auto names = r.strings("lower_precision_safe_modules", {}, false);
+    // DeepSpeed names Python classes ("torch.nn.Linear"); LibTorch modules are matched by
+    // their class name, so torch's own prefixes are dropped.
+    for (auto& n : names) {
+      for (std::string_view prefix : {"torch.nn.", "torch::nn::"}) {
+        if (n.rfind(prefix, 0) == 0) n = n.substr(prefix.size());
+      }
+    }
+    c.torch_autocast.lower_precision_safe_modules = names;
+  }
+}
+
+std::vector<std::string> dedup(std::vector<std::string> v) {
+  std::vector<std::string> r;
+  for (auto& s : v)
+    if (std::find(r.begin(), r.end(), s) == r.end()) r.push_back(std::move(s));
+  return r;
+}
+
+void parse_offload_optimizer(const json& j, config& c) {
+  const std::string p = "zero_optimization.offload_optimizer";
+  check_keys(j, p, {"device", "pin_memory"},
+             {{"nvme_path", nullptr, "no NVMe offload (device \"cpu\" or \"none\")"},
+              {"buffer_count", "*", "NVMe only"},
+              {"pipeline_read", "false", "NVMe only"},
+              {"pipeline_write", "false", "NVMe only"},
+              {"fast_init", "false", "NVMe only"},
+              {"ratio", "1.0", "the whole optimizer is offloaded"},
+              {"super_offload", "false", "no Superchip offload"},
+              {"cpuadam_cores_perc", "*", "the host step uses OpenMP's threads"}});
+  reader r(j, p);
+  const std::string dev = r.string("device", "none");
+  if (dev == "none") {
+    c.zero.offload_optimizer = offload_device::none;
+  } else if (dev == "cpu") {
+    c.zero.offload_optimizer = offload_device::cpu;
+  } else if (dev == "nvme") {
+    fail("'" + p + ".device' = \"nvme\" is not supported by mpzero; use \"cpu\" or \"none\"");
+  } else {
+    fail("'" + p + ".device' = \"" + dev + "\" is invalid; use \"cpu\" or \"none\"");
+  }
+  c.zero.offload_pin_memory = r.boolean("pin_memory", true);
+}
+
+void parse_leaf_module(const json& j, config& c) {
+  const std::string p = "zero_optimization.leaf_module";
+  check_keys(j, p, {"classes", "names", "name_suffixes"});
+  reader r(j, p);
+  c.zero.leaf_module_classes = dedup(r.strings("classes", {}, true));
+  c.zero.leaf_module_names = dedup(r.strings("names", {}, true));
+  c.zero.leaf_module_name_suffixes = dedup(r.strings("name_suffixes", {}, true));
+}
+
+void parse_zero(const json& j, config& c) {
+  const std::string p = "zero_optimization";
+  check_keys(j, p,
+             {"stage", "offload_optimizer", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+              "contiguous_gradients", "reduce_scatter", "stage3_param_persistence_threshold",
+              "stage3_prefetch_bucket_size", "leaf_module", "param_persistence_threshold", "prefetch_bucket_size"},
+             {{"offload_param", nullptr, "parameters stay on the device (offload_optimizer offloads the optimizer)"},
+              {"cpu_offload", nullptr, "deprecated in DeepSpeed; write \"offload_optimizer\": {\"device\": \"cpu\"}"},
+              {"cpu_offload_param", nullptr, "parameters stay on the device"},
+              {"cpu_offload_use_pin_memory", nullptr, "write \"offload_optimizer\": {\"pin_memory\": ...}"},
+              {"allgather_partitions", "true", "parameters are gathered with allgather"},
+              {"use_multi_rank_bucket_allreduce", "*", "a communication detail"},
+              {"load_from_fp32_weights", "*", "checkpoints are loaded in code"},
+              {"elastic_checkpoint", "false", "no elastic checkpoints"},
+              {"sub_group_size", "*", "a DeepSpeed tiling knob"},
+              {"stage3_max_live_parameters", "*", "a DeepSpeed prefetch knob"},
+              {"stage3_max_reuse_distance", "*", "a DeepSpeed prefetch knob"},
+              {"stage3_model_persistence_threshold", "*", "a DeepSpeed prefetch knob"},
+              {"stage3_gather_16bit_weights_on_model_save", "*", "saving is done in code"},
+              {"stage3_gather_fp16_weights_on_model_save", "*", "saving is done in code"},
+              {"ignore_unused_parameters", "true", "parameters without gradients are always allowed"},
+              {"round_robin_gradients", "*", "a DeepSpeed offload copy schedule"},
+              {"zero_hpz_partition_size", "1", "no ZeRO++ hierarchical partitioning"},
+              {"zero_quantized_weights", "false", "no ZeRO++ quantization"},
+              {"zero_quantized_nontrainable_weights", "false", "no ZeRO++ quantization"},
+              {"zero_quantized_gradients", "false", "no ZeRO++ quantization"},
+              {"mics_shard_size", "-1", "no MiCS"},
+              {"memory_efficient_linear", "*", "a DeepSpeed stage-3 implementation detail"},
+              {"zenflow", nullptr, "no ZenFlow"}});
+  reader r(j, p);
+  if (const json* v = r.find("stage")) {
+    if (!v->is_number()) r.type_error("stage", *v, "an integer 0, 1, 2 or 3");
+  }
+  c.zero.stage = static_cast<int>(r.integer("stage", 0, 0, 3));
+  if (const json* o = r.object("offload_optimizer")) parse_offload_optimizer(*o, c);
+  c.zero.reduce_bucket_size = r.unsigned_integer("reduce_bucket_size", 500'000'000, 1);
+  c.zero.allgather_bucket_size = r.unsigned_integer("allgather_bucket_size", 500'000'000, 1);
+  // DeepSpeed's default overlaps communication in stage 3 only.
+  c.zero.overlap_comm = r.boolean("overlap_comm", c.zero.stage == 3);
+  c.zero.contiguous_gradients = r.boolean("contiguous_gradients", true);
+  c.zero.reduce_scatter = r.boolean("reduce_scatter", true);
+  // DeepSpeed accepts each stage-3 key under its field name too (pydantic aliases).
+  for (auto [name, alias] : {std::pair<std::string_view, std::string_view>{"stage3_param_persistence_threshold",
+                                                                            "param_persistence_threshold"},
+                             {"stage3_prefetch_bucket_size", "prefetch_bucket_size"}}) {
+    if (r.has(name) && r.has(alias)) {
+      fail("'zero_optimization." + std::string(name) + "' and its alias 'zero_optimization." + std::string(alias) +
+           "' are both given; keep one");
+    }
+  }
+  const bool alias1 = r.has("param_persistence_threshold");
+  c.zero.stage3_param_persistence_threshold = r.unsigned_integer(
+      alias1 ? "param_persistence_threshold" : "stage3_param_persistence_threshold", 100'000, 0);
+  const bool alias2 = r.has("prefetch_bucket_size");
+  c.zero.stage3_prefetch_bucket_size =
+      r.unsigned_integer(alias2 ? "prefetch_bucket_size" : "stage3_prefetch_bucket_size", 50'000'000, 0);
+  if (const json* o = r.object("leaf_module")) parse_leaf_module(*o, c);
+}
+
+const std::vector<std::string_view> optimizer_types = {"Adam", "AdamW", "SGD", "Lion"};
+
+void parse_betas(const reader& r, optimizer_config& o) {
+  const json* v = r.find("betas");
+  if (!v) return;
+  if (!v->is_array() || v->size() != 2 || !(*v)[0].is_number() || !(*v)[1].is_number()) {
+    r.type_error("betas", *v, "a list of two numbers [beta1, beta2]");
+  }
+  o.beta1 = (*v)[0].get<double>();
+  o.beta2 = (*v)[1].get<double>();
+}
+
+void parse_optimizer(const json& j, config& c) {
+  const std::string p = "optimizer";
+  check_keys(j, p, {"type", "params"}, {{"legacy_fusion", "false", "mpzero has one fused step"}});
+  reader r(j, p);
+  if (!r.has("type")) {
+    fail("'optimizer.type' is missing; set it to one of " + list(optimizer_types) +
+         " (or remove the \"optimizer\" section for the default, AdamW)");
+  }
+  const std::string type = r.string("type", "");
+  // DeepSpeed lower-cases its own optimizer names; SGD (torch.optim.SGD there) is matched
+  // case-insensitively here too.
+  const std::string t = lower(type);
+  optimizer_config& o = c.optimizer;
+  o = optimizer_config{};
+  if (t == "adam" || t == "adamw") {
+    o.type = optimizer_type::adamw;
+  } else if (t == "sgd") {
+    o.type = optimizer_type::sgd;
+  } else if (t == "lion") {
+    o.type = optimizer_type::lion;
+  } else {
+    std::string msg = "'optimizer.type' = \"" + type + "\" is not supported by mpzero; supported: " +
+                      list(optimizer_types) + " (case-insensitive)";
+    const std::string guess = closest(type, optimizer_types);
+    if (!guess.empty()) msg += "; did you mean " + squote(guess) + "?";
+    fail(msg);
+  }
+  const json* params = r.object("params");
+  const json empty = json::object();
+  const json& pj = params ? *params : empty;
+  const std::string pp = "optimizer.params";
+  const foreign_key max_grad_norm{"max_grad_norm", nullptr,
+                                  "DeepSpeed refuses it too; use the top-level \"gradient_clipping\""};
+  if (o.type == optimizer_type::adamw) {
+    check_keys(pj, pp, {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode"},
+               {max_grad_norm,
+                {"torch_adam", "*", "torch's Adam and DeepSpeed's fused Adam compute the same update"},
+                {"amsgrad", "false", "AMSGrad is not implemented (DeepSpeed's fused Adam refuses it too)"},
+                {"fp32_optimizer_states", nullptr, "the state dtype comes from \"bf16\".bf16_optimizer_states"}});
+  } else if (o.type == optimizer_type::sgd) {
+    check_keys(pj, pp, {"lr", "momentum", "dampening", "weight_decay", "nesterov"},
+               {max_grad_norm,
+                {"maximize", "false", "mpzero's SGD minimizes"},
+                {"foreach", "*", "an implementation choice of torch"},
+                {"fused", "*", "an implementation choice of torch"},
+                {"differentiable", "false", "the step is not differentiable"}});
+  } else {
+    check_keys(pj, pp, {"lr", "betas", "weight_decay"}, {max_grad_norm});
+  }
+  reader pr(pj, pp);
+  o.lr = pr.number("lr", 1e-3);
+  o.weight_decay = pr.number("weight_decay", 0.0);
+  // The optimizer's own checks (ranges of lr, betas, eps, ...), at parse time.
+  if (o.type == optimizer_type::adamw) {
+    parse_betas(pr, o);
+    o.eps = pr.number("eps", 1e-8);
+    o.bias_correction = pr.boolean("bias_correction", true);
+    // DeepSpeed: "AdamW" is always decoupled; "Adam" is decoupled too unless adam_w_mode
+    // is false (ADAM_W_MODE_DEFAULT = True).
+    const bool adam_w_mode = pr.boolean("adam_w_mode", true);
+    o.type = (t == "adamw" || adam_w_mode) ? optimizer_type::adamw : optimizer_type::adam;
+    optim::adam_options a{o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.bias_correction};
+    with_context("optimizer.params: ", [&] {
+      if (o.type == optimizer_type::adamw) {
+        optim::adamw::prepare(a, 1);
+      } else {
+        optim::adam::prepare(a, 1);
+      }
+    });
+  } else if (o.type == optimizer_type::sgd) {
+    o.momentum = pr.number("momentum", 0.0);
+    o.dampening = pr.number("dampening", 0.0);
+    o.nesterov = pr.boolean("nesterov", false);
+    optim::sgd_options s{o.lr, o.momentum, o.dampening, o.weight_decay, o.nesterov};
+    with_context("optimizer.params: ", [&] { optim::sgd::prepare(s, 1); });
+  } else {
+    parse_betas(pr, o);
+    optim::lion_options l{o.lr, o.beta1, o.beta2, o.weight_decay};
+    with_context("optimizer.params: ", [&] { optim::lion::prepare(l, 1); });
+  }
+}
+
+const std::vector<std::string_view> scheduler_types = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"};
+
+void parse_scheduler(const json& j, config& c) {
+  const std::string p = "scheduler";
+  check_keys(j, p, {"type", "params"});
+  reader r(j, p);
+  if (!r.has("type")) {
+    fail("'scheduler.type' is missing; set it to one of " + list(scheduler_types) +
+         " (or remove the \"scheduler\" section for a constant learning rate)");
+  }
+  const std::string type = r.string("type", "");
+  scheduler_config& s = c.scheduler;
+  s = scheduler_config{};
+  if (type == "WarmupLR") {
+    s.type = scheduler_type::warmup_lr;
+  } else if (type == "WarmupDecayLR") {
+    s.type = scheduler_type::warmup_decay_lr;
+  } else if (type == "WarmupCosineLR") {
+    s.type = scheduler_type::warmup_cosine_lr;
+  } else {
+    std::string msg = "'scheduler.type' = \"" + type + "\" is not supported by mpzero";
+    if (type == "OneCycle" || type == "LRRangeTest") msg += " (DeepSpeed's " + type + " is not implemented)";
+    msg += "; supported: " + list(scheduler_types);
+    const std::string guess = closest(type, scheduler_types);
+    if (!guess.empty() && guess != type) msg += "; did you mean " + squote(guess) + "?";
+    fail(msg);
+  }
+  const json* params = r.object("params");
+  const json empty = json::object();
+  const json& pj = params ? *params : empty;
+  const std::string pp = "scheduler.params";
+  const foreign_key last_iter{"last_batch_iteration", "-1",
+                              "the schedule starts at step 0; a checkpoint restores its position"};
+  reader pr(pj, pp);
+  if (s.type == scheduler_type::warmup_cosine_lr) {
+    const std::string why = "WarmupCosineLR scales the optimizer's lr (optimizer.params.lr) by ratios: use "
+                            "warmup_min_ratio and cos_min_ratio";
+    check_keys(pj, pp, {"total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"},
+               {last_iter, {"warmup_min_lr", nullptr, why}, {"warmup_max_lr", nullptr, why}});
+  } else if (s.type == scheduler_type::warmup_decay_lr) {
+    check_keys(pj, pp, {"total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
+               {last_iter});
+  } else {
+    check_keys(pj, pp, {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
+               {last_iter, {"total_num_steps", nullptr, "WarmupLR stays at warmup_max_lr; use WarmupDecayLR to decay"}});
+  }
+  s.warmup_num_steps = pr.unsigned_integer("warmup_num_steps", 1000, 1);
+  s.warmup_type = pr.string("warmup_type", "log");
+  if (s.warmup_type != "log" && s.warmup_type != "linear") {
+    fail("'scheduler.params.warmup_type' = \"" + s.warmup_type +
+         "\" is invalid; use \"log\" or \"linear\" (DeepSpeed would silently fall back to \"log\")");
+  }
+  if (s.type == scheduler_type::warmup_cosine_lr || s.type == scheduler_type::warmup_decay_lr) {
+    if (!pr.has("total_num_steps")) {
+      fail("'scheduler.params.total_num_steps' is missing; " + type +
+           " needs the total number of optimizer steps (DeepSpeed requires it too)");
+    }
+    s.total_num_steps = pr.unsigned_integer("total_num_steps", 0, 1);
+  }
+  if (s.type == scheduler_type::warmup_cosine_lr) {
+    s.warmup_min_ratio = pr.number("warmup_min_ratio", 0.0);
+    s.cos_min_ratio = pr.number("cos_min_ratio", 1e-4);
+    require_finite_range(pr.path("warmup_min_ratio"), s.warmup_min_ratio, 0.0, 1.0,
+                         "the first learning rate is warmup_min_ratio x optimizer lr");
+    require_finite_range(pr.path("cos_min_ratio"), s.cos_min_ratio, 0.0, 1.0,
+                         "the final learning rate is cos_min_ratio x optimizer lr");
+  } else {
+    s.warmup_min_lr = pr.number("warmup_min_lr", 0.0);
+    // DeepSpeed's WarmupLR warms up to the optimizer's lr when warmup_max_lr is absent;
+    // WarmupDecayLR's default is 0.001.
+    const double max_default = s.type == scheduler_type::warmup_lr ? c.optimizer.lr : 1e-3;
+    s.warmup_max_lr = pr.number("warmup_max_lr", max_default);
+    require_finite_range(pr.path("warmup_min_lr"), s.warmup_min_lr, 0.0, 1e6, "");
+    require_finite_range(pr.path("warmup_max_lr"), s.warmup_max_lr, 0.0, 1e6, "");
+  }
+}
+
+void parse_data_types(const json& j, config& c) {
+  const std::string p = "data_types";
+  check_keys(j, p, {"grad_accum_dtype"},
+             {{"param_dtype", nullptr, "the parameter dtype comes from \"bf16\" / \"fp16\""},
+              {"buffer_dtype", nullptr, "buffers are left as the model has them"}});
+  reader r(j, p);
+  if (const json* v = r.find("grad_accum_dtype")) {
+    if (!v->is_string()) r.type_error("grad_accum_dtype", *v, "a string (\"fp32\", \"bf16\" or \"fp16\")");
+    const auto d = dtype_from_deepspeed_name(v->get<std::string>());
+    if (!d) {
+      fail("'data_types.grad_accum_dtype' = " + v->dump() + " is invalid; use \"fp32\", \"bf16\" or \"fp16\"");
+    }
+    c.grad_accum_dtype = d;
+  }
+}
+
+// ---- batch sizes ----------------------------------------------------------------
+
+// DeepSpeed's rules (DeepSpeedConfig._set_batch_related_parameters, _batch_assertion):
+// any two of the three derive the third; train_batch_size alone means GAS = 1; the micro
+// batch alone means GAS = 1; neither of train/micro is an error; all three must satisfy
+// train = micro x GAS x world.
+void resolve_batch(const std::optional<std::uint64_t>& train, const std::optional<std::uint64_t>& micro,
+                   const std::optional<std::uint64_t>& gas, std::uint64_t world, config& c) {
+  const std::string formula = "train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
+                              "world size";
+  auto mul = [&](std::uint64_t a, std::uint64_t b) {
+    std::uint64_t r;
+    if (__builtin_mul_overflow(a, b, &r)) {
+      fail("batch sizes overflow 64 bits (" + std::to_string(a) + " x " + std::to_string(b) + "); " + formula);
+    }
+    return r;
+  };
+  auto not_multiple = [&](std::uint64_t t, std::uint64_t divisor, const std::string& what) {
+    fail("batch sizes disagree: " + formula + ", but train_batch_size (" + std::to_string(t) +
+         ") is not a positive multiple of " + what + " = " + std::to_string(divisor) +
+         "; change train_batch_size or give all three consistently");
+  };
+  const std::string ws = std::to_string(world);
+  if (train && micro && gas) {
+    const std::uint64_t prod = mul(mul(*micro, *gas), world);
+    if (prod != *train) {
+      fail("batch sizes disagree: train_batch_size (" + std::to_string(*train) +
+           ") != train_micro_batch_size_per_gpu (" + std::to_string(*micro) + ") x gradient_accumulation_steps (" +
+           std::to_string(*gas) + ") x world size (" + ws + ") = " + std::to_string(prod) + "; " + formula +
+           ". Fix one of them, or give only two and mpzero derives the third");
+    }
+    c.train_batch_size = *train, c.train_micro_batch_size_per_gpu = *micro, c.gradient_accumulation_steps = *gas;
+  } else if (train && micro) {
+    const std::uint64_t d = mul(*micro, world);
+    if (*train % d != 0 || *train < d) {
+      not_multiple(*train, d,
+                   "train_micro_batch_size_per_gpu (" + std::to_string(*micro) + ") x world size (" + ws + ")");
+    }
+    c.train_batch_size = *train, c.train_micro_batch_size_per_gpu = *micro, c.gradient_accumulation_steps = *train / d;
+  } else if (train && gas) {
+    const std::uint64_t d = mul(*gas, world);
+    if (*train % d != 0 || *train < d) {
+      not_multiple(*train, d, "gradient_accumulation_steps (" + std::to_string(*gas) + ") x world size (" + ws + ")");
+    }
+    c.train_batch_size = *train, c.gradient_accumulation_steps = *gas, c.train_micro_batch_size_per_gpu = *train / d;
+  } else if (micro && gas) {
+    c.train_micro_batch_size_per_gpu = *micro, c.gradient_accumulation_steps = *gas;
+    c.train_batch_size = mul(mul(*micro, *gas), world);
+  } else if (train) {
+    if (*train % world != 0 || *train < world) not_multiple(*train, world, "world size (" + ws + ")");
+    c.train_batch_size = *train, c.gradient_accumulation_steps = 1, c.train_micro_batch_size_per_gpu = *train / world;
+  } else if (micro) {
+    c.train_micro_batch_size_per_gpu = *micro, c.gradient_accumulation_steps = 1;
+    c.train_batch_size = mul(*micro, world);
+  } else {
+    fail("no batch size: give train_batch_size or train_micro_batch_size_per_gpu (or both; " + formula +
+         ", and gradient_accumulation_steps alone is not enough, as in DeepSpeed)");
+  }
+}
+
+// ---- cross-section rules -----------------------------------------------------------
+
+void validate(config& c) {
+  const int stage = c.zero.stage;
+  if (c.bf16 && c.fp16) fail("'bf16.enabled' and 'fp16.enabled' are both true; enable one of them");
+  auto need_enabled = [&](bool flag, bool enabled, const char* key, const char* section) {
+    if (flag && !enabled) {
+      fail(std::string("'") + key + "' is true but '" + section + ".enabled' is not; set " + section +
+           ".enabled = true (the flag keeps a " + section + " copy of " + section + " parameters)");
+    }
+  };
+  need_enabled(c.bf16_master_weights_and_grads, c.bf16, "bf16.bf16_master_weights_and_grads", "bf16");
+  need_enabled(c.bf16_optimizer_states, c.bf16, "bf16.bf16_optimizer_states", "bf16");
+  need_enabled(c.fp16_master_weights_and_grads, c.fp16, "fp16.fp16_master_weights_and_grads", "fp16");
+  auto need_zero = [&](bool flag, const char* key) {
+    if (flag && stage < 1) {
+      fail(std::string("'") + key + "' needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is " +
+           std::to_string(stage) + "); set zero_optimization.stage >= 1, as DeepSpeed requires");
+    }
+  };
+  need_zero(c.bf16_master_weights_and_grads, "bf16.bf16_master_weights_and_grads");
+  need_zero(c.bf16_optimizer_states, "bf16.bf16_optimizer_states");
+  need_zero(c.fp16_master_weights_and_grads, "fp16.fp16_master_weights_and_grads");
+  if (c.bf16_optimizer_states && !c.bf16_master_weights_and_grads) {
+    fail("'bf16.bf16_optimizer_states' needs 'bf16.bf16_master_weights_and_grads' = true (as in DeepSpeed: 16-bit "
+         "states come with a 16-bit master); set both, or drop bf16_optimizer_states");
+  }
+  if (c.zero.offload_optimizer == offload_device::cpu && stage < 1) {
+    fail("'zero_optimization.offload_optimizer.device' = \"cpu\" needs ZeRO stage 1, 2 or 3 "
+         "(zero_optimization.stage is 0); set the stage >= 1 or the device to \"none\"");
+  }
+  if (c.fp16) {
+    with_context("", [&] { loss_scaler check(c.loss_scaler); });
+  }
+  const dtype model = c.param_dtype();
+  auto mixes = [](dtype a, dtype b) {
+    return (a == dtype::bf16 && b == dtype::fp16) || (a == dtype::fp16 && b == dtype::bf16);
+  };
+  if (c.communication_data_type && mixes(model, *c.communication_data_type)) {
+    fail("'communication_data_type' = \"" + std::string(name_of(*c.communication_data_type)) +
+         "\" mixes bf16 and fp16 with a " + std::string(name_of(model)) +
+         " model; reduce in the model's dtype or \"fp32\"");
+  }
+  if (c.torch_autocast.enabled && mixes(model, c.torch_autocast.dtype_)) {
+    fail("'torch_autocast.dtype' = \"" + std::string(name_of(c.torch_autocast.dtype_)) +
+         "\" mixes bf16 and fp16 with a " + std::string(name_of(model)) +
+         " model; use the same 16-bit dtype as the enabled \"bf16\"/\"fp16\" section");
+  }
+  if (c.grad_accum_dtype) {
+    const dtype g = *c.grad_accum_dtype;
+    if (g != dtype::fp32 && g != model) {
+      fail("'data_types.grad_accum_dtype' = \"" + std::string(name_of(g)) + "\" with a " +
+           std::string(name_of(model)) + " model is not supported; accumulate gradients in \"fp32\" or in the "
+           "model's dtype \"" + std::string(name_of(model)) + "\"");
+    }
+    if (g == dtype::fp32 && (c.bf16_master_weights_and_grads || c.fp16_master_weights_and_grads)) {
+      fail("'data_types.grad_accum_dtype' = \"fp32\" contradicts " +
+           std::string(c.bf16 ? "'bf16.bf16_master_weights_and_grads'" : "'fp16.fp16_master_weights_and_grads'") +
+           ", which keeps gradients in 16 bits; drop one of them");
+    }
+  }
+  if (c.rounding != "nearest" && c.rounding != "stochastic") {
+    std::string msg = "'rounding' = \"" + c.rounding + "\" is invalid; use \"nearest\" or \"stochastic\"";
+    const std::string guess = closest(c.rounding, {"nearest", "stochastic"});
+    if (!guess.empty()) msg += "; did you mean " + squote(guess) + "?";
+    fail(msg);
+  }
+  if (c.rounding == "stochastic" && c.master_dtype() == dtype::fp32 && c.state_dtype() == dtype::fp32) {
+    fail("'rounding' = \"stochastic\" applies to 16-bit master weights or optimizer states, and this config keeps "
+         "both in fp32; use \"nearest\", or enable bf16.bf16_master_weights_and_grads / "
+         "fp16.fp16_master_weights_and_grads");
+  }
+  if (!(std::isfinite(c.gradient_clipping) && c.gradient_clipping >= 0)) {
+    fail("'gradient_clipping' = " + format_number(c.gradient_clipping) +
+         " is invalid; it must be a finite number >= 0 (0 disables clipping; DeepSpeed's default is 1.0)");
+  }
+}
+
+// Duplicate keys are an error, as DeepSpeed's dict_raise_error_on_duplicate_keys makes them.
+json parse_text(const std::string& text) {
+  struct frame {
+    bool object;
+    std::set<std::string> keys;
+    std::string key;
+  };
+  std::vector<frame> stack;
+  auto path = [&] {
+    std::string p;
+    for (const auto& f : stack)
+      if (f.object && !f.key.empty()) p = join_path(p, f.key);
+    return p;
+  };
+  json::parser_callback_t cb = [&](int, json::parse_event_t ev, json& parsed) {
+    switch (ev) {
+      case json::parse_event_t::object_start: stack.push_back({true, {}, {}}); break;
+      case json::parse_event_t::array_start: stack.push_back({false, {}, {}}); break;
+      case json::parse_event_t::object_end:
+      case json::parse_event_t::array_end:
+        if (!stack.empty()) stack.pop_back();
+        break;
+      case json::parse_event_t::key: {
+        frame& f = stack.back();
+        f.key = parsed.get<std::string>();
+        if (!f.keys.insert(f.key).second) fail("duplicate key " + squote(path()) + "; keep one of them");
+        break;
+      }
+      default: break;
+    }
+    return true;
+  };
+  try {
+    return json::parse(text, cb, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+  } catch (const json::parse_error& e) {
+    fail(std::string("JSON syntax error: ") + e.what());
+  }
+}
+
+}  // namespace
+
+// ---- public API ----------------------------------------------------------------------
+
+dtype config::param_dtype() const { return bf16 ? dtype::bf16 : fp16 ? dtype::fp16 : dtype::fp32; }
+
+dtype config::master_dtype() const {
+  if (bf16 && bf16_master_weights_and_grads) return dtype::bf16;
+  if (fp16 && fp16_master_weights_and_grads) return dtype::fp16;
+  return dtype::fp32;
+}
+
+// DeepSpeed accumulates and reduces gradients in the model's dtype (grad_accum_dtype
+// defaults to it) whether the master is fp32 or 16-bit; see docs/config.md.
+dtype config::grad_dtype() const { return grad_accum_dtype ? *grad_accum_dtype : param_dtype(); }
+
+dtype config::state_dtype() const { return bf16 && bf16_optimizer_states ? dtype::bf16 : dtype::fp32; }
+
+dtype config::comm_dtype() const { return communication_data_type ? *communication_data_type : param_dtype(); }
+
+std::string_view optimizer_name(optimizer_type t) {
+  switch (t) {
+    case optimizer_type::adam: return "Adam";
+    case optimizer_type::adamw: return "AdamW";
+    case optimizer_type::sgd: return "SGD";
+    case optimizer_type::lion: return "Lion";
+  }
+  return "?";
+}
+
+std::string_view scheduler_name(scheduler_type t) {
+  switch (t) {
+    case scheduler_type::none: return "";
+    case scheduler_type::warmup_lr: return "WarmupLR";
+    case scheduler_type::warmup_decay_lr: return "WarmupDecayLR";
+    case scheduler_type::warmup_cosine_lr: return "WarmupCosineLR";
+  }
+  return "?";
+}
+
+std::string_view offload_device_name(offload_device d) { return d == offload_device::cpu ? "cpu" : "none"; }
+
+config parse_config(const json& j, int world_size) {
+  if (world_size < 1) {
+    fail("world_size = " + std::to_string(world_size) + " is invalid; pass the number of data-parallel ranks (>= 1)");
+  }
+  if (!j.is_object()) fail("the configuration must be a JSON object {...}, got " + describe(j));
+  check_keys(j, "", top_level_keys, top_level_foreign);
+  config c;
+  reader r(j, "");
+  if (const json* v = r.object("bf16")) parse_bf16(*v, c);
+  if (const json* v = r.object("fp16")) parse_fp16(*v, c);
+  if (const json* v = r.object("torch_autocast")) parse_autocast(*v, c);
+  if (const json* z = r.find("zero_optimization"); z && z->is_boolean()) {
+    r.type_error("zero_optimization", *z,
+                 "an object (DeepSpeed's deprecated boolean form is not accepted: write {\"stage\": 1})");
+  }
+  if (const json* v = r.object("zero_optimization")) {
+    parse_zero(*v, c);
+  } else {
+    c.zero.overlap_comm = false;  // DeepSpeed's default for stage 0
+  }
+  // The optimizer first: WarmupLR's default peak is the optimizer's lr.
+  if (const json* v = r.object("optimizer")) parse_optimizer(*v, c);
+  if (const json* v = r.object("scheduler")) parse_scheduler(*v, c);
+  if (const json* v = r.object("data_types")) parse_data_types(*v, c);
+  c.gradient_clipping = r.number("gradient_clipping", 1.0);
+  if (const json* v = r.find("communication_data_type")) {
+    if (!v->is_string()) r.type_error("communication_data_type", *v, "a string (\"fp32\", \"bf16\" or \"fp16\")");
+    // DeepSpeed lower-cases the value and accepts exactly these three names.
+    const std::string s = lower(v->get<std::string>());
+    if (s == "fp32") {
+      c.communication_data_type = dtype::fp32;
+    } else if (s == "bf16") {
+      c.communication_data_type = dtype::bf16;
+    } else if (s == "fp16") {
+      c.communication_data_type = dtype::fp16;
+    } else {
+      fail("'communication_data_type' = " + v->dump() + " is invalid; supported: \"fp32\", \"bf16\", \"fp16\"");
+    }
+  }
+  c.seed = r.unsigned_integer("seed", 0, 0);
+  c.rounding = r.string("rounding", "nearest");
+
+  auto batch = [&](const char* key) -> std::optional<std::uint64_t> {
+    if (!r.has(key)) return std::nullopt;
+    if (const json* v = r.find(key); !v->is_number()) r.type_error(key, *v, "a positive integer");
+    return r.unsigned_integer(key, 0, 1);
+  };
+  resolve_batch(batch("train_batch_size"), batch("train_micro_batch_size_per_gpu"),
+                batch("gradient_accumulation_steps"), static_cast<std::uint64_t>(world_size), c);
+  validate(c);
+  return c;
+}
+
+config parse_config_text(const std::string& json_text, int world_size) {
+  return parse_config(parse_text(json_text), world_size);
+}
+
+config load_config_file(const std::string& path, int world_size) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    throw config_error("mpzero: config file '" + path + "' cannot be opened: " + std::strerror(errno) +
+                       " (check the path; it is resolved from the working directory)");
+  }
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  try {
+    return parse_config_text(ss.str(), world_size);
+  } catch (const config_error& e) {
+    std::string m = e.what();
+    const std::string prefix = "mpzero: config: ";
+    if (m.rfind(prefix, 0) == 0) m = m.substr(prefix.size());
+    throw config_error("mpzero: config file '" + path + "': " + m);
+  }
+}
+
+json to_json(const config& c) {
+  json j;
+  j["train_batch_size"] = c.train_batch_size;
+  j["train_micro_batch_size_per_gpu"] = c.train_micro_batch_size_per_gpu;
+  j["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
+  j["bf16"] = {{"enabled", c.bf16},
+               {"bf16_master_weights_and_grads", c.bf16_master_weights_and_grads},
+               {"bf16_optimizer_states", c.bf16_optimizer_states},
+               {"check_grad_overflow", c.check_grad_overflow}};
+  const loss_scale_options& o = c.loss_scaler;
+  j["fp16"] = {{"enabled", c.fp16},
+               {"loss_scale", o.dynamic ? 0.0 : o.static_scale},
+               {"initial_scale_power", o.initial_scale_power},
+               {"loss_scale_window", o.loss_scale_window},
+               {"hysteresis", o.hysteresis},
+               {"consecutive_hysteresis", o.consecutive_hysteresis},
+               {"min_loss_scale", o.min_loss_scale},
+               {"fp16_master_weights_and_grads", c.fp16_master_weights_and_grads}};
+  j["torch_autocast"] = {{"enabled", c.torch_autocast.enabled},
+                         {"dtype", dtype_json_name(c.torch_autocast.dtype_)},
+                         {"lower_precision_safe_modules", c.torch_autocast.lower_precision_safe_modules}};
+  const zero_config& z = c.zero;
+  j["zero_optimization"] = {
+      {"stage", z.stage},
+      {"offload_optimizer", {{"device", offload_device_name(z.offload_optimizer)}, {"pin_memory", z.offload_pin_memory}}},
+      {"reduce_bucket_size", z.reduce_bucket_size},
+      {"allgather_bucket_size", z.allgather_bucket_size},
+      {"overlap_comm", z.overlap_comm},
+      {"contiguous_gradients", z.contiguous_gradients},
+      {"reduce_scatter", z.reduce_scatter},
+      {"stage3_param_persistence_threshold", z.stage3_param_persistence_threshold},
+      {"stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size},
+      {"leaf_module",
+       {{"classes", z.leaf_module_classes}, {"names", z.leaf_module_names}, {"name_suffixes", z.leaf_module_name_suffixes}}}};
+  j["gradient_clipping"] = c.gradient_clipping;
+  const optimizer_config& op = c.optimizer;
+  json params = {{"lr", op.lr}, {"weight_decay", op.weight_decay}};
+  switch (op.type) {
+    case optimizer_type::adam:
+    case optimizer_type::adamw:
+      params["betas"] = {op.beta1, op.beta2};
+      params["eps"] = op.eps;
+      params["bias_correction"] = op.bias_correction;
+      params["adam_w_mode"] = op.type == optimizer_type::adamw;
+      break;
+    case optimizer_type::sgd:
+      params["momentum"] = op.momentum;
+      params["dampening"] = op.dampening;
+      params["nesterov"] = op.nesterov;
+      break;
+    case optimizer_type::lion: params["betas"] = {op.beta1, op.beta2}; break;
+  }
+  j["optimizer"] = {{"type", optimizer_name(op.type)}, {"params", params}};
+  const scheduler_config& s = c.scheduler;
+  if (s.type != scheduler_type::none) {
+    json sp = {{"warmup_num_steps", s.warmup_num_steps}, {"warmup_type", s.warmup_type}};
+    if (s.type == scheduler_type::warmup_cosine_lr) {
+      sp["total_num_steps"] = s.total_num_steps;
+      sp["warmup_min_ratio"] = s.warmup_min_ratio;
+      sp["cos_min_ratio"] = s.cos_min_ratio;
+    } else {
+      sp["warmup_min_lr"] = s.warmup_min_lr;
+      sp["warmup_max_lr"] = s.warmup_max_lr;
+      if (s.type == scheduler_type::warmup_decay_lr) sp["total_num_steps"] = s.total_num_steps;
+    }
+    j["scheduler"] = {{"type", scheduler_name(s.type)}, {"params", sp}};
+  }
+  if (c.communication_data_type) j["communication_data_type"] = dtype_json_name(*c.communication_data_type);
+  if (c.grad_accum_dtype) j["data_types"] = {{"grad_accum_dtype", dtype_json_name(*c.grad_accum_dtype)}};
+  j["seed"] = c.seed;
+  j["rounding"] = c.rounding;
+  return j;
+}
+
+}  // namespace mpzero::torch
