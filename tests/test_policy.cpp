@@ -77,8 +77,10 @@ reference_bytes reference(const hand_policy& h, int n_states, int stage_, bool c
   if (cpu_offload) {
     // The host holds the rank's partition of a separate master (even when the policy
     // updates the parameter in place on the device), of the states and of the gradient.
+    // The device keeps the parameters and, at stage 1 only, the full gradient: at stages
+    // 2 and 3 reduced buckets go straight to the host.
     r.host = static_cast<long double>(h.master) / world + states / world + static_cast<long double>(h.grad) / world;
-    r.device = charge(h.param, stage_, 3, world) + charge(h.grad, stage_, 2, world);
+    r.device = charge(h.param, stage_, 3, world) + (stage_ == 1 ? static_cast<long double>(h.grad) : 0.0L);
     return r;
   }
   r.device = charge(h.param, stage_, 3, world) + charge(h.grad, stage_, 2, world) +
@@ -244,17 +246,17 @@ TEST_CASE("memory model: hand-computed numbers", "[policy]") {
   CHECK(bytes_per_param<policies::bf16_all, sgd, stage<2>>(4).device_bytes == Approx(3.0));
   // bf16 master, fp32 states, Adam, stage 1, W = 3: 2 + 2 + 8 / 3.
   CHECK(bytes_per_param<policies::bf16_master_fp32_states, adam, stage<1>>(3).device_bytes == Approx(4.0 + 8.0 / 3));
-  // Offload: device keeps 2 + 2 / 4, host keeps (4 + 8 + 2) / 4.
+  // Offload at stage 2: the device keeps the bf16 parameters (2), the host (4 + 8 + 2) / 4.
   const auto off = bytes_per_param<policies::bf16_fp32_master, adam, stage<2>, offload_cpu>(4);
-  CHECK(off.device_bytes == Approx(2.5));
+  CHECK(off.device_bytes == Approx(2.0));
   CHECK(off.host_bytes == Approx(3.5));
   // Offload with master == param still stores a separate bf16 master on the host: (2 + 4 + 2) / 2.
   const auto off_bf16 = bytes_per_param<policies::bf16_all, adam, stage<1>, offload_cpu>(2);
   CHECK(off_bf16.device_bytes == Approx(4.0));
   CHECK(off_bf16.host_bytes == Approx(4.0));
-  // fp32 SGD at stage 3 with offload, W = 8: device (4 + 4) / 8, host (4 + 4 + 4) / 8.
+  // fp32 SGD at stage 3 with offload, W = 8: device 4 / 8 (parameters), host (4 + 4 + 4) / 8.
   const auto off_fp32 = bytes_per_param<policies::fp32, sgd, stage<3>, offload_cpu>(8);
-  CHECK(off_fp32.device_bytes == Approx(1.0));
+  CHECK(off_fp32.device_bytes == Approx(0.5));
   CHECK(off_fp32.host_bytes == Approx(1.5));
 }
 

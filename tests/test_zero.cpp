@@ -83,10 +83,10 @@ std::vector<float> allgather_flat(const std::vector<std::pair<std::uint64_t, flo
   return out;
 }
 
-template <class Policy, class Opt, int Stage, class Wire = typename Policy::grad_type>
+template <class Policy, class Opt, int Stage, class Wire = typename Policy::grad_type, class Offload = offload_none>
 outcome run_zero(const scenario& sc, const typename Opt::options& opt) {
   auto& c = world();
-  ZeroOptimizer<Policy, Opt, stage<Stage>, comm::mpi_communicator, host_backend, Wire> z(c, sc.numels, opt, sc.zo);
+  ZeroOptimizer<Policy, Opt, stage<Stage>, comm::mpi_communicator, host_backend, Offload, Wire> z(c, sc.numels, opt, sc.zo);
   const std::size_t n = sc.numels.size();
   for (std::size_t p = 0; p < n; ++p) {
     std::vector<float> v(sc.numels[p]);
@@ -208,9 +208,9 @@ outcome run_reference(const scenario& sc, const typename Opt::options& opt, cons
   return out;
 }
 
-template <class Policy, class Opt, int Stage, class Wire = typename Policy::grad_type>
+template <class Policy, class Opt, int Stage, class Wire = typename Policy::grad_type, class Offload = offload_none>
 void check_against_reference(const scenario& sc, const typename Opt::options& opt) {
-  const outcome got = run_zero<Policy, Opt, Stage, Wire>(sc, opt);
+  const outcome got = run_zero<Policy, Opt, Stage, Wire, Offload>(sc, opt);
   // The flat order, from an optimizer with the same layout rules.
   comm::mpi_communicator& c = world();
   ZeroOptimizer<Policy, Opt, stage<0>, comm::mpi_communicator> probe(c, sc.numels, opt, sc.zo);
@@ -518,5 +518,72 @@ TEST_CASE("ZeRO: full_grad reads the averaged reduced gradient; accumulate_grad 
     if (st == 1) { ZeroOptimizer<policies::fp32, optim::adam, stage<1>, comm::mpi_communicator> z(c, numels, {}, zo); run(z); }
     if (st == 2) { ZeroOptimizer<policies::fp32, optim::adam, stage<2>, comm::mpi_communicator> z(c, numels, {}, zo); run(z); }
     if (st == 3) { ZeroOptimizer<policies::fp32, optim::adam, stage<3>, comm::mpi_communicator> z(c, numels, {}, zo); run(z); }
+  }
+}
+
+namespace {
+
+template <class Policy, class Opt>
+void offload_stages(const scenario& sc, const typename Opt::options& opt) {
+  using G = typename Policy::grad_type;
+  SECTION("stage 1, offload") { check_against_reference<Policy, Opt, 1, G, offload_cpu>(sc, opt); }
+  SECTION("stage 2, offload") { check_against_reference<Policy, Opt, 2, G, offload_cpu>(sc, opt); }
+  SECTION("stage 3, offload") { check_against_reference<Policy, Opt, 3, G, offload_cpu>(sc, opt); }
+}
+
+template <class Policy, int Stage>
+void check_offload_memory(int passes) {
+  auto& c = world();
+  const std::vector<std::uint64_t> numels{0, 5, 1000, 3, 70001, 17, 1, 0, 25000};
+  zero_options zo;
+  zo.param_persistence_threshold = 0;
+  zo.reduce_bucket_numel = 4096;
+  ZeroOptimizer<Policy, optim::adamw, stage<Stage>, comm::mpi_communicator, host_backend, offload_cpu> z(c, numels, {}, zo);
+  const std::uint64_t padded = z.layout().padded_numel();
+  const memory_footprint model = bytes_per_param<Policy, optim::adamw, stage<Stage>, offload_cpu>(c.size());
+  auto check = [&] {
+    const memory_report m = z.memory();
+    INFO("stage " << Stage << ", world " << c.size() << ", " << passes << " backward passes per step");
+    REQUIRE(std::fabs(static_cast<double>(m.model_state_bytes()) - model.device_bytes * static_cast<double>(padded)) < 0.5);
+    REQUIRE(std::fabs(static_cast<double>(m.host_model_state_bytes()) - model.host_bytes * static_cast<double>(padded)) < 0.5);
+  };
+  check();
+  std::vector<float> g(70001, 0x1p-6f);
+  for (int pass = 0; pass < passes; ++pass) {
+    for (std::size_t p = numels.size(); p-- > 0;) z.accumulate_grad(p, g.data());
+    z.end_backward();
+  }
+  // Several backward passes accumulate in the host partition itself: no extra buffer.
+  check();
+  const std::vector<float> full = z.full_grad(4);
+  REQUIRE(full[123] == static_cast<float>(passes) * 0x1p-6f);  // summed, not overwritten (DeepSpeed #7981)
+  z.step();
+  check();
+}
+
+}  // namespace
+
+TEST_CASE("ZeRO-Offload: parameters and states equal the reference (offload off) bit for bit", "[offload]") {
+  offload_stages<policies::bf16_all_sr, optim::adamw>(uneven(), adamw_opts());
+}
+
+TEST_CASE("ZeRO-Offload: bf16 or fp16 master with fp32 states, fp32 master with bf16 params", "[offload]") {
+  offload_stages<policies::bf16_master_fp32_states, optim::adamw>(uneven(), adamw_opts());
+  offload_stages<policies::bf16_fp32_master, optim::adam>(uneven(), optim::adam::options{});
+}
+
+TEST_CASE("ZeRO-Offload: several backward passes per step are summed (DeepSpeed #7981)", "[offload]") {
+  scenario sc = uneven();
+  sc.passes = 4;
+  sc.report_twice = true;
+  offload_stages<policies::bf16_all_sr, optim::adamw>(sc, adamw_opts());
+}
+
+TEST_CASE("ZeRO-Offload: host and device bytes equal the memory model, with 1 and 4 backward passes", "[offload]") {
+  for (int passes : {1, 4}) {
+    check_offload_memory<policies::bf16_all_sr, 1>(passes);
+    check_offload_memory<policies::bf16_all_sr, 2>(passes);
+    check_offload_memory<policies::bf16_fp32_master, 2>(passes);
+    check_offload_memory<policies::bf16_master_fp32_states, 3>(passes);
   }
 }

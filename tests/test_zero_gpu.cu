@@ -35,7 +35,7 @@ struct snapshot {
   std::vector<double> norms;
 };
 
-template <class Policy, class Opt, int Stage, class Comm, class Backend>
+template <class Policy, class Opt, int Stage, class Comm, class Backend, class Offload = offload_none>
 snapshot train(Comm& comm, Backend backend, const std::vector<std::uint64_t>& numels) {
   zero_options zo;
   zo.reduce_bucket_numel = 5000;
@@ -44,7 +44,7 @@ snapshot train(Comm& comm, Backend backend, const std::vector<std::uint64_t>& nu
   zo.gradient_clipping = 1.0;
   zo.seed = 7;
   typename Opt::options o;
-  ZeroOptimizer<Policy, Opt, stage<Stage>, Comm, Backend> z(comm, numels, o, zo, backend);
+  ZeroOptimizer<Policy, Opt, stage<Stage>, Comm, Backend, Offload> z(comm, numels, o, zo, backend);
   using G = typename Policy::grad_type;
   // Host staging, then the backend's memory (device or host alike through upload()).
   auto to_backend = [&](const std::vector<float>& v) {
@@ -92,7 +92,7 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-template <class Policy, class Opt, int Stage>
+template <class Policy, class Opt, int Stage, class Offload = offload_none>
 void compare_backends() {
   require_device();
   const std::vector<std::uint64_t> numels{70001, 0, 33, 12345, 7, 100000};
@@ -103,7 +103,7 @@ void compare_backends() {
   snapshot dev;
   {
     comm::nccl_communicator nccl;
-    dev = train<Policy, Opt, Stage>(nccl, cuda_backend{stream}, numels);
+    dev = train<Policy, Opt, Stage, comm::nccl_communicator, cuda_backend, Offload>(nccl, cuda_backend{stream}, numels);
   }
   MPZERO_CUDA_CHECK(cudaStreamDestroy(stream));
   INFO("stage " << Stage);
@@ -128,4 +128,10 @@ TEST_CASE("ZeRO on CUDA + NCCL equals ZeRO on the host: bf16 with fp32 master, f
   compare_backends<policies::bf16_fp32_master, optim::adam, 2>();
   compare_backends<policies::fp16_fp32_master, optim::adamw, 2>();
   compare_backends<policies::fp16_fp32_master, optim::adamw, 3>();
+}
+
+TEST_CASE("ZeRO-Offload on CUDA (device parameters, host states and step) equals ZeRO on the host", "[gpu][offload]") {
+  compare_backends<policies::bf16_all_sr, optim::adamw, 1, offload_cpu>();
+  compare_backends<policies::bf16_fp32_master, optim::adamw, 2, offload_cpu>();
+  compare_backends<policies::bf16_master_fp32_states, optim::adamw, 3, offload_cpu>();
 }

@@ -8,10 +8,11 @@
 //   stage 2:  P + (G + M + S) / W           gradients partitioned too
 //   stage 3:  (P + G + M + S) / W           parameters partitioned too
 //
-// With CPU offload the master copy and the states live in host memory, always as a
-// separate master (the device keeps the parameters), together with the host copy of
-// the rank's gradient partition: host = (size(master) + S + G) / W, and the device
-// keeps only P and G as above. Alignment padding of the flat buffers (at most
+// With CPU offload (stages 1-3) the master copy and the states live in host memory,
+// always as a separate master (the device keeps the parameters), together with the
+// rank's gradient partition: host = (size(master) + S + G) / W. The device keeps the
+// parameters (P, or P / W at stage 3) and, at stage 1 only, the full gradient; at
+// stages 2 and 3 reduced gradients go from the buckets straight to the host. Alignment padding of the flat buffers (at most
 // 2 x W elements per parameter group) and transient communication buckets are not
 // per-parameter costs and are left out; tests account for them separately.
 #pragma once
@@ -52,7 +53,7 @@ constexpr memory_footprint bytes_per_param(const state_layout& s, int zero_stage
   memory_footprint f;
   if (offload == offload_kind::cpu) {
     f.host_bytes = (static_cast<double>(size_of(s.master)) + states + g) / w;
-    f.device_bytes = (zero_stage == 3 ? p / w : p) + (zero_stage >= 2 ? g / w : g);
+    f.device_bytes = (zero_stage == 3 ? p / w : p) + (zero_stage == 1 ? g : 0.0);
     return f;
   }
   const double m = s.master == s.param ? 0.0 : static_cast<double>(size_of(s.master));

@@ -77,21 +77,28 @@ struct step_report {
 // Bytes this rank holds, by kind. The first four are model states, what the
 // memory model predicts; buckets are transient communication buffers.
 struct memory_report {
-  std::uint64_t params = 0, grads = 0, master = 0, states = 0;
+  std::uint64_t params = 0, grads = 0, master = 0, states = 0;  // in the backend's memory
+  std::uint64_t host_master = 0, host_grads = 0, host_states = 0;  // CPU offload: in host memory
   std::uint64_t buckets = 0;
   std::uint64_t model_numel = 0;    // trainable elements, unpadded
   std::uint64_t padding_numel = 0;  // elements added to align the partitions
   std::uint64_t model_state_bytes() const noexcept { return params + grads + master + states; }
+  std::uint64_t host_model_state_bytes() const noexcept { return host_master + host_grads + host_states; }
 };
 
+// Offload: offload_none, or offload_cpu (ZeRO-Offload): master weights, optimizer
+// states and the rank's gradient partition live in host memory and the step runs on
+// the host (OpenMP, the same per-element code); the backend keeps the parameters.
 // Wire: the element type gradients travel in (DeepSpeed's communication_data_type);
 // by default the gradient type. With another type, buckets are converted before the
 // reduction and the results converted back (sums of 16-bit wire types are formed in
 // fp32 by the communicators, one rounding per combine).
 template <precision_policy Policy, optim::rule Optimizer, class Stage, comm::communicator Comm,
-          class Backend = host_backend, class Wire = typename Policy::grad_type>
+          class Backend = host_backend, class Offload = offload_none, class Wire = typename Policy::grad_type>
 class ZeroOptimizer {
   static_assert(storage_type<Wire>, "mpzero: the wire type of gradients is mpzero::fp32, mpzero::bf16 or mpzero::fp16.");
+  static_assert(Offload::value == offload_kind::none || Stage::value >= 1,
+                "mpzero: CPU offload keeps each rank's partition on the host: use ZeRO stage 1, 2 or 3.");
 
  public:
   using policy = Policy;
@@ -105,6 +112,7 @@ class ZeroOptimizer {
   static constexpr bool converts_on_wire = !std::same_as<Wire, typename Policy::grad_type>;
   static constexpr int zero_stage = Stage::value;
   static constexpr int n_states = Optimizer::n_states;
+  static constexpr bool offloaded = Offload::value == offload_kind::cpu;
 
   ZeroOptimizer(Comm& comm, std::span<const std::uint64_t> numels, const typename Optimizer::options& opt,
                 const zero_options& zo = {}, Backend backend = {})
@@ -127,7 +135,11 @@ class ZeroOptimizer {
     if (zo.loss_scaling) scaler_.emplace(zo.loss_scale);
     build_layout(numels);
     allocate();
-    stepper_.emplace(backend_.template make_stepper<Policy, Optimizer>(shard_tensors()));
+    if constexpr (offloaded) {
+      host_stepper_.emplace(host_.template make_stepper<Policy, Optimizer>(shard_tensors()));
+    } else {
+      stepper_.emplace(backend_.template make_stepper<Policy, Optimizer>(shard_tensors()));
+    }
   }
 
   ZeroOptimizer(const ZeroOptimizer&) = delete;
@@ -171,7 +183,15 @@ class ZeroOptimizer {
       const flat_range own = intersect(r, intersect(shard_, flat_range{0, persistent_begin_}));
       if (!own.empty()) backend_.convert(params_.data() + (own.begin - shard_.begin), values + (own.begin - r.begin), own.size());
     }
-    if constexpr (!Policy::master_is_param) {
+    if constexpr (offloaded) {
+      // The host master is always separate: bring this rank's slice over and convert it.
+      const flat_range own = intersect(r, shard_);
+      if (!own.empty()) {
+        std::vector<T> slice(own.size());
+        backend_.download(slice.data(), values + (own.begin - r.begin), own.size());
+        host_.convert(h_master_.data() + (own.begin - shard_.begin), slice.data(), own.size());
+      }
+    } else if constexpr (!Policy::master_is_param) {
       const flat_range own = intersect(r, shard_);
       if (!own.empty()) backend_.convert(master_.data() + (own.begin - shard_.begin), values + (own.begin - r.begin), own.size());
     }
@@ -252,7 +272,7 @@ class ZeroOptimizer {
   // Drops all accumulated gradients.
   void zero_grad() {
     if (in_backward_) end_backward();
-    backend_.zero(grads_.data(), grads_.size());
+    zero_all_grads();
     reduced_ = false;
   }
 
@@ -273,6 +293,10 @@ class ZeroOptimizer {
         comm_.reduce_scatter_v(grads_.data(), grads_.data() + shard_.begin, counts, comm::reduce_op::sum);
       }
     }
+    if constexpr (offloaded && zero_stage == 1) {
+      // The reduced shard goes to the host partition (stages 2-3 did this bucket by bucket).
+      backend_.download(h_grads_.data(), grads_.data() + shard_.begin, shard_.size());
+    }
     reduced_ = true;
   }
 
@@ -286,7 +310,11 @@ class ZeroOptimizer {
     std::vector<float> out(r.size(), 0.0f);
     if (!own.empty()) {
       std::vector<grad_type> host(own.size());
-      backend_.download(host.data(), shard_grads() + (own.begin - shard_.begin), own.size());
+      if constexpr (offloaded) {
+        host_.copy(host.data(), h_grads_.data() + (own.begin - shard_.begin), own.size());
+      } else {
+        backend_.download(host.data(), shard_grads() + (own.begin - shard_.begin), own.size());
+      }
       for (std::uint64_t k = 0; k < own.size(); ++k) out[own.begin - r.begin + k] = to_float(host[k]);
     }
     // Stage 0 holds everything everywhere; otherwise each element has one owner.
@@ -304,7 +332,7 @@ class ZeroOptimizer {
     reduce_gradients();
     reduced_ = false;
     const double W = static_cast<double>(world_);
-    const grad_stats local = backend_.stats(shard_grads(), shard_.size());
+    const grad_stats local = offloaded ? host_.stats(h_grads_.data(), shard_.size()) : backend_.stats(shard_grads(), shard_.size());
     double norm_sq = local.nonfinite ? std::numeric_limits<double>::infinity() : local.norm_squared;
     // Stage 0 computed the full norm on every rank; the others sum their partitions.
     if (zero_stage > 0 && world_ > 1) backend_.all_reduce_host(comm_, &norm_sq, 1, comm::reduce_op::sum);
@@ -323,11 +351,16 @@ class ZeroOptimizer {
       rep.clip_coefficient = clip_coefficient(rep.grad_norm, zo_.gradient_clipping);
       ++steps_;
       const auto args = make_step_args<Optimizer>(opt_, steps_, static_cast<float>(unscale * rep.clip_coefficient), zo_.seed);
-      stepper_->run(args);
+      if constexpr (offloaded) {
+        host_stepper_->run(args);
+        upload_updated_params();
+      } else {
+        stepper_->run(args);
+      }
       gather_updated_params();
     }
     rep.step = steps_;
-    backend_.zero(grads_.data(), grads_.size());
+    zero_all_grads();
     return rep;
   }
 
@@ -426,6 +459,11 @@ class ZeroOptimizer {
     for (const auto& b : recv_) m.buckets += b.bytes();
     for (const auto& b : wire_) m.buckets += b.bytes();
     for (const auto& [k, g] : groups_) m.buckets += g.data.bytes();
+    m.host_master = h_master_.bytes();
+    m.host_grads = h_grads_.bytes();
+    m.host_states = 0;
+    for (const auto& s : h_states_) m.host_states += s.bytes();
+    m.buckets += h_params_.bytes();
     m.model_numel = layout_.total_numel();
     m.padding_numel = layout_.padded_numel() - layout_.total_numel();
     return m;
@@ -451,7 +489,11 @@ class ZeroOptimizer {
   template <class T, class Out>
   void read_values(const T* p, std::uint64_t n, std::uint64_t first, Out& out) const {
     std::vector<T> host(n);
-    backend_.download(host.data(), p, n);
+    if constexpr (offloaded) {
+      host_.copy(host.data(), p, n);  // the shard tensors point at host memory
+    } else {
+      backend_.download(host.data(), p, n);
+    }
     for (std::uint64_t k = 0; k < n; ++k) out(first + k, to_float(host[k]));
   }
 
@@ -507,14 +549,66 @@ class ZeroOptimizer {
       persistent_ = backend_.template allocate<param_type>(padded - persistent_begin_);
       gathered_.assign(layout_.num_params(), nullptr);
     }
-    if constexpr (!Policy::master_is_param) master_ = backend_.template allocate<master_type>(shard_.size());
-    grads_ = backend_.template allocate<grad_type>(zero_stage >= 2 ? shard_.size() : padded);
-    for (auto& s : states_) s = backend_.template allocate<state_type>(shard_.size());
+    if constexpr (offloaded) {
+      h_master_ = host_.template allocate<master_type>(shard_.size());
+      for (auto& s : h_states_) s = host_.template allocate<state_type>(shard_.size());
+      h_grads_ = host_.template allocate<grad_type>(shard_.size());
+      if constexpr (!Policy::master_is_param) h_params_ = host_.template allocate<param_type>(shard_.size());
+      if constexpr (zero_stage == 1) grads_ = backend_.template allocate<grad_type>(padded);
+    } else {
+      if constexpr (!Policy::master_is_param) master_ = backend_.template allocate<master_type>(shard_.size());
+      grads_ = backend_.template allocate<grad_type>(zero_stage >= 2 ? shard_.size() : padded);
+      for (auto& s : states_) s = backend_.template allocate<state_type>(shard_.size());
+    }
+  }
+
+  void zero_all_grads() {
+    backend_.zero(grads_.data(), grads_.size());
+    if constexpr (offloaded) host_.zero(h_grads_.data(), h_grads_.size());
+  }
+
+  // Offload: the host step wrote the shard's parameters (in the parameter dtype) into
+  // host memory; copy them into the backend's parameter storage.
+  void upload_updated_params() {
+    const param_type* src = nullptr;
+    if constexpr (Policy::master_is_param) {
+      src = h_master_.data();
+    } else {
+      src = h_params_.data();
+    }
+    if constexpr (zero_stage < 3) {
+      backend_.upload(params_.data() + shard_.begin, src, shard_.size());
+    } else {
+      const flat_range a = intersect(shard_, flat_range{0, persistent_begin_});
+      const flat_range b = intersect(shard_, flat_range{persistent_begin_, layout_.padded_numel()});
+      if (!a.empty()) backend_.upload(params_.data(), src + (a.begin - shard_.begin), a.size());
+      if (!b.empty()) backend_.upload(persistent_.data() + (b.begin - persistent_begin_), src + (b.begin - shard_.begin), b.size());
+    }
   }
 
   // The shard as step tensors: one, or in stage 3 two (partitioned and persistent
   // parameters live in different buffers). Global offsets are flat offsets.
   std::vector<step_tensor<Policy, Optimizer>> shard_tensors() {
+    if constexpr (offloaded) {
+      // On the host every buffer is the shard, contiguous: one tensor.
+      std::vector<step_tensor<Policy, Optimizer>> out;
+      if (!shard_.empty()) {
+        step_tensor<Policy, Optimizer> t;
+        if constexpr (Policy::master_is_param) {
+          t.param = h_master_.data();
+        } else {
+          t.param = h_params_.data();
+          t.master = h_master_.data();
+        }
+        t.grad = h_grads_.data();
+        for (int k = 0; k < n_states; ++k) t.states[k] = h_states_[static_cast<std::size_t>(k)].data();
+        t.numel = shard_.size();
+        t.global_offset = shard_.begin;
+        out.push_back(t);
+      }
+      shard_tensors_ = out;
+      return out;
+    }
     std::vector<flat_range> pieces;
     if constexpr (zero_stage == 3) {
       pieces.push_back(intersect(shard_, flat_range{0, persistent_begin_}));
@@ -662,8 +756,20 @@ class ZeroOptimizer {
     f.request.wait();
     const flat_range own = intersect(buckets_.buckets()[f.bucket].range, shard_);
     if (!own.empty()) {
-      backend_.accumulate(grads_.data() + (own.begin - shard_.begin), recv_[static_cast<std::size_t>(f.recv)].data(),
-                          own.size());
+      const Wire* got = recv_[static_cast<std::size_t>(f.recv)].data();
+      if constexpr (offloaded) {
+        // Straight into the host partition, in the gradient dtype.
+        grad_type* dst = h_grads_.data() + (own.begin - shard_.begin);
+        if constexpr (Backend::device_memory) {
+          std::vector<Wire> tmp(own.size());
+          backend_.download(tmp.data(), got, own.size());
+          host_.accumulate(dst, tmp.data(), own.size());
+        } else {
+          host_.accumulate(dst, got, own.size());
+        }
+      } else {
+        backend_.accumulate(grads_.data() + (own.begin - shard_.begin), got, own.size());
+      }
     }
     recv_busy_[static_cast<std::size_t>(f.recv)] = 0;
     if constexpr (converts_on_wire) {
@@ -731,6 +837,14 @@ class ZeroOptimizer {
   buffer<grad_type> grads_;        // stages 0-1: all gradients; stages 2-3: the shard's
   buffer<state_type> states_[n_states];
   std::optional<typename Backend::template stepper<Policy, Optimizer>> stepper_;
+
+  // offload
+  host_backend host_{};
+  host_buffer<master_type> h_master_;  // always separate from the parameters
+  host_buffer<state_type> h_states_[n_states];
+  host_buffer<grad_type> h_grads_;     // the shard's reduced gradients, accumulated over backward passes
+  host_buffer<param_type> h_params_;   // the step's parameter output, when the master is wider
+  std::optional<host_backend::stepper<Policy, Optimizer>> host_stepper_;
   std::vector<step_tensor<Policy, Optimizer>> shard_tensors_;
 
   // stages 2-3
