@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Installs what mpzero's build, tests and main job need, skipping what is already there.
-# Debian packages only (and, for the LibTorch adapter, PyPI's torch wheel when asked).
+# Installs what mpzero's build, tests and main job need, skipping what is already there:
+# Debian packages, and PyPI's torch wheel for the LibTorch adapter (pinned; the same
+# version the GPU machines have). MPZERO_NO_TORCH=1 skips torch (the adapter is then
+# not built).
 set -euo pipefail
+torch_version="2.11.0"
 
-packages=(cmake g++ make catch2 libbenchmark-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin)
+packages=(cmake g++ make python3 python3-pip catch2 libbenchmark-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
@@ -17,4 +20,14 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
   echo "mpzero setup: note: nvcc is in /usr/local/cuda/bin but not on PATH; CUDA parts are found through CMake anyway"
+fi
+
+if [ "${MPZERO_NO_TORCH:-0}" != "1" ]; then
+  have=$(python3 -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
+  if [ "$have" != "$torch_version" ]; then
+    echo "mpzero setup: installing torch==$torch_version from PyPI (LibTorch for the adapter; a large download)"
+    # Debian's own python3 refuses pip installs (PEP 668) unless told otherwise.
+    python3 -m pip install -q "torch==$torch_version" 2>/dev/null ||
+      python3 -m pip install -q --break-system-packages "torch==$torch_version"
+  fi
 fi

@@ -1,0 +1,277 @@
+// mpzero::torch: a communicator chosen at run time.
+//
+// The engine picks its ZeroOptimizer instantiation from the JSON config at run time;
+// compiling each of those once per communicator type as well would multiply the
+// instantiations (and the build time) by the number of communicators. So the engine
+// talks to one type, any_communicator, which satisfies comm::communicator and forwards
+// every call through a small virtual interface (communicator_base) to a concrete one:
+// local_communicator, mpi_communicator, a c10d ProcessGroup (process_group.hpp), or
+// any other type that models comm::communicator (communicator_adapter<C>).
+//
+// Cost: one virtual call and one heap-allocated request per collective. The core
+// issues a handful of collectives per bucket and per step, so this is noise next to
+// the data they move.
+//
+// Torch-free: this header needs only the core.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include <mpzero/comm/communicator.hpp>
+#include <mpzero/comm/local.hpp>
+#include <mpzero/error.hpp>
+
+namespace mpzero::torch {
+
+// The element types that travel, as a value (comm::wire_type as a type).
+enum class wire_dtype : std::uint8_t { f32, f64, bf16, fp16, i32, u8 };
+
+template <comm::wire_type T>
+constexpr wire_dtype wire_of() noexcept {
+  if constexpr (std::is_same_v<T, float>) return wire_dtype::f32;
+  else if constexpr (std::is_same_v<T, double>) return wire_dtype::f64;
+  else if constexpr (std::is_same_v<T, mpzero::bf16>) return wire_dtype::bf16;
+  else if constexpr (std::is_same_v<T, mpzero::fp16>) return wire_dtype::fp16;
+  else if constexpr (std::is_same_v<T, std::int32_t>) return wire_dtype::i32;
+  else return wire_dtype::u8;
+}
+
+constexpr std::size_t wire_size(wire_dtype d) noexcept {
+  switch (d) {
+    case wire_dtype::f64: return 8;
+    case wire_dtype::f32:
+    case wire_dtype::i32: return 4;
+    case wire_dtype::bf16:
+    case wire_dtype::fp16: return 2;
+    case wire_dtype::u8: return 1;
+  }
+  return 1;
+}
+
+// A posted operation. wait() blocks (within the backend's deadline); test() polls.
+class request_base {
+ public:
+  virtual ~request_base() = default;
+  virtual void wait() = 0;
+  virtual bool test() = 0;
+};
+
+// The virtual interface: the non-blocking calls of comm::communicator with the element
+// type as a value. Semantics, overlap rules and failure behaviour: comm/communicator.hpp.
+// `counts` only needs to live for the duration of the call.
+class communicator_base {
+ public:
+  virtual ~communicator_base() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string name() const = 0;
+  virtual std::unique_ptr<request_base> iall_reduce(const void* in, void* out, std::uint64_t n, wire_dtype t,
+                                                    comm::reduce_op op) = 0;
+  virtual std::unique_ptr<request_base> ireduce_scatter_v(const void* in, void* out,
+                                                          std::span<const std::uint64_t> counts, wire_dtype t,
+                                                          comm::reduce_op op) = 0;
+  virtual std::unique_ptr<request_base> iall_gather_v(const void* in, std::uint64_t n_in, void* out,
+                                                      std::span<const std::uint64_t> counts, wire_dtype t) = 0;
+  virtual std::unique_ptr<request_base> ibroadcast(void* data, std::uint64_t n, wire_dtype t, int root) = 0;
+  virtual void barrier() = 0;
+};
+
+namespace detail {
+
+// Calls f(T*) with the pointer cast to the element type named by `t`.
+template <class F>
+decltype(auto) with_wire_type(wire_dtype t, F&& f) {
+  switch (t) {
+    case wire_dtype::f32: return f(static_cast<float*>(nullptr));
+    case wire_dtype::f64: return f(static_cast<double*>(nullptr));
+    case wire_dtype::bf16: return f(static_cast<mpzero::bf16*>(nullptr));
+    case wire_dtype::fp16: return f(static_cast<mpzero::fp16*>(nullptr));
+    case wire_dtype::i32: return f(static_cast<std::int32_t*>(nullptr));
+    case wire_dtype::u8: return f(static_cast<std::uint8_t*>(nullptr));
+  }
+  throw mpzero::invalid_argument("mpzero::torch: unknown wire dtype " + std::to_string(static_cast<int>(t)));
+}
+
+template <class R>
+class typed_request final : public request_base {
+ public:
+  explicit typed_request(R r) : r_(std::move(r)) {}
+  void wait() override { r_.wait(); }
+  bool test() override {
+    if constexpr (requires(R& r) { r.test(); }) {
+      return r_.test();
+    } else {
+      r_.wait();
+      return true;
+    }
+  }
+
+ private:
+  R r_;
+};
+
+template <class R>
+std::unique_ptr<request_base> wrap_request(R&& r) {
+  return std::make_unique<typed_request<std::decay_t<R>>>(std::forward<R>(r));
+}
+
+}  // namespace detail
+
+// Any comm::communicator behind the virtual interface. Holds `c` by reference: the
+// caller keeps it alive (and, for MPI, calls from MPI's thread) while the engine lives.
+template <comm::communicator C>
+class communicator_adapter final : public communicator_base {
+ public:
+  explicit communicator_adapter(C& c, std::string name = "communicator") : c_(c), name_(std::move(name)) {}
+  int rank() const override { return c_.rank(); }
+  int size() const override { return c_.size(); }
+  std::string name() const override { return name_; }
+
+  std::unique_ptr<request_base> iall_reduce(const void* in, void* out, std::uint64_t n, wire_dtype t,
+                                            comm::reduce_op op) override {
+    return detail::with_wire_type(t, [&]<class T>(T*) -> std::unique_ptr<request_base> {
+      if constexpr (requires { c_.iall_reduce(static_cast<const T*>(in), static_cast<T*>(out), n, op); }) {
+        return detail::wrap_request(c_.iall_reduce(static_cast<const T*>(in), static_cast<T*>(out), n, op));
+      } else {
+        c_.all_reduce(static_cast<const T*>(in), static_cast<T*>(out), n, op);
+        return detail::wrap_request(comm::ready_request{});
+      }
+    });
+  }
+  std::unique_ptr<request_base> ireduce_scatter_v(const void* in, void* out, std::span<const std::uint64_t> counts,
+                                                  wire_dtype t, comm::reduce_op op) override {
+    return detail::with_wire_type(t, [&]<class T>(T*) {
+      return detail::wrap_request(c_.ireduce_scatter_v(static_cast<const T*>(in), static_cast<T*>(out), counts, op));
+    });
+  }
+  std::unique_ptr<request_base> iall_gather_v(const void* in, std::uint64_t n_in, void* out,
+                                              std::span<const std::uint64_t> counts, wire_dtype t) override {
+    return detail::with_wire_type(t, [&]<class T>(T*) {
+      return detail::wrap_request(c_.iall_gather_v(static_cast<const T*>(in), n_in, static_cast<T*>(out), counts));
+    });
+  }
+  std::unique_ptr<request_base> ibroadcast(void* data, std::uint64_t n, wire_dtype t, int root) override {
+    return detail::with_wire_type(t, [&]<class T>(T*) -> std::unique_ptr<request_base> {
+      if constexpr (requires { c_.ibroadcast(static_cast<T*>(data), n, root); }) {
+        return detail::wrap_request(c_.ibroadcast(static_cast<T*>(data), n, root));
+      } else {
+        c_.broadcast(static_cast<T*>(data), n, root);
+        return detail::wrap_request(comm::ready_request{});
+      }
+    });
+  }
+  void barrier() override { c_.barrier(); }
+
+ private:
+  C& c_;
+  std::string name_;
+};
+
+// The request of any_communicator.
+class any_request {
+ public:
+  any_request() = default;
+  explicit any_request(std::unique_ptr<request_base> r) : r_(std::move(r)) {}
+  void wait() {
+    if (r_) r_->wait();
+  }
+  bool test() { return r_ ? r_->test() : true; }
+
+ private:
+  std::unique_ptr<request_base> r_;
+};
+
+// A comm::communicator that forwards to a communicator_base. Copies share the target.
+class any_communicator {
+ public:
+  using request_type = any_request;
+
+  // World size 1, no MPI or c10d needed.
+  any_communicator() : any_communicator(std::make_shared<owned_local>()) {}
+  explicit any_communicator(std::shared_ptr<communicator_base> impl) : impl_(std::move(impl)) {
+    if (!impl_) throw mpzero::invalid_argument("mpzero::torch::any_communicator: got a null communicator");
+  }
+  // Wraps a communicator the caller owns (and keeps alive).
+  template <comm::communicator C>
+    requires(!std::is_same_v<std::remove_cvref_t<C>, any_communicator>)
+  static any_communicator wrap(C& c, std::string name = "communicator") {
+    return any_communicator(std::make_shared<communicator_adapter<C>>(c, std::move(name)));
+  }
+
+  int rank() const { return impl_->rank(); }
+  int size() const { return impl_->size(); }
+  std::string name() const { return impl_->name(); }
+  communicator_base& base() const noexcept { return *impl_; }
+
+  template <comm::wire_type T>
+  any_request iall_reduce(const T* in, T* out, std::uint64_t n, comm::reduce_op op) {
+    return any_request(impl_->iall_reduce(in, out, n, wire_of<T>(), op));
+  }
+  template <comm::wire_type T>
+  any_request ireduce_scatter_v(const T* in, T* out, std::span<const std::uint64_t> counts, comm::reduce_op op) {
+    return any_request(impl_->ireduce_scatter_v(in, out, counts, wire_of<T>(), op));
+  }
+  template <comm::wire_type T>
+  any_request iall_gather_v(const T* in, std::uint64_t n_in, T* out, std::span<const std::uint64_t> counts) {
+    return any_request(impl_->iall_gather_v(in, n_in, out, counts, wire_of<T>()));
+  }
+  template <comm::wire_type T>
+  any_request ibroadcast(T* data, std::uint64_t n, int root) {
+    return any_request(impl_->ibroadcast(data, n, wire_of<T>(), root));
+  }
+
+  template <comm::wire_type T>
+  void all_reduce(const T* in, T* out, std::uint64_t n, comm::reduce_op op) {
+    iall_reduce(in, out, n, op).wait();
+  }
+  template <comm::wire_type T>
+  void reduce_scatter_v(const T* in, T* out, std::span<const std::uint64_t> counts, comm::reduce_op op) {
+    ireduce_scatter_v(in, out, counts, op).wait();
+  }
+  template <comm::wire_type T>
+  void all_gather_v(const T* in, std::uint64_t n_in, T* out, std::span<const std::uint64_t> counts) {
+    iall_gather_v(in, n_in, out, counts).wait();
+  }
+  template <comm::wire_type T>
+  void broadcast(T* data, std::uint64_t n, int root) {
+    ibroadcast(data, n, root).wait();
+  }
+  void barrier() { impl_->barrier(); }
+
+ private:
+  // A local_communicator owned by the wrapper (the default, world size 1).
+  struct owned_local final : communicator_base {
+    comm::local_communicator c;
+    communicator_adapter<comm::local_communicator> a{c, "local"};
+    int rank() const override { return 0; }
+    int size() const override { return 1; }
+    std::string name() const override { return "local"; }
+    std::unique_ptr<request_base> iall_reduce(const void* in, void* out, std::uint64_t n, wire_dtype t,
+                                              comm::reduce_op op) override {
+      return a.iall_reduce(in, out, n, t, op);
+    }
+    std::unique_ptr<request_base> ireduce_scatter_v(const void* in, void* out, std::span<const std::uint64_t> counts,
+                                                    wire_dtype t, comm::reduce_op op) override {
+      return a.ireduce_scatter_v(in, out, counts, t, op);
+    }
+    std::unique_ptr<request_base> iall_gather_v(const void* in, std::uint64_t n_in, void* out,
+                                                std::span<const std::uint64_t> counts, wire_dtype t) override {
+      return a.iall_gather_v(in, n_in, out, counts, t);
+    }
+    std::unique_ptr<request_base> ibroadcast(void* data, std::uint64_t n, wire_dtype t, int root) override {
+      return a.ibroadcast(data, n, t, root);
+    }
+    void barrier() override {}
+  };
+
+  std::shared_ptr<communicator_base> impl_;
+};
+
+static_assert(comm::communicator<any_communicator>);
+
+}  // namespace mpzero::torch

@@ -1,0 +1,242 @@
+// mpzero::torch: the training engine for LibTorch models, with PyTorch-style backward.
+//
+//   auto engine = mpzero::torch::initialize(model, "ds_config.json");  // or JSON text, json, config
+//   auto loss = loss_fn(engine.forward(x), y);
+//   loss.backward();   // plain autograd: ZeRO runs in hooks
+//   engine.step();
+//
+// What the engine does (src/engine.cpp has the details):
+// - Parameters: the model's trainable parameters are converted to the configured
+//   parameter dtype and re-pointed at views of the ZeRO optimizer's flat parameter
+//   buffer, so forward reads them and step() updates them in place. Rank 0's values are
+//   broadcast at initialisation. Frozen parameters and floating buffers are converted to
+//   the parameter dtype too (as DeepSpeed's module.bfloat16() does) but not managed.
+// - Gradients: a post-accumulate-grad hook per trainable parameter hands the gradient to
+//   the ZeRO core (bucketed reduce-scatter at stage 2), scaled by 1/GAS, and releases
+//   param.grad(). Dividing at the parameter (not at the model's outputs) divides once,
+//   whatever the path: a gradient that flows from one engine's output into another
+//   engine is not divided twice.
+// - End of backward: the first hook of a backward queues an autograd final callback that
+//   runs the epilogue (flushes the buckets). State is kept per autograd graph task, so a
+//   second backward through a retained graph, or two losses of one forward, each get
+//   their own epilogue and their gradients add up; a backward nested inside another
+//   backward (reentrant checkpointing) or started inside forward runs no epilogue of its
+//   own. Bookkeeping is O(1) per hook.
+// - fp16: a backward must be scaled, by engine.backward(loss) or engine.scale(loss);
+//   an unscaled one throws "Loss scaling is required" from its first hook, on every
+//   rank, before any collective (no hang), for dynamic and static loss scales.
+//
+// Threads: one backward at a time per engine, run from the thread that owns the
+// communicator (MPI: the main thread). CPU parameters only in this build (host backend).
+//
+// Nested backward detection reads the current autograd GraphTask's reentrant depth
+// through LibTorch's exported get_current_graph_task_exec_info() (LibTorch has no
+// accessor for the depth itself), verified against get_current_graph_task_id(). If a
+// LibTorch build ever lays GraphTask out differently, the check fails and the engine
+// falls back to "a backward that starts while one of this engine's is still open is
+// nested": then only a forward that bypasses the engine *and* whose first gradient of
+// this engine comes from a nested backward gets an early epilogue (still correct
+// gradients, one extra bucket flush).
+//
+// Not yet: ZeRO stage 3 and CPU offload (refused with a message), CUDA parameters
+// (the device variant: cuda_backend + NCCL), reducing the gradients of
+// torch_autocast.lower_precision_safe_modules in the autocast dtype (they are reduced
+// in the configured gradient dtype), communication_data_type (gradients travel in
+// their own dtype).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include <mpzero/torch/communicator.hpp>
+#include <mpzero/torch/config.hpp>
+#include <mpzero/zero/zero_optimizer.hpp>
+
+namespace mpzero::torch {
+
+namespace detail {
+class engine_state;
+}  // namespace detail
+
+// Engine state shared by every engine<Model>; the template only adds the model's forward.
+class engine_base {
+ public:
+  // ---- DeepSpeed's training API ---------------------------------------------------
+  // Runs backward on a one-element loss: applies the loss scale, then the epilogue
+  // itself. Returns loss / gradient_accumulation_steps (loss if !scale_wrt_gas), detached.
+  ::torch::Tensor backward(const ::torch::Tensor& loss, bool retain_graph = false, bool scale_wrt_gas = true);
+  // loss times the current fp16 loss scale, marked as scaled (for loss.backward()).
+  // Without fp16 it returns loss. One-element tensors only.
+  ::torch::Tensor scale(const ::torch::Tensor& loss);
+  // Counts a micro-step; at the gradient accumulation boundary also updates the
+  // parameters (and the learning rate from the scheduler). Collective at the boundary.
+  void step();
+  // Drops the gradients accumulated so far.
+  void zero_grad();
+  // (micro_steps + 1) % gradient_accumulation_steps == 0, unless overridden.
+  bool is_gradient_accumulation_boundary() const;
+  // Overrides the boundary until the next call (or clear_...): e.g. several backward
+  // calls per optimizer step with gradient_accumulation_steps = 1.
+  void set_gradient_accumulation_boundary(bool is_boundary);
+  void clear_gradient_accumulation_boundary();
+
+  std::uint64_t global_steps() const;  // optimizer steps taken (skipped overflow steps included, as in DeepSpeed)
+  std::uint64_t micro_steps() const;
+  std::uint64_t skipped_steps() const;
+  double get_lr() const;      // the learning rate the next step will use
+  double loss_scale() const;  // the fp16 loss scale (1 without fp16)
+  // The global gradient norm of the last step (unscaled, before clipping); NaN before the first.
+  double global_grad_norm() const;
+  const step_report& last_step_report() const;
+  std::uint64_t gradient_accumulation_steps() const;
+  const mpzero::torch::config& config() const;
+  int rank() const;
+  int world_size() const;
+
+  // ---- inspection ------------------------------------------------------------------
+  // The managed (trainable) parameters, in the core's order, and their names.
+  const std::vector<::torch::Tensor>& parameters() const;
+  const std::vector<std::string>& parameter_names() const;
+  // A parameter's gradient as the step will use it: reduced, averaged over ranks,
+  // unscaled, before clipping, fp32, shaped like the parameter. Collective; call it at
+  // the accumulation boundary before step() (no backward may follow until step() or
+  // zero_grad()). DeepSpeed's safe_get_full_grad.
+  ::torch::Tensor full_grad(const ::torch::Tensor& param);
+  std::vector<::torch::Tensor> full_grads();
+  // Every managed parameter's master weights, fp32, whole, on every rank. Collective.
+  std::vector<::torch::Tensor> master_weights();
+  // How many backward epilogues have run (diagnostics and tests).
+  std::uint64_t epilogues() const;
+  memory_report memory() const;
+  // The compiled instantiation, e.g. "param bf16, master fp32, ..., ZeRO stage 2".
+  std::string describe() const;
+
+ protected:
+  engine_base() = default;
+  explicit engine_base(std::shared_ptr<detail::engine_state> st) : st_(std::move(st)) {}
+
+  // RAII: the engine is in forward (autocast on if configured; a backward started
+  // meanwhile is internal and runs no epilogue).
+  class forward_scope {
+   public:
+    explicit forward_scope(detail::engine_state& st);
+    ~forward_scope();
+    forward_scope(const forward_scope&) = delete;
+    forward_scope& operator=(const forward_scope&) = delete;
+
+   private:
+    detail::engine_state& st_;
+    bool autocast_ = false, prev_enabled_ = false;
+    at::ScalarType prev_dtype_ = at::kFloat;
+  };
+
+  // Registers the end-of-backward prologue hook on an output.
+  void watch(const ::torch::Tensor& out);
+  template <class T>
+  void watch_any(const T& out) {
+    if constexpr (std::is_convertible_v<const T&, const ::torch::Tensor&>) {
+      watch(out);
+    } else if constexpr (requires { std::tuple_size<T>::value; }) {
+      std::apply([&](const auto&... e) { (watch_any(e), ...); }, out);
+    } else if constexpr (requires { out.begin(); out.end(); }) {
+      for (const auto& e : out) watch_any(e);
+    }
+    // Anything else (no tensors we can see): parameter hooks still find the backward.
+  }
+
+  std::shared_ptr<detail::engine_state> st_;
+
+  friend class detail::engine_state;
+  template <class M>
+  friend class engine;
+};
+
+// The engine for a model: a ModuleHolder (torch::nn::Linear, a TORCH_MODULE) or a
+// std::shared_ptr to a torch::nn::Module subclass.
+template <class Model>
+class engine : public engine_base {
+ public:
+  engine(Model model, std::shared_ptr<detail::engine_state> st) : engine_base(std::move(st)), model_(std::move(model)) {}
+
+  // model->forward(args...), under the engine (autocast, output hooks).
+  template <class... Args>
+  auto forward(Args&&... args) {
+    forward_scope scope(*st_);
+    auto out = model_->forward(std::forward<Args>(args)...);
+    watch_any(out);
+    return out;
+  }
+  template <class... Args>
+  auto operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  Model& module() noexcept { return model_; }
+  const Model& module() const noexcept { return model_; }
+
+ private:
+  Model model_;
+};
+
+namespace detail {
+
+std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Module> module, mpzero::torch::config cfg,
+                                                any_communicator comm);
+
+template <class Model>
+std::shared_ptr<::torch::nn::Module> module_ptr(const Model& m) {
+  if constexpr (requires { m.ptr(); }) {
+    return m.ptr();
+  } else {
+    static_assert(std::is_convertible_v<Model, std::shared_ptr<::torch::nn::Module>>,
+                  "mpzero::torch::initialize: pass a torch::nn::ModuleHolder (e.g. torch::nn::Linear, a "
+                  "TORCH_MODULE) or a std::shared_ptr to a torch::nn::Module subclass");
+    return m;
+  }
+}
+
+// A JSON string ('{' first) or a path.
+mpzero::torch::config config_from_string(const std::string& path_or_json, int world_size);
+
+}  // namespace detail
+
+// ---- initialize ---------------------------------------------------------------------
+// `comm` decides the world: any_communicator{} (default) is one process; wrap an MPI or
+// other comm::communicator with any_communicator::wrap(c); a c10d ProcessGroup with
+// process_group_communicator (process_group.hpp). Collective over comm.
+template <class Model>
+engine<Model> initialize(Model model, mpzero::torch::config cfg, any_communicator comm = {}) {
+  auto st = detail::make_engine_state(detail::module_ptr(model), std::move(cfg), std::move(comm));
+  return engine<Model>(std::move(model), std::move(st));
+}
+template <class Model>
+engine<Model> initialize(Model model, const nlohmann::json& cfg, any_communicator comm = {}) {
+  mpzero::torch::config c = parse_config(cfg, comm.size());
+  return initialize(std::move(model), std::move(c), std::move(comm));
+}
+// A path to a JSON file, or JSON text (anything whose first non-blank character is '{').
+template <class Model>
+engine<Model> initialize(Model model, const std::string& path_or_json, any_communicator comm = {}) {
+  mpzero::torch::config c = detail::config_from_string(path_or_json, comm.size());
+  return initialize(std::move(model), std::move(c), std::move(comm));
+}
+template <class Model>
+engine<Model> initialize(Model model, const char* path_or_json, any_communicator comm = {}) {
+  return initialize(std::move(model), std::string(path_or_json), std::move(comm));
+}
+// Any comm::communicator the caller owns and keeps alive (e.g. mpi_communicator).
+template <class Model, class Config, comm::communicator C>
+  requires(!std::is_same_v<std::remove_cvref_t<C>, any_communicator>)
+engine<Model> initialize(Model model, const Config& cfg, C& comm) {
+  return initialize(std::move(model), cfg, any_communicator::wrap(comm));
+}
+
+}  // namespace mpzero::torch

@@ -1,0 +1,34 @@
+// mpzero::torch: a c10d ProcessGroup (Gloo, NCCL, MPI, a custom backend) as the
+// engine's communicator.
+//
+//   auto engine = mpzero::torch::initialize(model, cfg, mpzero::torch::process_group_communicator(pg));
+//
+// It uses only the ProcessGroup calls every backend implements (allreduce, allgather of
+// equal sizes, broadcast, barrier), so the core's uneven collectives are emulated:
+//  - reduce_scatter_v: an allreduce of the whole input, then a copy of this rank's
+//    block: 2 x (W-1)/W x total elements on the wire instead of (W-1)/W x total, and a
+//    temporary of the whole input.
+//  - all_gather_v: an allgather of blocks padded to the largest count, then compacted:
+//    at most W x max(counts) elements instead of sum(counts); exact bits.
+//  - bf16/fp16 reductions run in fp32 (converted in and out: twice the bytes; one
+//    rounding per element, so the result does not depend on the reduction order).
+// Operations run asynchronously on the backend; wait() finishes the copies.
+// Buffers are host memory (CPU tensors); NCCL groups need the device build (not yet).
+#pragma once
+
+#include <memory>
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <mpzero/torch/communicator.hpp>
+
+namespace mpzero::torch {
+
+// The communicator_base over a ProcessGroup; the group is kept alive.
+std::shared_ptr<communicator_base> make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg);
+
+inline any_communicator process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+  return any_communicator(make_process_group_communicator(std::move(pg)));
+}
+
+}  // namespace mpzero::torch

@@ -1,0 +1,81 @@
+// mpzero::torch: a ZeroOptimizer chosen at run time.
+//
+// The engine reads precision, optimizer and ZeRO stage from the JSON config, so it
+// cannot name the ZeroOptimizer type at compile time. zero_core is the virtual face of
+// one ZeroOptimizer<Policy, Optimizer, stage<N>, any_communicator, host_backend>;
+// make_zero_core() picks the instantiation from a finite table compiled into
+// src/zero_core.cpp (compiled_cores() lists it). A combination that is not in the
+// table is a clear error that names it and lists what is compiled.
+//
+// Pointers are in the backend's memory (host memory: only the host backend is
+// compiled in for now). Element types are passed as mpzero::dtype values.
+//
+// Torch-free: this header and zero_core.cpp need only the core and the config struct.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <mpzero/numeric/dtype.hpp>
+#include <mpzero/torch/communicator.hpp>
+#include <mpzero/torch/config.hpp>
+#include <mpzero/zero/zero_optimizer.hpp>
+
+namespace mpzero::torch {
+
+// What selects an instantiation.
+struct core_spec {
+  dtype param = dtype::fp32, master = dtype::fp32, grad = dtype::fp32, state = dtype::fp32;
+  bool stochastic_rounding = false;
+  optimizer_type optimizer = optimizer_type::adamw;
+  int stage = 0;
+
+  // e.g. "param bf16, master fp32, grad bf16, state fp32, nearest rounding, AdamW, ZeRO stage 2"
+  std::string describe() const;
+  friend bool operator==(const core_spec&, const core_spec&) = default;
+};
+
+class zero_core {
+ public:
+  virtual ~zero_core() = default;
+
+  virtual const core_spec& spec() const noexcept = 0;
+  virtual std::size_t num_params() const noexcept = 0;
+  virtual std::uint64_t numel(std::size_t i) const = 0;
+
+  // Parameter i's storage (spec().param elements), which forward reads and step()
+  // updates in place. Stages 0-2 only.
+  virtual void* param_data(std::size_t i) = 0;
+  // Sets parameter i (and its master copy) from numel(i) elements of type `t`.
+  virtual void load_param(std::size_t i, const void* values, dtype t) = 0;
+
+  // ZeroOptimizer::accumulate_grad / end_backward / reduce_gradients / zero_grad.
+  virtual void accumulate_grad(std::size_t i, const void* src, dtype t, float scale) = 0;
+  virtual void end_backward() = 0;
+  virtual void reduce_gradients() = 0;
+  virtual void zero_grad() = 0;
+  // Parameter i's reduced, averaged, unscaled gradient (collective).
+  virtual std::vector<float> full_grad(std::size_t i) = 0;
+  // Every parameter's master weights, whole, on every rank (collective).
+  virtual std::vector<std::vector<float>> full_master() = 0;
+
+  virtual step_report step() = 0;
+  virtual double lr() const = 0;
+  virtual void set_lr(double lr) = 0;
+  virtual double loss_scale() const = 0;
+  virtual bool loss_scaling() const = 0;
+  virtual memory_report memory() const = 0;
+};
+
+// The instantiation for `spec`, or config_error naming it and listing compiled_cores().
+std::unique_ptr<zero_core> make_zero_core(const core_spec& spec, any_communicator comm,
+                                          std::span<const std::uint64_t> numels, const optimizer_config& opt,
+                                          const zero_options& zo);
+
+// The specs compiled into this build.
+std::vector<core_spec> compiled_cores();
+
+}  // namespace mpzero::torch

@@ -1,0 +1,570 @@
+// mpzero::torch engine: parameters re-pointed at the ZeRO core's flat buffer, autograd
+// hooks that feed the core, and the per-graph-task end-of-backward epilogue.
+#include <mpzero/torch/engine.hpp>
+
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+#include <mpzero/torch/lr_schedule.hpp>
+#include <mpzero/torch/zero_core.hpp>
+
+namespace mpzero::torch {
+
+namespace {
+
+namespace ag = ::torch::autograd;
+
+at::ScalarType scalar_type_of(dtype d) {
+  switch (d) {
+    case dtype::fp32: return at::kFloat;
+    case dtype::bf16: return at::kBFloat16;
+    case dtype::fp16: return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+std::optional<dtype> dtype_of(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return dtype::fp32;
+    case at::kBFloat16: return dtype::bf16;
+    case at::kHalf: return dtype::fp16;
+    default: return std::nullopt;
+  }
+}
+
+std::string shape_of(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.sizes();
+  return s.str();
+}
+
+[[noreturn]] void fail(const std::string& what) { throw mpzero::invalid_argument("mpzero::torch: " + what); }
+
+// The reentrant depth of the graph task running on this thread: 0 for a backward
+// called by user code, > 0 for a backward started inside another backward (reentrant
+// checkpointing, a custom Function's backward). -1 when there is no graph task or the
+// depth cannot be read. LibTorch exports no accessor for it, but exports a pointer to a
+// member of the current GraphTask (its exec_info_), whose layout the installed headers
+// describe; the result is trusted only if the task id read through it matches the
+// exported id. Otherwise the engine falls back to "an outer backward of this engine is
+// still open" (see engine_state::acquire).
+int current_reentrant_depth() {
+  const auto* info = ag::get_current_graph_task_exec_info();
+  if (info == nullptr) return -1;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winvalid-offsetof"
+  const auto* task = reinterpret_cast<const ag::GraphTask*>(reinterpret_cast<const char*>(info) -
+                                                            offsetof(ag::GraphTask, exec_info_));
+#pragma GCC diagnostic pop
+  if (static_cast<int>(task->id_) != ag::get_current_graph_task_id()) return -1;
+  const int depth = task->reentrant_depth_;
+  return depth >= 0 && depth < (1 << 20) ? depth : -1;
+}
+
+}  // namespace
+
+namespace detail {
+
+// One backward pass as this engine sees it: the graph task(s) it spans and how its
+// gradients are to be treated.
+struct pass {
+  std::vector<int> tasks;       // graph task ids mapped to this pass (nested ones included)
+  bool scaled = false;          // fp16: the loss was scaled (engine.backward or engine.scale)
+  bool scale_wrt_gas = true;    // divide gradients by gradient_accumulation_steps
+  bool manual = false;          // engine.backward runs the epilogue itself
+  bool has_callback = false;    // an end-of-backward callback is queued in tasks[0]
+  bool done = false;
+  std::weak_ptr<char> alive;    // expires when the graph task holding the callback is destroyed
+};
+
+class engine_state : public std::enable_shared_from_this<engine_state> {
+ public:
+  engine_state(std::shared_ptr<::torch::nn::Module> module, mpzero::torch::config cfg, any_communicator comm)
+      : cfg_(std::move(cfg)), comm_(std::move(comm)), module_(std::move(module)) {}
+
+  ~engine_state() {
+    // Leave the model usable: give each parameter its own storage again (the flat
+    // buffer dies with the core). The hooks stay installed but find no engine.
+    try {
+      ::torch::NoGradGuard ng;
+      for (auto& p : params_) p.set_data(p.detach().clone());
+    } catch (...) {
+    }
+  }
+
+  void init();
+
+  // ---- hooks ----------------------------------------------------------------------
+  enum class event { scale_root, output, param };
+
+  pass& acquire(event e);
+  void on_param_grad(std::size_t i, const ::torch::Tensor& param);
+  void on_output() { (void)acquire(event::output); }
+  void on_scale_root() { (void)acquire(event::scale_root); }
+  void on_callback(const std::shared_ptr<pass>& p);
+  void epilogue() {
+    core_->end_backward();
+    ++epilogues_;
+  }
+  void close(pass& p) {
+    p.done = true;
+    for (int t : p.tasks) passes_.erase(t);
+    open_.erase(std::remove_if(open_.begin(), open_.end(), [&](const auto& q) { return q.get() == &p; }), open_.end());
+    cache_task_ = std::numeric_limits<int>::min();
+    cache_ = nullptr;
+  }
+  // Passes without a callback (started in forward or nested only) end at the next step.
+  void drop_stale_passes() {
+    std::vector<std::shared_ptr<pass>> keep;
+    for (auto& p : open_)
+      if (p->has_callback && !p->alive.expired()) keep.push_back(p);
+    for (auto& p : open_)
+      if (!(p->has_callback && !p->alive.expired())) {
+        p->done = true;
+        for (int t : p->tasks) passes_.erase(t);
+      }
+    open_ = std::move(keep);
+    cache_task_ = std::numeric_limits<int>::min();
+    cache_ = nullptr;
+  }
+
+  // ---- API ------------------------------------------------------------------------
+  ::torch::Tensor backward(const ::torch::Tensor& loss, bool retain_graph, bool scale_wrt_gas);
+  ::torch::Tensor scale(const ::torch::Tensor& loss);
+  void step();
+  void zero_grad() {
+    drop_stale_passes();
+    core_->zero_grad();
+    for (auto& p : params_) p.mutable_grad().reset();
+  }
+  bool is_boundary() const {
+    if (boundary_override_) return *boundary_override_;
+    return (micro_steps_ + 1) % cfg_.gradient_accumulation_steps == 0;
+  }
+  double next_lr() const { return lr_at(cfg_.scheduler, cfg_.optimizer.lr, scheduler_steps_); }
+  std::size_t index_of(const ::torch::Tensor& t) const {
+    auto it = index_.find(t.unsafeGetTensorImpl());
+    if (it == index_.end()) {
+      fail("full_grad: the tensor (shape " + shape_of(t) +
+           ") is not a parameter this engine manages; pass one of engine.parameters()");
+    }
+    return it->second;
+  }
+  ::torch::Tensor full_grad(std::size_t i) {
+    std::vector<float> g = core_->full_grad(i);
+    return ::torch::tensor(at::ArrayRef<float>(g), ::torch::kFloat).reshape(params_[i].sizes());
+  }
+
+  mpzero::torch::config cfg_;
+  any_communicator comm_;
+  std::shared_ptr<::torch::nn::Module> module_;
+  std::unique_ptr<zero_core> core_;
+  std::vector<::torch::Tensor> params_;
+  std::vector<std::string> names_;
+  std::unordered_map<const c10::TensorImpl*, std::size_t> index_;
+  bool needs_scaling_ = false;
+  float inv_gas_ = 1.0f;
+  at::ScalarType param_type_ = at::kFloat;
+
+  // Backward bookkeeping.
+  std::unordered_map<int, std::shared_ptr<pass>> passes_;  // graph task id -> pass
+  std::vector<std::shared_ptr<pass>> open_;                // passes not yet ended
+  int cache_task_ = std::numeric_limits<int>::min();       // the last lookup, for O(1) hooks
+  pass* cache_ = nullptr;
+  int forward_depth_ = 0;
+  struct direct_backward {
+    bool scale_wrt_gas;
+  };
+  std::optional<direct_backward> pending_;  // engine.backward is running
+  std::shared_ptr<pass> manual_;            // the pass engine.backward started
+  std::uint64_t epilogues_ = 0;
+
+  // Steps.
+  std::uint64_t micro_steps_ = 0, global_steps_ = 0, skipped_steps_ = 0, scheduler_steps_ = 0;
+  std::optional<bool> boundary_override_;
+  step_report last_{};
+  bool stepped_ = false;
+};
+
+namespace {
+
+// Hands a parameter's accumulated gradient to the engine. Chains the hook that was in
+// the single post-accumulate-grad slot before (e.g. another library's).
+struct grad_hook final : ag::PostAccumulateGradHook {
+  std::weak_ptr<engine_state> st;
+  std::size_t index = 0;
+  std::unique_ptr<ag::PostAccumulateGradHook> prev;
+  void operator()(const ag::Variable& v) override {
+    if (prev) (*prev)(v);
+    if (auto s = st.lock()) s->on_param_grad(index, v);
+  }
+};
+
+}  // namespace
+
+void engine_state::init() {
+  const int world = comm_.size();
+  if (cfg_.zero.stage == 3) {
+    fail("zero_optimization.stage = 3 is not supported by the LibTorch engine yet (parameters would need gather/"
+         "release hooks around each module); use stage 0, 1 or 2");
+  }
+  if (cfg_.zero.offload_optimizer != offload_device::none) {
+    fail("zero_optimization.offload_optimizer.device = \"cpu\" is not supported by the LibTorch engine yet; with "
+         "CPU parameters (this build) the optimizer already runs on the host: set the device to \"none\"");
+  }
+  if (cfg_.gradient_accumulation_steps == 0) fail("gradient_accumulation_steps = 0; it must be at least 1");
+  inv_gas_ = static_cast<float>(1.0 / static_cast<double>(cfg_.gradient_accumulation_steps));
+
+  // The trainable parameters, once each (tied weights appear under several names).
+  std::unordered_set<const c10::TensorImpl*> seen;
+  std::vector<::torch::Tensor> frozen;
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    const ::torch::Tensor& p = item.value();
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    if (!p.requires_grad()) {
+      frozen.push_back(p);
+      continue;
+    }
+    if (!p.device().is_cpu()) {
+      fail("parameter '" + item.key() + "' is on " + p.device().str() +
+           "; this build of the engine manages CPU parameters only (host backend): move the model to the CPU");
+    }
+    if (!dtype_of(p.scalar_type())) {
+      fail("parameter '" + item.key() + "' has dtype " + std::string(c10::toString(p.scalar_type())) +
+           "; trainable parameters must be float, bfloat16 or half");
+    }
+    index_[p.unsafeGetTensorImpl()] = params_.size();
+    params_.push_back(p);
+    names_.push_back(item.key());
+  }
+
+  core_spec spec;
+  spec.param = cfg_.param_dtype();
+  spec.master = cfg_.master_dtype();
+  spec.grad = cfg_.grad_dtype();
+  spec.state = cfg_.state_dtype();
+  spec.stochastic_rounding = cfg_.rounding == "stochastic";
+  spec.optimizer = cfg_.optimizer.type;
+  spec.stage = cfg_.zero.stage;
+  param_type_ = scalar_type_of(spec.param);
+
+  zero_options zo;
+  zo.reduce_bucket_numel = std::max<std::uint64_t>(1, cfg_.zero.reduce_bucket_size);
+  zo.param_persistence_threshold = cfg_.zero.stage3_param_persistence_threshold;
+  zo.gradient_clipping = cfg_.gradient_clipping;
+  zo.loss_scaling = cfg_.fp16;
+  zo.loss_scale = cfg_.loss_scaler;
+  zo.check_overflow = cfg_.fp16 || !cfg_.bf16 || cfg_.check_grad_overflow;
+  zo.average_gradients = true;
+  zo.seed = cfg_.seed;
+  needs_scaling_ = cfg_.fp16;
+
+  std::vector<std::uint64_t> numels;
+  for (const auto& p : params_) numels.push_back(static_cast<std::uint64_t>(p.numel()));
+  core_ = make_zero_core(spec, comm_, numels, cfg_.optimizer, zo);
+
+  ::torch::NoGradGuard no_grad;
+  // Every rank starts from rank 0's values, as DeepSpeed broadcasts the model.
+  std::vector<::torch::Tensor> all = params_;
+  all.insert(all.end(), frozen.begin(), frozen.end());
+  std::vector<::torch::Tensor> buffers;
+  for (const auto& b : module_->buffers(/*recurse=*/true))
+    if (b.is_floating_point()) buffers.push_back(b);
+  all.insert(all.end(), buffers.begin(), buffers.end());
+  std::int64_t total = 0;
+  for (const auto& t : all) total += t.numel();
+  std::vector<float> flat(static_cast<std::size_t>(total));
+  {
+    std::int64_t off = 0;
+    for (const auto& t : all) {
+      auto c = t.detach().to(at::kFloat).contiguous();
+      std::copy_n(c.data_ptr<float>(), c.numel(), flat.data() + off);
+      off += c.numel();
+    }
+  }
+  if (world > 1 && total > 0) comm_.broadcast(flat.data(), flat.size(), 0);
+
+  std::int64_t off = 0;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    auto& p = params_[i];
+    core_->load_param(i, flat.data() + off, dtype::fp32);
+    off += p.numel();
+    // The parameter becomes a view of the core's buffer: forward reads it, step() writes it.
+    p.set_data(::torch::from_blob(core_->param_data(i), p.sizes(), ::torch::TensorOptions().dtype(param_type_)));
+    p.mutable_grad().reset();
+    auto hook = std::make_unique<grad_hook>();
+    hook->st = weak_from_this();
+    hook->index = i;
+    hook->prev = std::move(ag::impl::post_acc_grad_hooks(p));
+    ag::impl::set_post_acc_grad_hooks(p, std::move(hook));
+  }
+  // Frozen parameters and floating buffers: rank 0's values, in the parameter dtype
+  // (the model computes in one dtype, as after DeepSpeed's module.bfloat16()).
+  for (std::size_t k = params_.size(); k < all.size(); ++k) {
+    auto& t = all[k];
+    auto v = ::torch::from_blob(flat.data() + off, t.sizes(), ::torch::kFloat).clone();
+    off += t.numel();
+    t.set_data(v.to(param_type_));
+  }
+}
+
+pass& engine_state::acquire(event e) {
+  const int task = ag::get_current_graph_task_id();
+  if (task == cache_task_ && cache_ != nullptr) {
+    if (e == event::scale_root) cache_->scaled = true;
+    return *cache_;
+  }
+  if (auto it = passes_.find(task); it != passes_.end()) {
+    cache_task_ = task;
+    cache_ = it->second.get();
+    if (e == event::scale_root) cache_->scaled = true;
+    return *cache_;
+  }
+
+  // A graph task this engine has not seen. Passes whose graph task died without running
+  // its callbacks (an exception in backward) are over.
+  open_.erase(std::remove_if(open_.begin(), open_.end(),
+                             [&](const std::shared_ptr<pass>& p) {
+                               if (!p->has_callback || !p->alive.expired()) return false;
+                               p->done = true;
+                               for (int t : p->tasks) passes_.erase(t);
+                               return true;
+                             }),
+              open_.end());
+  const int depth = current_reentrant_depth();
+  // Nested: a backward started inside another backward (depth > 0), or, when the depth
+  // cannot be read, any backward while one of ours is still open. It joins the open
+  // pass and runs no epilogue of its own.
+  const bool outer_running =
+      std::any_of(open_.begin(), open_.end(), [](const auto& q) { return q->has_callback; });
+  const bool nested = depth > 0 || (depth < 0 && outer_running);
+  std::shared_ptr<pass> p;
+  if (!open_.empty() && (nested || (forward_depth_ == 0 && !open_.back()->has_callback))) {
+    // Join the open pass; or adopt a pass that so far only saw backwards nested in
+    // another one or run inside forward, now that a user backward reaches us.
+    p = open_.back();
+    p->tasks.push_back(task);
+  } else {
+    p = std::make_shared<pass>();
+    p->tasks.push_back(task);
+    open_.push_back(p);
+  }
+  if (!nested && pending_ && !p->has_callback) {  // the backward engine.backward started
+    p->scaled = true;
+    p->scale_wrt_gas = pending_->scale_wrt_gas;
+    p->manual = true;
+    pending_.reset();
+    manual_ = p;
+  }
+  if (e == event::scale_root) p->scaled = true;
+
+  // The epilogue belongs to the outermost user backward: not to a nested one, nor to a
+  // backward run inside forward (that one's gradients join the next pass).
+  if (!p->has_callback && !nested && forward_depth_ == 0) {
+    if (needs_scaling_ && !p->scaled) {
+      close(*p);
+      throw mpzero::error(
+          "mpzero::torch: Loss scaling is required for fp16 training: this backward was not scaled. Use "
+          "engine.backward(loss), or engine.scale(loss).backward() instead of loss.backward() (fp16 gradients "
+          "underflow without the loss scale, and step() divides them by it)");
+    }
+    auto token = std::make_shared<char>(0);
+    p->alive = token;
+    p->has_callback = true;
+    ag::Engine::get_default_engine().queue_callback(
+        [w = weak_from_this(), p, token] {
+          if (auto s = w.lock()) s->on_callback(p);
+        });
+  }
+  passes_[task] = p;
+  cache_task_ = task;
+  cache_ = p.get();
+  return *p;
+}
+
+void engine_state::on_callback(const std::shared_ptr<pass>& p) {
+  if (p->done) return;
+  close(*p);
+  if (!p->manual) epilogue();  // engine.backward runs it itself once backward returns
+}
+
+void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
+  const pass& p = acquire(event::param);
+  ::torch::Tensor g = param.grad();
+  if (!g.defined()) return;
+  if (g.is_sparse()) fail("parameter '" + names_[i] + "' got a sparse gradient; the engine supports dense gradients only");
+  auto t = dtype_of(g.scalar_type());
+  if (!t) {
+    g = g.to(at::kFloat);
+    t = dtype::fp32;
+  }
+  g = g.contiguous();
+  core_->accumulate_grad(i, g.data_ptr(), *t, p.scale_wrt_gas ? inv_gas_ : 1.0f);
+  // The core holds the gradient now; release autograd's copy.
+  param.mutable_grad().reset();
+}
+
+::torch::Tensor engine_state::backward(const ::torch::Tensor& loss, bool retain_graph, bool scale_wrt_gas) {
+  if (!loss.defined() || loss.numel() != 1) {
+    fail("engine.backward: the loss has shape " + (loss.defined() ? shape_of(loss) : std::string("(undefined)")) +
+         "; it takes a scalar (one-element) loss. For a non-scalar output call out.backward(grad) directly");
+  }
+  if (!loss.requires_grad()) {
+    fail("engine.backward: the loss does not require grad (no graph to run backward on); compute it from the "
+         "engine's forward outside torch::NoGradGuard");
+  }
+  ::torch::Tensor root = needs_scaling_ ? loss.to(at::kFloat) * core_->loss_scale() : loss;
+  pending_ = direct_backward{scale_wrt_gas};
+  manual_.reset();
+  try {
+    root.backward({}, retain_graph);
+  } catch (...) {
+    pending_.reset();
+    if (manual_ && !manual_->done) close(*manual_);
+    manual_.reset();
+    throw;
+  }
+  pending_.reset();
+  if (auto p = std::exchange(manual_, nullptr)) {
+    if (!p->done) close(*p);  // nested-only or in-forward pass: end it here
+    epilogue();
+  }
+  ::torch::NoGradGuard ng;
+  return scale_wrt_gas ? loss.detach() / static_cast<double>(cfg_.gradient_accumulation_steps) : loss.detach();
+}
+
+::torch::Tensor engine_state::scale(const ::torch::Tensor& loss) {
+  if (!loss.defined() || loss.numel() != 1) {
+    fail("engine.scale: the loss has shape " + (loss.defined() ? shape_of(loss) : std::string("(undefined)")) +
+         "; scale() takes a scalar (one-element) loss, as the loss scale applies to the loss. For a non-scalar "
+         "output, call out.backward(grad) with grad already multiplied by engine.loss_scale()");
+  }
+  if (!needs_scaling_) return loss;
+  if (!loss.requires_grad()) fail("engine.scale: the loss does not require grad; there is no backward to scale");
+  ::torch::Tensor scaled = loss.to(at::kFloat) * core_->loss_scale();
+  // Marks the backward that starts here as scaled: the hook fires first, at the root.
+  scaled.register_hook([w = weak_from_this()](const ::torch::Tensor&) {
+    if (auto s = w.lock()) s->on_scale_root();
+  });
+  return scaled;
+}
+
+void engine_state::step() {
+  if (is_boundary()) {
+    drop_stale_passes();
+    core_->set_lr(next_lr());
+    last_ = core_->step();
+    stepped_ = true;
+    ++global_steps_;
+    if (last_.skipped) {
+      ++skipped_steps_;
+    } else {
+      ++scheduler_steps_;
+    }
+    for (auto& p : params_) p.mutable_grad().reset();
+  }
+  ++micro_steps_;
+}
+
+std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Module> module,
+                                                mpzero::torch::config cfg, any_communicator comm) {
+  if (!module) fail("initialize: the model is null");
+  auto st = std::make_shared<engine_state>(std::move(module), std::move(cfg), std::move(comm));
+  st->init();
+  return st;
+}
+
+mpzero::torch::config config_from_string(const std::string& s, int world_size) {
+  const auto first = std::find_if(s.begin(), s.end(), [](unsigned char c) { return !std::isspace(c); });
+  if (first != s.end() && *first == '{') return parse_config_text(s, world_size);
+  return load_config_file(s, world_size);
+}
+
+}  // namespace detail
+
+// ---- engine_base: forwards to the state ------------------------------------------------
+
+engine_base::forward_scope::forward_scope(detail::engine_state& st) : st_(st) {
+  ++st_.forward_depth_;
+  const auto& ac = st_.cfg_.torch_autocast;
+  if (ac.enabled) {
+    autocast_ = true;
+    prev_enabled_ = at::autocast::is_autocast_enabled(at::kCPU);
+    prev_dtype_ = at::autocast::get_autocast_dtype(at::kCPU);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, scalar_type_of(ac.dtype_));
+    at::autocast::increment_nesting();
+  }
+}
+
+engine_base::forward_scope::~forward_scope() {
+  if (autocast_) {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(at::kCPU, prev_enabled_);
+    at::autocast::set_autocast_dtype(at::kCPU, prev_dtype_);
+  }
+  --st_.forward_depth_;
+}
+
+void engine_base::watch(const ::torch::Tensor& out) {
+  if (!out.defined() || !out.requires_grad()) return;
+  out.register_hook([w = std::weak_ptr<detail::engine_state>(st_)](const ::torch::Tensor&) {
+    if (auto s = w.lock()) s->on_output();
+  });
+}
+
+::torch::Tensor engine_base::backward(const ::torch::Tensor& loss, bool retain_graph, bool scale_wrt_gas) {
+  return st_->backward(loss, retain_graph, scale_wrt_gas);
+}
+::torch::Tensor engine_base::scale(const ::torch::Tensor& loss) { return st_->scale(loss); }
+void engine_base::step() { st_->step(); }
+void engine_base::zero_grad() { st_->zero_grad(); }
+bool engine_base::is_gradient_accumulation_boundary() const { return st_->is_boundary(); }
+void engine_base::set_gradient_accumulation_boundary(bool b) { st_->boundary_override_ = b; }
+void engine_base::clear_gradient_accumulation_boundary() { st_->boundary_override_.reset(); }
+std::uint64_t engine_base::global_steps() const { return st_->global_steps_; }
+std::uint64_t engine_base::micro_steps() const { return st_->micro_steps_; }
+std::uint64_t engine_base::skipped_steps() const { return st_->skipped_steps_; }
+double engine_base::get_lr() const { return st_->next_lr(); }
+double engine_base::loss_scale() const { return st_->core_->loss_scale(); }
+double engine_base::global_grad_norm() const {
+  return st_->stepped_ ? st_->last_.grad_norm : std::numeric_limits<double>::quiet_NaN();
+}
+const step_report& engine_base::last_step_report() const { return st_->last_; }
+std::uint64_t engine_base::gradient_accumulation_steps() const { return st_->cfg_.gradient_accumulation_steps; }
+const mpzero::torch::config& engine_base::config() const { return st_->cfg_; }
+int engine_base::rank() const { return st_->comm_.rank(); }
+int engine_base::world_size() const { return st_->comm_.size(); }
+const std::vector<::torch::Tensor>& engine_base::parameters() const { return st_->params_; }
+const std::vector<std::string>& engine_base::parameter_names() const { return st_->names_; }
+::torch::Tensor engine_base::full_grad(const ::torch::Tensor& param) { return st_->full_grad(st_->index_of(param)); }
+std::vector<::torch::Tensor> engine_base::full_grads() {
+  std::vector<::torch::Tensor> out;
+  for (std::size_t i = 0; i < st_->params_.size(); ++i) out.push_back(st_->full_grad(i));
+  return out;
+}
+std::vector<::torch::Tensor> engine_base::master_weights() {
+  auto all = st_->core_->full_master();
+  std::vector<::torch::Tensor> out;
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    out.push_back(::torch::tensor(at::ArrayRef<float>(all[i]), ::torch::kFloat).reshape(st_->params_[i].sizes()));
+  }
+  return out;
+}
+std::uint64_t engine_base::epilogues() const { return st_->epilogues_; }
+memory_report engine_base::memory() const { return st_->core_->memory(); }
+std::string engine_base::describe() const { return st_->core_->spec().describe(); }
+
+}  // namespace mpzero::torch

@@ -1,0 +1,79 @@
+# mpzero::torch: the LibTorch engine (autograd hooks, run-time policy dispatch, c10d).
+# Included (OPTIONAL) by adapters/torch/CMakeLists.txt after mpzero::torch_config.
+#
+# Finding LibTorch. Two ways:
+#  - MPZERO_TORCH_FIND_PACKAGE=ON: find_package(Torch) as LibTorch documents. A CUDA
+#    build of LibTorch (e.g. PyPI's default wheel) then insists on finding the CUDA
+#    toolkit at configure time, and links libtorch_cuda.
+#  - OFF (the default without CUDA): the host part only. The headers and
+#    libtorch_cpu/libc10 are imported directly from the LibTorch prefix, which works
+#    with CPU and CUDA builds alike and needs no CUDA toolkit; CPU tensors only.
+# The prefix is Torch_DIR/../../.. when Torch_DIR is set, else the installed Python
+# package's (python3 -c "import torch"), else not found: then nothing is defined.
+# The engine has no CUDA path yet (CPU tensors only), so the host part is the default
+# even where CUDA is present.
+set(_mpzero_torch_fp_default OFF)
+option(MPZERO_TORCH_FIND_PACKAGE "Find LibTorch with find_package(Torch) (needs CUDA for CUDA builds of LibTorch)"
+       ${_mpzero_torch_fp_default})
+
+set(_mpzero_torch_prefix "")
+if(Torch_DIR AND EXISTS "${Torch_DIR}")
+  get_filename_component(_mpzero_torch_prefix "${Torch_DIR}/../../.." ABSOLUTE)
+else()
+  find_package(Python3 COMPONENTS Interpreter QUIET)
+  if(Python3_Interpreter_FOUND)
+    execute_process(COMMAND "${Python3_EXECUTABLE}" -c "import os, torch; print(os.path.dirname(torch.__file__))"
+                    OUTPUT_VARIABLE _mpzero_torch_py RESULT_VARIABLE _mpzero_torch_rc
+                    OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    if(_mpzero_torch_rc EQUAL 0 AND EXISTS "${_mpzero_torch_py}/share/cmake/Torch")
+      set(_mpzero_torch_prefix "${_mpzero_torch_py}")
+      set(Torch_DIR "${_mpzero_torch_py}/share/cmake/Torch" CACHE PATH "LibTorch's CMake package directory")
+    endif()
+  endif()
+endif()
+
+set(_mpzero_torch_libs "")
+if(MPZERO_TORCH_FIND_PACKAGE)
+  # GLOBAL: the imported targets must be visible to tests/ and examples/ too.
+  find_package(Torch QUIET GLOBAL)
+  if(Torch_FOUND)
+    set(_mpzero_torch_libs torch)
+  endif()
+elseif(_mpzero_torch_prefix)
+  find_library(MPZERO_LIBTORCH_CPU torch_cpu PATHS "${_mpzero_torch_prefix}/lib" NO_DEFAULT_PATH)
+  find_library(MPZERO_LIBC10 c10 PATHS "${_mpzero_torch_prefix}/lib" NO_DEFAULT_PATH)
+  if(MPZERO_LIBTORCH_CPU AND MPZERO_LIBC10 AND EXISTS "${_mpzero_torch_prefix}/include/torch/csrc/api/include")
+    add_library(mpzero_libtorch_cpu INTERFACE IMPORTED)
+    # SYSTEM (the default for imported targets): LibTorch's headers do not pass -Wextra.
+    # Linked by name with an explicit rpath rather than by full path: LibTorch's lib/
+    # ships its own libgomp.so.1, which would make CMake warn that the rpath it computes
+    # for full paths may hide the compiler's libgomp (one OpenMP runtime is loaded either way).
+    get_filename_component(_mpzero_torch_libdir "${MPZERO_LIBTORCH_CPU}" DIRECTORY)
+    set_target_properties(mpzero_libtorch_cpu PROPERTIES
+      INTERFACE_INCLUDE_DIRECTORIES "${_mpzero_torch_prefix}/include;${_mpzero_torch_prefix}/include/torch/csrc/api/include"
+      INTERFACE_COMPILE_DEFINITIONS "USE_DISTRIBUTED"
+      INTERFACE_LINK_OPTIONS "-L${_mpzero_torch_libdir};-Wl,-rpath,${_mpzero_torch_libdir}"
+      INTERFACE_LINK_LIBRARIES "-Wl,--no-as-needed;-ltorch_cpu;-lc10;-Wl,--as-needed")
+    set(_mpzero_torch_libs mpzero_libtorch_cpu)
+  endif()
+endif()
+
+if(NOT _mpzero_torch_libs)
+  message(STATUS "mpzero: LibTorch not found (set Torch_DIR, or install torch for python3); "
+                 "the LibTorch engine (mpzero::torch) is not built")
+  return()
+endif()
+message(STATUS "mpzero: LibTorch engine against ${_mpzero_torch_prefix} "
+               "(find_package: ${MPZERO_TORCH_FIND_PACKAGE})")
+
+# zero_core.cpp holds the ZeroOptimizer instantiations and needs no torch headers;
+# engine.cpp and process_group.cpp are the only translation units that include them.
+add_library(mpzero_torch STATIC
+  ${CMAKE_CURRENT_SOURCE_DIR}/src/zero_core.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/src/engine.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/src/process_group.cpp)
+add_library(mpzero::torch ALIAS mpzero_torch)
+target_link_libraries(mpzero_torch PUBLIC mpzero::torch_config ${_mpzero_torch_libs})
+target_compile_features(mpzero_torch PUBLIC cxx_std_20)
+target_compile_options(mpzero_torch PRIVATE -Wall -Wextra)
+set_target_properties(mpzero_torch PROPERTIES POSITION_INDEPENDENT_CODE ON)

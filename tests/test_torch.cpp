@@ -1,0 +1,872 @@
+// The LibTorch engine under mpirun (1 and 2 ranks): REFERENCE.md section 1's scenarios
+// (all but ZeRO-3's) at ZeRO stages 0-2, and a regression test for each DeepSpeed bug
+// listed there.
+//
+// The reference is plain LibTorch, sharing no code with the engine: the same model
+// (same seed), run in the same compute dtype, with fp32 master weights updated by
+// torch::optim::Adam; every rank computes every rank's micro-batch itself and averages
+// the gradients, so the reference needs no communication. Gradients are compared with
+// the tolerance of the compute dtype, master weights with fp32's.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
+#include <torch/torch.h>
+// LibTorch's logging defines CHECK (glog style); the tests mean Catch's.
+#undef CHECK
+#include <catch2/catch.hpp>
+#include <mpi.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <mpzero/comm/mpi.hpp>
+#include <mpzero/torch/engine.hpp>
+#include <mpzero/torch/process_group.hpp>
+#include <mpzero/torch/zero_core.hpp>
+
+namespace mt = mpzero::torch;
+using torch::Tensor;
+using json = nlohmann::json;
+
+namespace {
+
+mpzero::comm::mpi_communicator& world() {
+  static mpzero::comm::mpi_communicator c(MPI_COMM_WORLD, mpzero::comm::mpi_options{60.0});
+  return c;
+}
+int W() { return world().size(); }
+int R() { return world().rank(); }
+
+// ---- models ------------------------------------------------------------------------
+
+// Two Linear(4, 4) layers. forward(x) gives logits, forward(x, y) the MSE loss (in fp32).
+struct NetImpl : torch::nn::Module {
+  torch::nn::Linear l1{nullptr}, l2{nullptr};
+  explicit NetImpl(std::uint64_t seed) {
+    torch::manual_seed(seed);
+    l1 = register_module("l1", torch::nn::Linear(4, 4));
+    l2 = register_module("l2", torch::nn::Linear(4, 4));
+  }
+  Tensor forward(const Tensor& x) { return l2(l1(x)); }
+  Tensor forward(const Tensor& x, const Tensor& y) { return torch::mse_loss(forward(x).to(torch::kFloat), y); }
+};
+TORCH_MODULE(Net);
+
+// ---- data ----------------------------------------------------------------------------
+
+struct batch {
+  Tensor x, y;
+};
+// Micro-batch k of rank r (salt separates experiments).
+batch data(int k, int r, int salt = 0) {
+  auto g = at::detail::createCPUGenerator(static_cast<std::uint64_t>(100003 * salt + 1009 * k + r + 1));
+  return {torch::randn({8, 4}, g), torch::randn({8, 4}, g)};
+}
+
+// ---- the reference: plain LibTorch ---------------------------------------------------
+
+template <class M>
+struct reference {
+  M model;  // computes in `dt`
+  at::ScalarType dt;
+  std::vector<std::string> names;
+  std::vector<Tensor> master;            // fp32 leaves, updated by torch::optim::Adam
+  std::vector<std::vector<Tensor>> acc;  // [rank][param]: gradients accumulated in `dt`
+  // ZeRO-2 reduces every backward pass's gradients as they come (into the owner's
+  // accumulator); stages 0 and 1 accumulate locally and reduce once per step. With
+  // 16-bit gradients the two orders round differently, so the reference follows the stage.
+  bool reduce_each_pass;
+  std::vector<Tensor> global;  // reduce_each_pass: the sum over ranks, accumulated in `dt`
+  std::unique_ptr<torch::optim::Adam> opt;
+
+  reference(M m, at::ScalarType dt_, int stage = 0, double lr = 1e-3)
+      : model(std::move(m)), dt(dt_), reduce_each_pass(stage == 2) {
+    for (const auto& p : model->named_parameters()) {
+      names.push_back(p.key());
+      master.push_back(p.value().detach().to(torch::kFloat).clone().set_requires_grad(true));
+    }
+    model->to(dt);
+    acc.resize(static_cast<std::size_t>(W()));
+    for (auto& a : acc)
+      for (const auto& t : master) a.push_back(torch::zeros_like(t, dt));
+    for (const auto& t : master) global.push_back(torch::zeros_like(t, dt));
+    opt = std::make_unique<torch::optim::Adam>(master, torch::optim::AdamOptions(lr));
+  }
+  // Rank r's accumulator += scale * gradient of loss_of(model, r), computed in fp32 and
+  // rounded to `dt` (mixed-precision trainers keep 16-bit gradient accumulators).
+  template <class F>
+  void accumulate(F&& loss_of, double scale) {
+    auto ps = model->parameters();
+    for (int r = 0; r < W(); ++r) {
+      for (auto& p : ps) p.mutable_grad().reset();
+      loss_of(model, r).backward();
+      auto& a = acc[static_cast<std::size_t>(r)];
+      for (std::size_t i = 0; i < ps.size(); ++i)
+        if (ps[i].grad().defined())
+          a[i] = (a[i].to(torch::kFloat) + ps[i].grad().to(torch::kFloat) * static_cast<float>(scale)).to(dt);
+    }
+    if (reduce_each_pass) {
+      for (std::size_t i = 0; i < global.size(); ++i) {
+        Tensor sum = torch::zeros_like(master[i]);
+        for (auto& a : acc) {
+          sum = sum + a[i].to(torch::kFloat);
+          a[i].zero_();
+        }
+        global[i] = (global[i].to(torch::kFloat) + sum.to(dt).to(torch::kFloat)).to(dt);
+      }
+    }
+  }
+  // The data-parallel gradient: the ranks' accumulators summed (one rounding to `dt`),
+  // then averaged in fp32.
+  std::vector<Tensor> reduced() const {
+    std::vector<Tensor> out;
+    for (std::size_t i = 0; i < master.size(); ++i) {
+      Tensor sum = global[i].to(torch::kFloat);
+      if (!reduce_each_pass) {
+        for (const auto& a : acc) sum = sum + a[i].to(torch::kFloat);
+        sum = sum.to(dt).to(torch::kFloat);
+      }
+      out.push_back(sum * static_cast<float>(1.0 / W()));
+    }
+    return out;
+  }
+  void set_lr(double lr) {
+    for (auto& g : opt->param_groups()) static_cast<torch::optim::AdamOptions&>(g.options()).lr(lr);
+  }
+  // Adam on the master weights with `grads` (default: reduced()), then the model
+  // parameters are the masters rounded to `dt`.
+  void step(std::vector<Tensor> grads = {}) {
+    if (grads.empty()) grads = reduced();
+    for (std::size_t i = 0; i < master.size(); ++i) master[i].mutable_grad() = grads[i];
+    opt->step();
+    torch::NoGradGuard ng;
+    auto ps = model->parameters();
+    for (std::size_t i = 0; i < ps.size(); ++i) ps[i].copy_(master[i]);
+    for (auto& a : acc)
+      for (auto& t : a) t.zero_();
+    for (auto& t : global) t.zero_();
+  }
+  std::map<std::string, Tensor> grads() const {
+    auto g = reduced();
+    std::map<std::string, Tensor> m;
+    for (std::size_t i = 0; i < names.size(); ++i) m[names[i]] = g[i];
+    return m;
+  }
+  std::map<std::string, Tensor> weights() const {
+    std::map<std::string, Tensor> m;
+    for (std::size_t i = 0; i < names.size(); ++i) m[names[i]] = master[i].detach().clone();
+    return m;
+  }
+};
+
+// ---- comparisons ------------------------------------------------------------------------
+
+struct tol {
+  double rtol, atol_rel;  // |got - want| <= atol_rel * max|want| + rtol * |want|
+};
+tol grad_tol(at::ScalarType dt) {
+  if (dt == torch::kBFloat16) return {2e-2, 2e-2};
+  if (dt == torch::kHalf) return {4e-3, 4e-3};
+  return {1e-5, 1e-6};
+}
+// "The parameter tolerance of fp32" (torch.testing's for float32: rtol 1.3e-6, atol 1e-5).
+constexpr tol param_tol{1.3e-6, 0.0};
+constexpr double param_atol = 1e-5;
+
+void check_close(const Tensor& got, const Tensor& want, tol t, double atol_abs, const std::string& what) {
+  REQUIRE(got.sizes() == want.sizes());
+  if (want.numel() == 0) return;
+  const Tensor g = got.to(torch::kDouble), w = want.to(torch::kDouble);
+  const double scale = w.abs().max().item<double>();
+  const double atol = atol_abs + t.atol_rel * scale;
+  const Tensor excess = (g - w).abs() - (atol + t.rtol * w.abs());
+  INFO(what << " on rank " << R() << ": max |got - want| = " << (g - w).abs().max().item<double>()
+            << ", max |want| = " << scale << "\n got  " << g.flatten() << "\n want " << w.flatten());
+  CHECK(excess.max().item<double>() <= 0.0);
+}
+
+void check_grads(mt::engine_base& e, const std::map<std::string, Tensor>& want, at::ScalarType dt,
+                 const std::string& what) {
+  auto got = e.full_grads();
+  const auto& names = e.parameter_names();
+  REQUIRE(got.size() == names.size());
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    REQUIRE(want.count(names[i]) == 1);
+    check_close(got[i], want.at(names[i]), grad_tol(dt), 0.0, what + ": gradient of " + names[i]);
+  }
+}
+
+void check_weights(mt::engine_base& e, const std::map<std::string, Tensor>& want, const std::string& what) {
+  auto got = e.master_weights();
+  const auto& names = e.parameter_names();
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    check_close(got[i], want.at(names[i]), param_tol, param_atol, what + ": master weight " + names[i]);
+    // The model's own parameter is the master rounded to the parameter dtype.
+    check_close(e.parameters()[i].to(torch::kFloat),
+                got[i].to(e.parameters()[i].scalar_type()).to(torch::kFloat), {0, 0}, 0.0,
+                what + ": model parameter " + names[i] + " vs its master");
+  }
+}
+
+// ---- configs -------------------------------------------------------------------------------
+
+at::ScalarType dtype_of(const std::string& prec) {
+  return prec == "bf16" ? torch::kBFloat16 : prec == "fp16" ? torch::kHalf : torch::kFloat;
+}
+
+json make_config(int stage, const std::string& prec, int gas = 1, json extra = json::object()) {
+  json j = {{"train_micro_batch_size_per_gpu", 8},
+            {"gradient_accumulation_steps", gas},
+            {"optimizer", {{"type", "Adam"}, {"params", {{"lr", 1e-3}}}}},
+            {"gradient_clipping", 0.0},
+            {"zero_optimization", {{"stage", stage}}}};
+  if (prec == "bf16") j["bf16"] = {{"enabled", true}};
+  if (prec == "fp16") j["fp16"] = {{"enabled", true}, {"initial_scale_power", 8}};
+  j.merge_patch(extra);
+  return j;
+}
+
+template <class M>
+mt::engine<M> make_engine(M model, const json& cfg) {
+  return mt::initialize(std::move(model), cfg, world());
+}
+
+std::string label(int stage, const std::string& prec) {
+  return "stage " + std::to_string(stage) + ", " + prec + ", world " + std::to_string(W());
+}
+
+}  // namespace
+
+// =================================================================================
+// Scenarios 1 and 6: loss inside the model, loss outside the model.
+// =================================================================================
+TEST_CASE("torch: loss.backward() on the model's loss and on a loss computed outside match the reference",
+          "[torch]") {
+  const int stage = GENERATE(0, 1, 2);
+  const std::string prec = GENERATE(std::string("bf16"), std::string("fp32"));
+  const bool outside = GENERATE(false, true);
+  const at::ScalarType dt = dtype_of(prec);
+  INFO(label(stage, prec) << (outside ? ", loss outside the model" : ", loss in the model"));
+
+  auto engine = make_engine(Net(42), make_config(stage, prec));
+  reference<Net> ref(Net(42), dt, stage);
+  for (int it = 0; it < 3; ++it) {
+    const batch b = data(it, R());
+    Tensor loss = outside ? torch::mse_loss(engine(b.x.to(dt)).to(torch::kFloat), b.y) : engine(b.x.to(dt), b.y);
+    loss.backward();
+    ref.accumulate([&](Net& m, int r) { auto d = data(it, r); return m->forward(d.x.to(dt), d.y); }, 1.0);
+    check_grads(engine, ref.grads(), dt, "iteration " + std::to_string(it));
+    engine.step();
+    ref.step();
+    check_weights(engine, ref.weights(), "iteration " + std::to_string(it));
+  }
+  CHECK(engine.global_steps() == 3);
+  CHECK(engine.epilogues() == 3);
+}
+
+// =================================================================================
+// Scenario 2: non-scalar backward with an explicit gradient.
+// =================================================================================
+TEST_CASE("torch: out.backward(ones_like(out)) on a non-scalar output matches the reference", "[torch]") {
+  const int stage = GENERATE(0, 1, 2);
+  const std::string prec = GENERATE(std::string("bf16"), std::string("fp32"));
+  const at::ScalarType dt = dtype_of(prec);
+  INFO(label(stage, prec));
+  auto engine = make_engine(Net(7), make_config(stage, prec));
+  reference<Net> ref(Net(7), dt, stage);
+  for (int it = 0; it < 2; ++it) {
+    Tensor out = engine(data(it, R(), 1).x.to(dt));
+    REQUIRE(out.dim() == 2);
+    out.backward(torch::ones_like(out));
+    // d(sum(out))/dp is what out.backward(ones) computes.
+    ref.accumulate([&](Net& m, int r) { return m->forward(data(it, r, 1).x.to(dt)).to(torch::kFloat).sum(); }, 1.0);
+    check_grads(engine, ref.grads(), dt, "iteration " + std::to_string(it));
+    engine.step();
+    ref.step();
+    check_weights(engine, ref.weights(), "iteration " + std::to_string(it));
+  }
+}
+
+// =================================================================================
+// Scenario 3: gradient accumulation without manual division.
+// =================================================================================
+TEST_CASE("torch: GAS=4 over 8 micro-batches with plain loss.backward() and step() every micro-batch",
+          "[torch]") {
+  const int stage = GENERATE(0, 1, 2);
+  const std::string prec = GENERATE(std::string("bf16"), std::string("fp32"));
+  const at::ScalarType dt = dtype_of(prec);
+  INFO(label(stage, prec));
+  auto engine = make_engine(Net(3), make_config(stage, prec, 4));
+  reference<Net> ref(Net(3), dt, stage);
+  for (int k = 0; k < 8; ++k) {
+    const batch b = data(k, R(), 2);
+    engine(b.x.to(dt), b.y).backward();
+    ref.accumulate([&](Net& m, int r) { auto d = data(k, r, 2); return m->forward(d.x.to(dt), d.y); }, 1.0 / 4);
+    const bool boundary = k % 4 == 3;
+    CHECK(engine.is_gradient_accumulation_boundary() == boundary);
+    if (boundary) check_grads(engine, ref.grads(), dt, "micro-batch " + std::to_string(k));
+    engine.step();
+    if (boundary) {
+      ref.step();
+      check_weights(engine, ref.weights(), "micro-batch " + std::to_string(k));
+    }
+  }
+  CHECK(engine.global_steps() == 2);
+  CHECK(engine.micro_steps() == 8);
+  CHECK(engine.epilogues() == 8);
+}
+
+// =================================================================================
+// Scenario 4: engine.backward(loss, scale_wrt_gas = false) sums without dividing.
+// =================================================================================
+TEST_CASE("torch: engine.backward with and without scale_wrt_gas", "[torch]") {
+  const int stage = GENERATE(0, 1, 2);
+  const bool scale_wrt_gas = GENERATE(true, false);
+  const std::string prec = "bf16";
+  const at::ScalarType dt = dtype_of(prec);
+  INFO(label(stage, prec) << ", scale_wrt_gas " << scale_wrt_gas);
+  auto engine = make_engine(Net(5), make_config(stage, prec, 2));
+  reference<Net> ref(Net(5), dt, stage);
+  for (int k = 0; k < 4; ++k) {
+    const batch b = data(k, R(), 3);
+    Tensor loss = engine(b.x.to(dt), b.y);
+    Tensor ret = engine.backward(loss, false, scale_wrt_gas);
+    CHECK(ret.item<double>() == Approx(loss.item<double>() / (scale_wrt_gas ? 2.0 : 1.0)));
+    ref.accumulate([&](Net& m, int r) { auto d = data(k, r, 3); return m->forward(d.x.to(dt), d.y); },
+                   scale_wrt_gas ? 0.5 : 1.0);
+    if (k % 2 == 1) check_grads(engine, ref.grads(), dt, "micro-batch " + std::to_string(k));
+    engine.step();
+    if (k % 2 == 1) {
+      ref.step();
+      check_weights(engine, ref.weights(), "micro-batch " + std::to_string(k));
+    }
+  }
+  CHECK(engine.epilogues() == 4);
+}
+
+// =================================================================================
+// Scenario 5: three engines, one loss, one backward, no manual epilogue.
+// =================================================================================
+TEST_CASE("torch: three engines sharing one loss need no manual epilogue", "[torch]") {
+  const int stage = GENERATE(0, 1, 2);
+  const std::string prec = GENERATE(std::string("bf16"), std::string("fp32"));
+  const at::ScalarType dt = dtype_of(prec);
+  INFO(label(stage, prec));
+  std::vector<mt::engine<Net>> engines;
+  std::vector<std::unique_ptr<reference<Net>>> refs;
+  for (int i = 0; i < 3; ++i) {
+    engines.push_back(make_engine(Net(42 + i), make_config(stage, prec)));
+    refs.push_back(std::make_unique<reference<Net>>(Net(42 + i), dt, stage));
+  }
+  for (int it = 0; it < 2; ++it) {
+    const batch b = data(it, R(), 4);
+    Tensor loss = torch::zeros({}, torch::kFloat);
+    for (int i = 0; i < 3; ++i) loss = loss + engines[i](b.x.to(dt), b.y) / (i + 1.0);
+    loss.backward();
+    for (int i = 0; i < 3; ++i) {
+      refs[i]->accumulate(
+          [&](Net& m, int r) { auto d = data(it, r, 4); return m->forward(d.x.to(dt), d.y) / (i + 1.0); }, 1.0);
+      check_grads(engines[i], refs[i]->grads(), dt, "engine " + std::to_string(i) + ", iteration " + std::to_string(it));
+      CHECK(engines[i].epilogues() == static_cast<std::uint64_t>(it + 1));
+    }
+    for (int i = 0; i < 3; ++i) {
+      engines[i].step();
+      refs[i]->step();
+      check_weights(engines[i], refs[i]->weights(), "engine " + std::to_string(i));
+    }
+  }
+}
+
+// =================================================================================
+// Scenario 8: fp16 without scale() raises on every rank, no hang; dynamic and static.
+// =================================================================================
+TEST_CASE("torch: fp16 loss.backward() without engine.scale() raises 'Loss scaling is required' on every rank",
+          "[torch]") {
+  const int stage = GENERATE(0, 1, 2);
+  const bool dynamic = GENERATE(true, false);
+  const bool bypass = GENERATE(false, true);  // a forward that does not go through the engine
+  INFO(label(stage, "fp16") << (dynamic ? ", dynamic" : ", static") << " loss scale" << (bypass ? ", bypassed forward" : ""));
+  json extra = dynamic ? json{{"fp16", {{"initial_scale_power", 8}}}} : json{{"fp16", {{"loss_scale", 256.0}}}};
+  auto engine = make_engine(Net(11), make_config(stage, "fp16", 1, extra));
+  CHECK(engine.loss_scale() == 256.0);
+  const batch b = data(0, R(), 5);
+  Tensor loss = bypass ? engine.module()->forward(b.x.to(torch::kHalf), b.y) : engine(b.x.to(torch::kHalf), b.y);
+  CHECK_THROWS_WITH(loss.backward(), Catch::Contains("Loss scaling is required"));
+  // Every rank is still in step: a collective completes, and the engine trains on.
+  world().barrier();
+  reference<Net> ref(Net(11), torch::kHalf, stage);
+  Tensor loss2 = engine(b.x.to(torch::kHalf), b.y);
+  engine.scale(loss2).backward();
+  ref.accumulate([&](Net& m, int r) { auto d = data(0, r, 5); return m->forward(d.x.to(torch::kHalf), d.y); }, 1.0);
+  check_grads(engine, ref.grads(), torch::kHalf, "after the error");
+  engine.step();
+  ref.step();
+  check_weights(engine, ref.weights(), "after the error");
+  CHECK(engine.epilogues() == 1);
+}
+
+// =================================================================================
+// Scenario 9: engine.scale(loss).backward() == engine.backward(loss) == reference, GAS 4.
+// =================================================================================
+TEST_CASE("torch: engine.scale(loss).backward() equals engine.backward(loss) and the reference", "[torch]") {
+  const int stage = GENERATE(0, 1, 2);
+  const std::string prec = GENERATE(std::string("fp16"), std::string("bf16"));
+  const at::ScalarType dt = dtype_of(prec);
+  INFO(label(stage, prec));
+  auto a = make_engine(Net(21), make_config(stage, prec, 4));
+  auto c = make_engine(Net(21), make_config(stage, prec, 4));
+  reference<Net> ref(Net(21), dt, stage);
+  for (int k = 0; k < 8; ++k) {
+    const batch b = data(k, R(), 6);
+    a.scale(a(b.x.to(dt), b.y)).backward();
+    c.backward(c(b.x.to(dt), b.y));
+    ref.accumulate([&](Net& m, int r) { auto d = data(k, r, 6); return m->forward(d.x.to(dt), d.y); }, 0.25);
+    if (k % 4 == 3) {
+      auto ga = a.full_grads(), gc = c.full_grads();
+      for (std::size_t i = 0; i < ga.size(); ++i) check_close(ga[i], gc[i], {0, 0}, 0.0, "scale().backward() vs backward()");
+      check_grads(a, ref.grads(), dt, "scale().backward()");
+      ref.step();
+    }
+    a.step();
+    c.step();
+    if (k % 4 == 3) {
+      check_weights(a, ref.weights(), "scale().backward()");
+      check_weights(c, ref.weights(), "backward()");
+    }
+  }
+}
+
+// =================================================================================
+// Scenario 10: scale() rejects non-scalar tensors.
+// =================================================================================
+TEST_CASE("torch: engine.scale() of a non-scalar tensor is rejected with a message about scalars", "[torch]") {
+  const std::string prec = GENERATE(std::string("fp16"), std::string("bf16"));
+  auto engine = make_engine(Net(1), make_config(1, prec));
+  Tensor out = engine(data(0, R()).x.to(dtype_of(prec)));
+  CHECK_THROWS_WITH(engine.scale(out), Catch::Contains("scalar"));
+  CHECK_THROWS_WITH(engine.backward(out), Catch::Contains("scalar"));
+}
+
+// =================================================================================
+// Scenario 11: several backward calls per optimizer step (GAS = 1, boundary override).
+// =================================================================================
+TEST_CASE("torch: several backward calls per step with set_gradient_accumulation_boundary", "[torch]") {
+  // The CPU-offload half of this scenario (DeepSpeed #7981) waits for offload support
+  // in the engine; without offload every backward's gradient must count too.
+  const int stage = GENERATE(0, 1, 2);
+  const std::string prec = GENERATE(std::string("bf16"), std::string("fp32"));
+  const at::ScalarType dt = dtype_of(prec);
+  INFO(label(stage, prec));
+  auto engine = make_engine(Net(9), make_config(stage, prec, 1));
+  reference<Net> ref(Net(9), dt, stage);
+  constexpr int N = 4;
+  for (int it = 0; it < 2; ++it) {
+    for (int i = 0; i < N; ++i) {
+      engine.set_gradient_accumulation_boundary(i == N - 1);
+      CHECK(engine.is_gradient_accumulation_boundary() == (i == N - 1));
+      const batch b = data(10 * it + i, R(), 7);
+      engine.backward(engine(b.x.to(dt), b.y));
+      ref.accumulate([&](Net& m, int r) { auto d = data(10 * it + i, r, 7); return m->forward(d.x.to(dt), d.y); }, 1.0);
+    }
+    check_grads(engine, ref.grads(), dt, "iteration " + std::to_string(it));
+    engine.step();
+    ref.step();
+    check_weights(engine, ref.weights(), "iteration " + std::to_string(it));
+  }
+  CHECK(engine.global_steps() == 2);
+}
+
+// =================================================================================
+// [hooks]: the DeepSpeed bugs of REFERENCE.md section 1.
+// =================================================================================
+TEST_CASE("hooks: a second backward without a new forward accumulates and runs its own epilogue", "[hooks]") {
+  const int stage = GENERATE(0, 1, 2);
+  const bool two_losses = GENERATE(false, true);
+  INFO(label(stage, "fp32") << (two_losses ? ", two losses of one forward" : ", retain_graph twice"));
+  auto engine = make_engine(Net(13), make_config(stage, "fp32"));
+  reference<Net> ref(Net(13), torch::kFloat, stage);
+  const batch b = data(0, R(), 8);
+  Tensor out = engine(b.x);
+  Tensor l1 = torch::mse_loss(out, b.y);
+  Tensor l2 = two_losses ? out.pow(2).mean() : l1;
+  l1.backward({}, /*retain_graph=*/true);
+  CHECK(engine.epilogues() == 1);
+  l2.backward();
+  CHECK(engine.epilogues() == 2);
+  ref.accumulate([&](Net& m, int r) { auto d = data(0, r, 8); return torch::mse_loss(m->forward(d.x), d.y); }, 1.0);
+  ref.accumulate([&](Net& m, int r) {
+    auto d = data(0, r, 8);
+    auto o = m->forward(d.x);
+    return two_losses ? o.pow(2).mean() : torch::mse_loss(o, d.y);
+  }, 1.0);
+  check_grads(engine, ref.grads(), torch::kFloat, "two backward passes");
+  engine.step();
+  ref.step();
+  check_weights(engine, ref.weights(), "two backward passes");
+}
+
+namespace {
+
+// A model whose forward runs a backward of its own (a side loss on l1's weight), as
+// DeepSpeed's pipeline engine does internally.
+struct InnerImpl : NetImpl {
+  explicit InnerImpl(std::uint64_t seed) : NetImpl(seed) {}
+  Tensor forward(const Tensor& x, const Tensor& y) {
+    (l1->weight.to(torch::kFloat).pow(2).sum() * 0.5).backward();
+    return NetImpl::forward(x, y);
+  }
+};
+TORCH_MODULE(Inner);
+
+// Reentrant checkpointing of l2: its forward runs without a graph; its backward
+// recomputes l2 with grad and runs a nested backward through it.
+thread_local std::function<Tensor(const Tensor&)> checkpointed_fn;
+struct checkpoint : torch::autograd::Function<checkpoint> {
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& h) {
+    ctx->save_for_backward({h});
+    return checkpointed_fn(h);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    Tensor h = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    {
+      torch::AutoGradMode on(true);
+      Tensor out = checkpointed_fn(h);
+      torch::autograd::backward({out}, {g[0]});
+    }
+    return {h.grad()};
+  }
+};
+struct CheckpointedImpl : NetImpl {
+  explicit CheckpointedImpl(std::uint64_t seed) : NetImpl(seed) {}
+  Tensor forward(const Tensor& x, const Tensor& y) {
+    checkpointed_fn = [this](const Tensor& h) { return l2(h); };
+    return torch::mse_loss(checkpoint::apply(l1(x)), y);
+  }
+};
+TORCH_MODULE(Checkpointed);
+
+}  // namespace
+
+TEST_CASE("hooks: a backward inside forward runs no epilogue; its gradients join the next pass", "[hooks]") {
+  const int stage = GENERATE(0, 1, 2);
+  INFO(label(stage, "fp32"));
+  auto engine = make_engine(Inner(17), make_config(stage, "fp32"));
+  reference<Inner> ref(Inner(17), torch::kFloat, stage);
+  const batch b = data(0, R(), 9);
+  Tensor loss = engine(b.x, b.y);
+  CHECK(engine.epilogues() == 0);
+  loss.backward();
+  CHECK(engine.epilogues() == 1);
+  ref.accumulate([&](Inner& m, int r) { auto d = data(0, r, 9); return m->forward(d.x, d.y); }, 1.0);
+  check_grads(engine, ref.grads(), torch::kFloat, "inner + outer backward");
+  engine.step();
+  ref.step();
+  check_weights(engine, ref.weights(), "inner + outer backward");
+}
+
+TEST_CASE("hooks: a nested (reentrant) backward runs no epilogue of its own", "[hooks]") {
+  const int stage = GENERATE(0, 1, 2);
+  const bool bypass = GENERATE(false, true);
+  INFO(label(stage, "fp32") << (bypass ? ", forward bypasses the engine" : ""));
+  auto engine = make_engine(Checkpointed(19), make_config(stage, "fp32"));
+  reference<Net> ref(Net(19), torch::kFloat, stage);  // same math without checkpointing
+  for (int it = 0; it < 2; ++it) {
+    const batch b = data(it, R(), 10);
+    Tensor loss = bypass ? engine.module()->forward(b.x, b.y) : engine(b.x, b.y);
+    loss.backward();
+    CHECK(engine.epilogues() == static_cast<std::uint64_t>(it + 1));
+    ref.accumulate([&](Net& m, int r) { auto d = data(it, r, 10); return m->forward(d.x, d.y); }, 1.0);
+    check_grads(engine, ref.grads(), torch::kFloat, "checkpointed");
+    engine.step();
+    ref.step();
+    check_weights(engine, ref.weights(), "checkpointed");
+  }
+}
+
+TEST_CASE("hooks: a forward that bypasses the engine still gets its epilogue", "[hooks]") {
+  const int stage = GENERATE(0, 1, 2);
+  const std::string prec = GENERATE(std::string("bf16"), std::string("fp32"));
+  const at::ScalarType dt = dtype_of(prec);
+  INFO(label(stage, prec));
+  auto engine = make_engine(Net(23), make_config(stage, prec, 2));
+  reference<Net> ref(Net(23), dt, stage);
+  for (int k = 0; k < 2; ++k) {
+    const batch b = data(k, R(), 11);
+    engine.module()->forward(b.x.to(dt), b.y).backward();
+    CHECK(engine.epilogues() == static_cast<std::uint64_t>(k + 1));
+    ref.accumulate([&](Net& m, int r) { auto d = data(k, r, 11); return m->forward(d.x.to(dt), d.y); }, 0.5);
+    engine.step();
+  }
+  ref.step();
+  check_weights(engine, ref.weights(), "bypassed forward");
+}
+
+namespace {
+struct ChainImpl : torch::nn::Module {
+  Net enc{nullptr}, dec{nullptr};
+  ChainImpl(std::uint64_t a, std::uint64_t b) {
+    enc = register_module("enc", Net(a));
+    dec = register_module("dec", Net(b));
+  }
+  Tensor forward(const Tensor& x, const Tensor& y) { return dec->forward(enc->forward(x), y); }
+};
+TORCH_MODULE(Chain);
+}  // namespace
+
+TEST_CASE("hooks: gradients flowing from one engine into another are divided by GAS once", "[hooks]") {
+  const int stage = GENERATE(0, 1, 2);
+  INFO(label(stage, "fp32"));
+  auto enc = make_engine(Net(31), make_config(stage, "fp32", 2));
+  auto dec = make_engine(Net(32), make_config(stage, "fp32", 2));
+  reference<Chain> ref(Chain(31, 32), torch::kFloat, stage);
+  for (int k = 0; k < 4; ++k) {
+    const batch b = data(k, R(), 12);
+    dec(enc(b.x), b.y).backward();
+    ref.accumulate([&](Chain& m, int r) { auto d = data(k, r, 12); return m->forward(d.x, d.y); }, 0.5);
+    if (k % 2 == 1) {
+      auto want = ref.grads();
+      std::map<std::string, Tensor> we, wd;
+      for (auto& [n, g] : want) (n.rfind("enc.", 0) == 0 ? we : wd)[n.substr(4)] = g;
+      check_grads(enc, we, torch::kFloat, "encoder");
+      check_grads(dec, wd, torch::kFloat, "decoder");
+      ref.step();
+    }
+    enc.step();
+    dec.step();
+  }
+  CHECK(enc.epilogues() == 4);
+  CHECK(dec.epilogues() == 4);
+}
+
+namespace {
+// A zero-sized parameter and a layer that never gets a gradient.
+struct SparseUseImpl : NetImpl {
+  Tensor empty;
+  torch::nn::Linear unused{nullptr};
+  explicit SparseUseImpl(std::uint64_t seed) : NetImpl(seed) {
+    empty = register_parameter("empty", torch::zeros({0}));
+    unused = register_module("unused", torch::nn::Linear(4, 3));
+  }
+};
+TORCH_MODULE(SparseUse);
+}  // namespace
+
+TEST_CASE("hooks: zero-sized parameters and parameters without gradients", "[hooks]") {
+  const int stage = GENERATE(0, 1, 2);
+  const std::string prec = GENERATE(std::string("bf16"), std::string("fp32"));
+  const at::ScalarType dt = dtype_of(prec);
+  INFO(label(stage, prec));
+  auto engine = make_engine(SparseUse(29), make_config(stage, prec));
+  reference<SparseUse> ref(SparseUse(29), dt, stage);
+  REQUIRE(engine.parameters().size() == 7);
+  for (int it = 0; it < 2; ++it) {
+    const batch b = data(it, R(), 13);
+    engine(b.x.to(dt), b.y).backward();
+    ref.accumulate([&](SparseUse& m, int r) { auto d = data(it, r, 13); return m->forward(d.x.to(dt), d.y); }, 1.0);
+    check_grads(engine, ref.grads(), dt, "iteration " + std::to_string(it));
+    engine.step();
+    ref.step();
+    check_weights(engine, ref.weights(), "iteration " + std::to_string(it));
+  }
+}
+
+TEST_CASE("hooks: bookkeeping scales to many parameters (one epilogue, every gradient)", "[hooks]") {
+  // O(1) per hook is a property of the code (one hash lookup, cached); this checks that
+  // a model with many small parameters gets every gradient and exactly one epilogue.
+  struct ManyImpl : torch::nn::Module {
+    std::vector<Tensor> ws;
+    ManyImpl() {
+      torch::manual_seed(3);
+      for (int i = 0; i < 512; ++i) {
+        std::string name = "w";
+        name += std::to_string(i);
+        ws.push_back(register_parameter(name, torch::randn({4})));
+      }
+    }
+    Tensor forward(const Tensor& x) {
+      Tensor acc = torch::zeros({x.size(0)});
+      for (std::size_t i = 0; i < ws.size(); ++i) acc = acc + (x * ws[i]).sum(1) * (1.0 / (i + 1));
+      return acc.pow(2).mean();
+    }
+  };
+  const int stage = GENERATE(1, 2);
+  auto model = std::make_shared<ManyImpl>();
+  auto engine = make_engine(model, make_config(stage, "fp32", 1, {{"zero_optimization", {{"reduce_bucket_size", 64}}}}));
+  const batch b = data(0, R(), 14);
+  engine(b.x).backward();
+  CHECK(engine.epilogues() == 1);
+  auto grads = engine.full_grads();
+  // Reference: the same function on a plain copy.
+  auto plain = std::make_shared<ManyImpl>();
+  for (int r = 0; r < W(); ++r) plain->forward(data(0, r, 14).x).mul(1.0 / W()).backward();
+  for (std::size_t i = 0; i < grads.size(); ++i) check_close(grads[i], plain->ws[i].grad(), grad_tol(torch::kFloat), 0.0, "w" + std::to_string(i));
+}
+
+// =================================================================================
+// Schedules, clipping, config errors, destruction, autocast, c10d.
+// =================================================================================
+TEST_CASE("torch: WarmupLR sets each step's learning rate; gradient clipping uses the global norm", "[torch]") {
+  const int stage = GENERATE(0, 1, 2);
+  INFO(label(stage, "fp32"));
+  json extra = {{"scheduler",
+                 {{"type", "WarmupLR"},
+                  {"params", {{"warmup_min_lr", 1e-4}, {"warmup_max_lr", 1e-3}, {"warmup_num_steps", 4}, {"warmup_type", "linear"}}}}},
+                {"gradient_clipping", 0.05}};
+  auto engine = make_engine(Net(37), make_config(stage, "fp32", 1, extra));
+  reference<Net> ref(Net(37), torch::kFloat, stage);
+  for (int k = 0; k < 6; ++k) {
+    // DeepSpeed's WarmupLR (linear): update k+1 uses min + (max - min) * (k - 1) / 4 once
+    // k >= 1 (last_batch_iteration = k - 1), warmup_min_lr before; max_lr after warmup.
+    const double i = k - 1;
+    const double want_lr = k == 0 ? 1e-4 : i < 4 ? 1e-4 + (1e-3 - 1e-4) * i / 4 : 1e-3;
+    CHECK(engine.get_lr() == Approx(want_lr).epsilon(1e-12));
+    const batch b = data(k, R(), 15);
+    engine(b.x, b.y).backward();
+    ref.accumulate([&](Net& m, int r) { auto d = data(k, r, 15); return m->forward(d.x, d.y); }, 1.0);
+    auto g = ref.reduced();
+    double norm = 0;
+    for (auto& t : g) norm += t.to(torch::kDouble).pow(2).sum().item<double>();
+    norm = std::sqrt(norm);
+    const double coef = 0.05 / (norm + 1e-6);
+    if (coef < 1)
+      for (auto& t : g) t.mul_(static_cast<float>(coef));
+    ref.set_lr(want_lr);
+    engine.step();
+    ref.step(g);
+    CHECK(engine.global_grad_norm() == Approx(norm).epsilon(1e-5));
+    check_weights(engine, ref.weights(), "step " + std::to_string(k));
+  }
+}
+
+TEST_CASE("torch: a configuration that is not compiled in, or not supported, is refused by name", "[torch]") {
+  Net model(1);
+  json sgd = make_config(1, "fp32", 1, {{"optimizer", {{"type", "SGD"}, {"params", {{"lr", 0.1}}}}}});
+  CHECK_THROWS_WITH(mt::initialize(model, sgd, world()),
+                    Catch::Contains("not compiled") && Catch::Contains("SGD, ZeRO stage 1") && Catch::Contains("Compiled:"));
+  CHECK_THROWS_WITH(mt::initialize(Net(1), make_config(3, "bf16"), world()), Catch::Contains("stage = 3"));
+  // A failed initialize leaves the model alone.
+  CHECK(model->l1->weight.scalar_type() == torch::kFloat);
+  CHECK(model->l1->weight.data_ptr() != nullptr);
+  CHECK_FALSE(mt::compiled_cores().empty());
+}
+
+TEST_CASE("torch: JSON text, a file path and a parsed config all initialize", "[torch]") {
+  const std::string text = make_config(1, "bf16").dump();
+  auto a = mt::initialize(Net(2), text, world());
+  const std::string path = "mpzero_test_torch_config_" + std::to_string(R()) + ".json";
+  {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    REQUIRE(f != nullptr);
+    std::fputs(text.c_str(), f);
+    std::fclose(f);
+  }
+  auto b = mt::initialize(Net(2), path, world());
+  std::remove(path.c_str());
+  auto c = mt::initialize(Net(2), mt::parse_config_text(text, W()), world());
+  CHECK(a.describe() == b.describe());
+  CHECK(b.describe() == c.describe());
+  CHECK(a.describe().find("param bf16") != std::string::npos);
+  CHECK(a.parameters()[0].scalar_type() == torch::kBFloat16);
+}
+
+TEST_CASE("torch: the model keeps working after its engine is gone", "[torch]") {
+  Net model(4);
+  Tensor before;
+  {
+    auto e = make_engine(model, make_config(2, "fp32"));
+    const batch b = data(0, R(), 16);
+    e(b.x, b.y).backward();
+    e.step();
+    before = model->l1->weight.detach().clone();
+  }
+  // The parameters own their storage again (not the freed flat buffer), and plain
+  // autograd fills .grad as usual (the hooks find no engine).
+  CHECK(torch::equal(model->l1->weight.detach(), before));
+  const batch b = data(1, R(), 16);
+  model->forward(b.x, b.y).backward();
+  CHECK(model->l1->weight.grad().defined());
+}
+
+TEST_CASE("torch: torch_autocast runs the engine's forward under LibTorch autocast", "[torch]") {
+  json extra = {{"torch_autocast", {{"enabled", true}, {"dtype", "bfloat16"}}}};
+  auto engine = make_engine(Net(6), make_config(1, "fp32", 1, extra));
+  const batch b = data(0, R(), 17);
+  CHECK(engine(b.x).scalar_type() == torch::kBFloat16);           // Linear ran in bf16
+  CHECK(engine.module()->forward(b.x).scalar_type() == torch::kFloat);  // outside the engine: no autocast
+  CHECK_FALSE(at::autocast::is_autocast_enabled(at::kCPU));
+  engine(b.x, b.y).backward();
+  CHECK(engine.epilogues() == 1);
+  engine.step();
+}
+
+namespace {
+// A c10d backend over MPI (CPU tensors, synchronous), standing in for Gloo, whose
+// headers the PyPI wheel does not ship.
+struct done_work : c10d::Work {
+  done_work() { finish(); }
+};
+MPI_Datatype mpi_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return MPI_FLOAT;
+    case at::kDouble: return MPI_DOUBLE;
+    case at::kInt: return MPI_INT32_T;
+    case at::kByte: return MPI_UINT8_T;
+    default: throw std::runtime_error("mpi backend: unsupported dtype");
+  }
+}
+struct mpi_backend : c10d::Backend {
+  mpi_backend() : Backend(R(), W()) {}
+  const std::string getBackendName() const override { return "test-mpi"; }
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& o) override {
+    for (auto& t : ts) {
+      MPI_Op op = o.reduceOp == c10d::ReduceOp::SUM ? MPI_SUM : MPI_MAX;
+      MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), static_cast<int>(t.numel()), mpi_type(t.scalar_type()), op, MPI_COMM_WORLD);
+    }
+    return c10::make_intrusive<done_work>();
+  }
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outs, std::vector<at::Tensor>& ins,
+                                           const c10d::AllgatherOptions&) override {
+    const auto n = static_cast<int>(ins[0].nbytes());
+    std::vector<char> all(static_cast<std::size_t>(n) * static_cast<std::size_t>(W()));
+    MPI_Allgather(ins[0].data_ptr(), n, MPI_BYTE, all.data(), n, MPI_BYTE, MPI_COMM_WORLD);
+    for (int r = 0; r < W(); ++r) std::memcpy(outs[0][r].data_ptr(), all.data() + static_cast<std::size_t>(r) * n, n);
+    return c10::make_intrusive<done_work>();
+  }
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& ts, const c10d::BroadcastOptions& o) override {
+    for (auto& t : ts) MPI_Bcast(t.data_ptr(), static_cast<int>(t.nbytes()), MPI_BYTE, static_cast<int>(o.rootRank), MPI_COMM_WORLD);
+    return c10::make_intrusive<done_work>();
+  }
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
+    MPI_Barrier(MPI_COMM_WORLD);
+    return c10::make_intrusive<done_work>();
+  }
+};
+}  // namespace
+
+TEST_CASE("torch: a c10d ProcessGroup as the communicator", "[torch]") {
+  const int stage = GENERATE(0, 1, 2);
+  INFO(label(stage, "bf16") << ", c10d");
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(R(), W());
+  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, c10::make_intrusive<mpi_backend>());
+  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+  // Rank 0's initial values win: give the other ranks a different seed.
+  auto engine = mt::initialize(Net(R() == 0 ? 41 : 99), make_config(stage, "bf16"), mt::process_group_communicator(pg));
+  CHECK(engine.world_size() == W());
+  reference<Net> ref(Net(41), torch::kBFloat16, stage);
+  for (int it = 0; it < 2; ++it) {
+    const batch b = data(it, R(), 18);
+    engine(b.x.to(torch::kBFloat16), b.y).backward();
+    ref.accumulate([&](Net& m, int r) { auto d = data(it, r, 18); return m->forward(d.x.to(torch::kBFloat16), d.y); }, 1.0);
+    check_grads(engine, ref.grads(), torch::kBFloat16, "c10d");
+    engine.step();
+    ref.step();
+    check_weights(engine, ref.weights(), "c10d");
+  }
+}
