@@ -38,10 +38,18 @@ class multi_tensor_plan {
   multi_tensor_plan() = default;
 
   multi_tensor_plan(std::span<const std::uint64_t> numels, plan_options opt = {}) : options_(opt) {
-    if (opt.chunk_size == 0 || opt.max_chunks_per_launch == 0 || opt.max_tensors_per_launch == 0) {
-      detail::throw_invalid("plan_options: chunk_size, max_chunks_per_launch and max_tensors_per_launch must be > 0");
-    }
+    if (opt.chunk_size == 0) detail::throw_invalid("plan_options: chunk_size = 0; use a positive chunk size (65536 is the default)");
+    if (opt.max_chunks_per_launch == 0) detail::throw_invalid("plan_options: max_chunks_per_launch = 0; it must be at least 1");
+    if (opt.max_tensors_per_launch == 0) detail::throw_invalid("plan_options: max_tensors_per_launch = 0; it must be at least 1");
     if (numels.size() > UINT32_MAX) detail::throw_invalid("multi_tensor_plan: more than 2^32-1 tensors");
+    // Count first: chunk indices are 32-bit, and nothing is allocated for a plan that cannot exist.
+    std::uint64_t n_chunks = 0;
+    for (const std::uint64_t n : numels) n_chunks += (n + opt.chunk_size - 1) / opt.chunk_size;
+    if (n_chunks > UINT32_MAX) {
+      detail::throw_invalid("multi_tensor_plan: " + std::to_string(n_chunks) +
+                            " chunks exceed 2^32-1; use a larger plan_options::chunk_size");
+    }
+    chunks_.reserve(static_cast<std::size_t>(n_chunks));
     launch_range current{0, 0, 0, 0};
     for (std::uint32_t t = 0; t < numels.size(); ++t) {
       total_elements_ += numels[t];
@@ -60,7 +68,6 @@ class multi_tensor_plan {
       }
     }
     if (current.num_chunks > 0) launches_.push_back(current);
-    if (chunks_.size() > UINT32_MAX) detail::throw_invalid("multi_tensor_plan: more than 2^32-1 chunks");
   }
 
   std::span<const chunk> chunks() const noexcept { return chunks_; }

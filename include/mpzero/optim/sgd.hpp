@@ -41,7 +41,9 @@ struct sgd {
                                     mpzero::detail::format_double(o.dampening) + ")");
     }
     return params{static_cast<float>(o.lr), static_cast<float>(o.momentum), static_cast<float>(1.0 - o.dampening),
-                  static_cast<float>(o.weight_decay), o.nesterov, step == 1};
+                  // Without momentum PyTorch uses the gradient itself (dampening ignored):
+                  // the "first step" rule, buf = g, on every step.
+                  static_cast<float>(o.weight_decay), o.nesterov, step == 1 || o.momentum == 0.0};
   }
 
   MPZERO_HOST_DEVICE MPZERO_FORCEINLINE static void update(const params& p, float& w, float g, float (&s)[1]) noexcept {
