@@ -220,10 +220,6 @@ void engine_state::init() {
     fail("zero_optimization.stage = 3 is not supported by the LibTorch engine yet (parameters would need gather/"
          "release hooks around each module); use stage 0, 1 or 2");
   }
-  if (cfg_.zero.offload_optimizer != offload_device::none) {
-    fail("zero_optimization.offload_optimizer.device = \"cpu\" is not supported by the LibTorch engine yet; with "
-         "CPU parameters (this build) the optimizer already runs on the host: set the device to \"none\"");
-  }
   if (cfg_.gradient_accumulation_steps == 0) fail("gradient_accumulation_steps = 0; it must be at least 1");
   inv_gas_ = static_cast<float>(1.0 / static_cast<double>(cfg_.gradient_accumulation_steps));
 
@@ -258,6 +254,7 @@ void engine_state::init() {
   spec.stochastic_rounding = cfg_.rounding == "stochastic";
   spec.optimizer = cfg_.optimizer.type;
   spec.stage = cfg_.zero.stage;
+  spec.offload = cfg_.zero.offload_optimizer == offload_device::cpu;
   param_type_ = scalar_type_of(spec.param);
 
   zero_options zo;

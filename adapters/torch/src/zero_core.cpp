@@ -37,10 +37,11 @@ typename Opt::options options_of(const optimizer_config& c) {
   return o;
 }
 
-template <class Policy, class Opt, int N>
+template <class Policy, class Opt, int N, class Offload>
 core_spec spec_of() {
-  return core_spec{Policy::param_dtype, Policy::master_dtype,        Policy::grad_dtype, Policy::state_dtype,
-                   Policy::stochastic_rounding, optimizer_of<Opt>(), N};
+  return core_spec{Policy::param_dtype,         Policy::master_dtype, Policy::grad_dtype, Policy::state_dtype,
+                   Policy::stochastic_rounding, optimizer_of<Opt>(),  N,
+                   Offload::value == offload_kind::cpu};
 }
 
 // Calls f(static_cast<const T*>(p)) with T the storage type named by t.
@@ -54,12 +55,12 @@ void with_storage(dtype t, const void* p, F&& f) {
   throw config_error("mpzero::torch: unknown dtype " + std::to_string(static_cast<int>(t)));
 }
 
-template <class Policy, class Opt, int N>
+template <class Policy, class Opt, int N, class Offload>
 class core_impl final : public zero_core {
  public:
   core_impl(any_communicator comm, std::span<const std::uint64_t> numels, const optimizer_config& opt,
             const zero_options& zo)
-      : comm_(std::move(comm)), spec_(spec_of<Policy, Opt, N>()), z_(comm_, numels, options_of<Opt>(opt), zo) {}
+      : comm_(std::move(comm)), spec_(spec_of<Policy, Opt, N, Offload>()), z_(comm_, numels, options_of<Opt>(opt), zo) {}
 
   const core_spec& spec() const noexcept override { return spec_; }
   std::size_t num_params() const noexcept override { return z_.num_params(); }
@@ -111,7 +112,7 @@ class core_impl final : public zero_core {
  private:
   any_communicator comm_;  // before z_, which keeps a reference to it
   core_spec spec_;
-  ZeroOptimizer<Policy, Opt, stage<N>, any_communicator, host_backend> z_;
+  ZeroOptimizer<Policy, Opt, stage<N>, any_communicator, host_backend, Offload> z_;
 };
 
 using factory = std::unique_ptr<zero_core> (*)(any_communicator, std::span<const std::uint64_t>,
@@ -121,12 +122,12 @@ struct row {
   factory make;
 };
 
-template <class Policy, class Opt, int N>
+template <class Policy, class Opt, int N, class Offload = offload_none>
 row make_row() {
-  return row{spec_of<Policy, Opt, N>(),
+  return row{spec_of<Policy, Opt, N, Offload>(),
              [](any_communicator c, std::span<const std::uint64_t> numels, const optimizer_config& o,
                 const zero_options& zo) -> std::unique_ptr<zero_core> {
-               return std::make_unique<core_impl<Policy, Opt, N>>(std::move(c), numels, o, zo);
+               return std::make_unique<core_impl<Policy, Opt, N, Offload>>(std::move(c), numels, o, zo);
              }};
 }
 
@@ -143,6 +144,15 @@ void add_optimizers(std::vector<row>& t) {
   add_stages<Policy, optim::adamw>(t);
 }
 
+// CPU offload (ZeRO-Offload) needs a partition: stages 1 and 2.
+template <class Policy>
+void add_offload(std::vector<row>& t) {
+  t.push_back(make_row<Policy, optim::adam, 1, offload_cpu>());
+  t.push_back(make_row<Policy, optim::adam, 2, offload_cpu>());
+  t.push_back(make_row<Policy, optim::adamw, 1, offload_cpu>());
+  t.push_back(make_row<Policy, optim::adamw, 2, offload_cpu>());
+}
+
 // The compiled set: what DeepSpeed's bf16/fp16 sections and data_types.grad_accum_dtype
 // can select, with Adam and AdamW, ZeRO stages 0-2.
 const std::vector<row>& table() {
@@ -156,6 +166,11 @@ const std::vector<row>& table() {
     add_optimizers<policies::bf16_all_sr>(v);
     add_optimizers<policies::fp16_fp32_master>(v);
     add_optimizers<precision<fp16, fp16, fp16, float>>(v);  // fp16 master weights and gradients
+    add_offload<policies::fp32>(v);
+    add_offload<policies::bf16_fp32_master>(v);
+    add_offload<policies::bf16_master_fp32_states>(v);  // DeepSpeed allows this one only with offload
+    add_offload<policies::bf16_all_sr>(v);
+    add_offload<policies::fp16_fp32_master>(v);
     return v;
   }();
   return t;
@@ -177,7 +192,7 @@ std::string core_spec::describe() const {
   return "param " + std::string(name_of(param)) + ", master " + std::string(name_of(master)) + ", grad " +
          std::string(name_of(grad)) + ", state " + std::string(name_of(state)) + ", " +
          (stochastic_rounding ? "stochastic" : "nearest") + " rounding, " + std::string(opt_name(optimizer)) +
-         ", ZeRO stage " + std::to_string(stage);
+         ", ZeRO stage " + std::to_string(stage) + (offload ? ", CPU offload" : "");
 }
 
 std::vector<core_spec> compiled_cores() {

@@ -38,7 +38,12 @@
 // this engine comes from a nested backward gets an early epilogue (still correct
 // gradients, one extra bucket flush).
 //
-// Not yet: ZeRO stage 3 and CPU offload (refused with a message), CUDA parameters
+// CPU offload (zero_optimization.offload_optimizer.device = "cpu", stages 1-2): master
+// weights, optimizer states and the gradient partition live in host memory and the step
+// runs there; with CPU parameters this mostly moves the accounting, on a GPU it is
+// ZeRO-Offload.
+//
+// Not yet: ZeRO stage 3 (refused with a message), CUDA parameters
 // (the device variant: cuda_backend + NCCL), reducing the gradients of
 // torch_autocast.lower_precision_safe_modules in the autocast dtype (they are reduced
 // in the configured gradient dtype), communication_data_type (gradients travel in

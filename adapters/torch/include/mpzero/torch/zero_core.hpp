@@ -32,8 +32,9 @@ struct core_spec {
   bool stochastic_rounding = false;
   optimizer_type optimizer = optimizer_type::adamw;
   int stage = 0;
+  bool offload = false;  // zero_optimization.offload_optimizer.device = "cpu"
 
-  // e.g. "param bf16, master fp32, grad bf16, state fp32, nearest rounding, AdamW, ZeRO stage 2"
+  // e.g. "param bf16, master fp32, grad bf16, state fp32, nearest rounding, AdamW, ZeRO stage 2, CPU offload"
   std::string describe() const;
   friend bool operator==(const core_spec&, const core_spec&) = default;
 };
