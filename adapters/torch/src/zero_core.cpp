@@ -176,22 +176,12 @@ const std::vector<row>& table() {
   return t;
 }
 
-std::string_view opt_name(optimizer_type t) {
-  switch (t) {
-    case optimizer_type::adam: return "Adam";
-    case optimizer_type::adamw: return "AdamW";
-    case optimizer_type::sgd: return "SGD";
-    case optimizer_type::lion: return "Lion";
-  }
-  return "?";
-}
-
 }  // namespace
 
 std::string core_spec::describe() const {
   return "param " + std::string(name_of(param)) + ", master " + std::string(name_of(master)) + ", grad " +
          std::string(name_of(grad)) + ", state " + std::string(name_of(state)) + ", " +
-         (stochastic_rounding ? "stochastic" : "nearest") + " rounding, " + std::string(opt_name(optimizer)) +
+         (stochastic_rounding ? "stochastic" : "nearest") + " rounding, " + std::string(optimizer_name(optimizer)) +
          ", ZeRO stage " + std::to_string(stage) + (offload ? ", CPU offload" : "");
 }
 
