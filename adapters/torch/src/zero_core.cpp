@@ -169,6 +169,7 @@ const std::vector<row>& table() {
     add_offload<policies::fp32>(v);
     add_offload<policies::bf16_fp32_master>(v);
     add_offload<policies::bf16_master_fp32_states>(v);  // DeepSpeed allows this one only with offload
+    add_offload<policies::bf16_all>(v);
     add_offload<policies::bf16_all_sr>(v);
     add_offload<policies::fp16_fp32_master>(v);
     return v;

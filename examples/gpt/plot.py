@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""Plots train_gpt's results: loss_curves.png (every configuration's training loss, and
+its held-out loss as a marker at the end) and memory.png (measured bytes of model states
+per configuration as bars, device and host stacked, with the memory model's prediction).
+
+    python3 examples/gpt/plot.py gpt_out/results.json [--out DIR]
+"""
+import argparse
+import json
+import os
+import sys
+
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+except ImportError:
+    sys.exit("plot.py needs matplotlib: pip install matplotlib")
+
+
+def smooth(xs, k):
+    """Trailing moving average over k steps (the raw curves are noisy at batch 16)."""
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= k:
+            acc -= xs[i - k]
+        out.append(acc / min(i + 1, k))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", help="results.json written by train_gpt")
+    ap.add_argument("--out", help="directory for the PNGs (default: the results file's)")
+    ap.add_argument("--smooth", type=int, default=0, help="moving-average window in steps (default: steps/20)")
+    a = ap.parse_args()
+    with open(a.results) as f:
+        data = json.load(f)
+    runs, meta = data["runs"], data["meta"]
+    if not runs:
+        sys.exit(f"{a.results} holds no runs")
+    out = a.out or os.path.dirname(os.path.abspath(a.results))
+    os.makedirs(out, exist_ok=True)
+    k = a.smooth or max(1, meta["steps"] // 20)
+    title = (f"GPT {meta['layers']}x{meta['dim']}, seq {meta['seq']}, batch {meta['batch']}x{meta['world_size']}, "
+             f"{meta['steps']} steps, fortunes corpus")
+
+    # Loss curves: one colour per precision, one line style per stage/offload variant.
+    precisions = list(dict.fromkeys(r["precision"] for r in runs))
+    cmap = plt.get_cmap("tab10")
+    styles = {(0, False): "-", (1, False): "--", (2, False): ":", (1, True): "-.", (2, True): (0, (5, 1, 1, 1, 1, 1))}
+    # Top: the curves. Bottom: each curve minus the first configuration's (the base), where
+    # precision effects show (they are small next to the loss itself).
+    fig, (ax, dax) = plt.subplots(2, 1, figsize=(10, 9), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    base = smooth(runs[0]["train_loss"], k)
+    for r in runs:
+        c = cmap(precisions.index(r["precision"]) % 10)
+        ls = styles[(r["stage"], r["offload"])]
+        ys = smooth(r["train_loss"], k)
+        steps = range(1, len(ys) + 1)
+        ax.plot(steps, ys, color=c, linestyle=ls, linewidth=1.3, label=f"{r['id']} (eval {r['eval_loss']:.3f})")
+        ax.plot([len(ys)], [r["eval_loss"]], marker="o", color=c, markersize=5)
+        n = min(len(ys), len(base))
+        dax.plot(range(1, n + 1), [ys[i] - base[i] for i in range(n)], color=c, linestyle=ls, linewidth=1.3)
+    ax.set_ylabel(f"training loss, nats/byte\n({k}-step moving average)")
+    ax.set_title(title + "\n(dots: held-out loss at the end)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    dax.axhline(0, color="black", linewidth=0.8)
+    dax.set_xlabel("optimizer step")
+    dax.set_ylabel(f"difference from {runs[0]['id']}")
+    dax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "loss_curves.png"), dpi=120)
+    plt.close(fig)
+
+    # Memory: measured model-state bytes (device + host), predicted bytes as a marker.
+    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(runs) + 2), 5))
+    ids = [r["id"] for r in runs]
+    x = range(len(runs))
+    mib = 1 << 20
+    dev = [r["measured_device_bytes"] / mib for r in runs]
+    host = [r["measured_host_bytes"] / mib for r in runs]
+    pred = [r["predicted_bytes_per_param"] * r["model_numel"] / mib for r in runs]
+    ax.bar(x, dev, color="tab:blue", label="measured, device (CPU-only: main memory)")
+    ax.bar(x, host, bottom=dev, color="tab:orange", label="measured, host (CPU offload)")
+    ax.scatter(x, pred, marker="_", s=600, color="black", zorder=3, label="memory model prediction")
+    for i, r in enumerate(runs):
+        ax.text(i, dev[i] + host[i], f"{r['measured_bytes_per_param']:.1f} B/p", ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(0, 1.3 * max(d + h for d, h in zip(dev, host)))  # room for the labels and the legend
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(ids, rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("model states per rank, MiB")
+    ax.set_title(f"{title}\n{runs[0]['model_numel']:,} parameters; labels: bytes per parameter", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "memory.png"), dpi=120)
+    plt.close(fig)
+    print(f"wrote {os.path.join(out, 'loss_curves.png')} and {os.path.join(out, 'memory.png')}")
+
+
+if __name__ == "__main__":
+    main()

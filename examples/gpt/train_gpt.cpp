@@ -1,0 +1,578 @@
+// train_gpt: which precision configuration should I use, and what does it cost me?
+//
+// A small GPT (LibTorch C++ modules) is trained as a byte-level causal language model on
+// the Debian `fortunes` corpus through the mpzero engine, once per configuration, from the
+// same initial weights and the same batches (fixed seed). For each configuration it
+// reports steps/s, the measured bytes of model states (on the CPU that is the memory the
+// configuration costs; activations are the same for all), the bytes per parameter the
+// memory model predicts next to the measured ones, the final and mean training loss and
+// the held-out evaluation loss. Output: a table on stdout, summary.csv and results.json
+// (with the loss curves) in --out; examples/gpt/plot.py draws the PNGs.
+//
+//   ./train_gpt                         defaults: a few minutes on 2 CPU cores
+//   ./train_gpt --configs bf16,fp16     every stage/offload variant of those precisions
+//   ./train_gpt --configs all --steps 500 --out results
+//   mpirun -n 2 ./train_gpt             data parallel (when built with MPI)
+//
+// Precisions (--configs names; DeepSpeed keys in make_config):
+//   fp32         everything fp32 (no mixed precision)
+//   bf16         bf16 parameters and gradients, fp32 master and Adam states (DeepSpeed's bf16)
+//   bf16-master  bf16 master weights and gradients, fp32 states (ZeRO stage >= 1)
+//   bf16-all     bf16 master and bf16 states, round to nearest (ZeRO stage >= 1)
+//   bf16-all-sr  the same with stochastic rounding
+//   fp16         fp16 parameters, fp32 master and states, dynamic loss scaling
+// each at ZeRO stage 0, 1, 2 and with CPU offload at stages 1 and 2 (ids: bf16/z2,
+// bf16/z2+off, ...).
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include <mpzero/policy/memory_model.hpp>
+#include <mpzero/torch/engine.hpp>
+
+#ifdef MPZERO_GPT_MPI
+#include <mpi.h>
+
+#include <mpzero/comm/mpi.hpp>
+#endif
+
+namespace mt = mpzero::torch;
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+namespace {
+
+// ---- model --------------------------------------------------------------------------
+
+struct BlockImpl : torch::nn::Module {
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc{nullptr}, out{nullptr};
+  int heads;
+  BlockImpl(int dim, int n_heads) : heads(n_heads) {
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
+    qkv = register_module("qkv", torch::nn::Linear(dim, 3 * dim));
+    proj = register_module("proj", torch::nn::Linear(dim, dim));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
+    fc = register_module("fc", torch::nn::Linear(dim, 4 * dim));
+    out = register_module("out", torch::nn::Linear(4 * dim, dim));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    const auto b = x.size(0), t = x.size(1), c = x.size(2);
+    auto qkv_ = qkv(ln1(x)).view({b, t, 3, heads, c / heads}).permute({2, 0, 3, 1, 4});
+    auto y = at::scaled_dot_product_attention(qkv_[0], qkv_[1], qkv_[2], {}, 0.0, /*is_causal=*/true);
+    x = x + proj(y.transpose(1, 2).reshape({b, t, c}));
+    return x + out(torch::gelu(fc(ln2(x))));
+  }
+};
+TORCH_MODULE(Block);
+
+struct GPTImpl : torch::nn::Module {
+  torch::nn::Embedding tok{nullptr}, pos{nullptr};
+  torch::nn::ModuleList blocks;
+  torch::nn::LayerNorm ln_f{nullptr};
+  torch::nn::Linear head{nullptr};
+  GPTImpl(int layers, int dim, int n_heads, int seq) {
+    tok = register_module("tok", torch::nn::Embedding(256, dim));
+    pos = register_module("pos", torch::nn::Embedding(seq, dim));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < layers; ++i) blocks->push_back(Block(dim, n_heads));
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
+    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(dim, 256).bias(false)));
+    // GPT-2's initialisation: N(0, 0.02) matrices, zero biases, LayerNorm at (1, 0).
+    torch::NoGradGuard ng;
+    for (auto& p : named_parameters()) {
+      if (p.value().dim() >= 2) p.value().normal_(0.0, 0.02);
+      else if (p.key().find("ln") == std::string::npos) p.value().zero_();
+    }
+  }
+  // Mean cross-entropy of the next byte, in fp32 whatever the parameter dtype.
+  torch::Tensor forward(const torch::Tensor& idx, const torch::Tensor& targets) {
+    const auto t = idx.size(1);
+    auto x = tok(idx) + pos(torch::arange(t, idx.options()));
+    for (auto& m : *blocks) x = m->as<Block>()->forward(x);
+    auto logits = head(ln_f(x)).to(torch::kFloat);
+    return torch::nn::functional::cross_entropy(logits.view({-1, 256}), targets.reshape({-1}));
+  }
+};
+TORCH_MODULE(GPT);
+
+// ---- data ---------------------------------------------------------------------------
+
+struct corpus {
+  std::vector<std::uint8_t> train, eval;
+  std::size_t files = 0, fortunes = 0;
+};
+
+// Every fortune file (the .dat indexes and .u8 links left out), '%' separators stripped;
+// every 10th fortune goes to the held-out set: deterministic, and both sets see all files.
+corpus load_corpus(const fs::path& dir) {
+  if (!fs::is_directory(dir))
+    throw std::runtime_error("corpus directory " + dir.string() +
+                             " does not exist: install Debian's fortunes (apt-get install fortunes) or pass --corpus DIR");
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (!e.is_regular_file() || e.is_symlink() || e.path().has_extension()) continue;
+    files.push_back(e.path());
+  }
+  std::sort(files.begin(), files.end());
+  corpus c;
+  for (const auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    std::string line, cur;
+    auto flush = [&] {
+      if (cur.empty()) return;
+      auto& dst = (c.fortunes++ % 10 == 9) ? c.eval : c.train;
+      dst.insert(dst.end(), cur.begin(), cur.end());
+      dst.push_back('\n');
+      cur.clear();
+    };
+    while (std::getline(in, line)) {
+      if (line == "%") flush();
+      else {
+        cur += line;
+        cur += '\n';
+      }
+    }
+    flush();
+    ++c.files;
+  }
+  if (c.train.size() < 10'000 || c.eval.size() < 1'000)
+    throw std::runtime_error("corpus in " + dir.string() + " is too small (" + std::to_string(c.train.size()) +
+                             " training bytes); point --corpus at a directory of fortune files");
+  return c;
+}
+
+// (inputs, next-byte targets), both [batch, seq] int64.
+std::pair<torch::Tensor, torch::Tensor> windows(const std::vector<std::uint8_t>& text,
+                                                const std::vector<std::size_t>& starts, int seq) {
+  const auto b = static_cast<std::int64_t>(starts.size());
+  auto x = torch::empty({b, seq}, torch::kLong), y = torch::empty({b, seq}, torch::kLong);
+  auto xa = x.accessor<std::int64_t, 2>(), ya = y.accessor<std::int64_t, 2>();
+  for (std::int64_t i = 0; i < b; ++i)
+    for (int j = 0; j < seq; ++j) {
+      xa[i][j] = text[starts[i] + j];
+      ya[i][j] = text[starts[i] + j + 1];
+    }
+  return {x, y};
+}
+
+// ---- configurations -------------------------------------------------------------------
+
+struct run_spec {
+  std::string precision;
+  int stage;
+  bool offload;
+  std::string id() const {
+    return precision + "/z" + std::to_string(stage) + (offload ? "+off" : "");
+  }
+};
+
+const std::vector<std::string> precisions = {"fp32", "bf16", "bf16-master", "bf16-all", "bf16-all-sr", "fp16"};
+
+bool needs_zero(const std::string& p) { return p.rfind("bf16-", 0) == 0; }  // 16-bit master: stage >= 1
+
+std::vector<run_spec> all_specs() {
+  std::vector<run_spec> v;
+  for (const auto& p : precisions) {
+    for (int s = needs_zero(p) ? 1 : 0; s <= 2; ++s) v.push_back({p, s, false});
+    for (int s = 1; s <= 2; ++s) v.push_back({p, s, true});
+  }
+  return v;
+}
+
+// The default: every precision once, plus the stages and offload for bf16 and fp16.
+const char* default_configs =
+    "fp32/z0,bf16/z0,bf16/z1,bf16/z2,bf16/z2+off,bf16-master/z2,bf16-all/z2,bf16-all-sr/z2,fp16/z0,fp16/z2";
+
+std::vector<run_spec> select_specs(const std::string& list) {
+  const auto all = all_specs();
+  std::vector<run_spec> out;
+  auto add = [&](const run_spec& s) {
+    if (std::none_of(out.begin(), out.end(), [&](const run_spec& o) { return o.id() == s.id(); })) out.push_back(s);
+  };
+  std::stringstream ss(list);
+  std::string tok;
+  while (std::getline(ss, tok, ',')) {
+    if (tok.empty()) continue;
+    bool found = false;
+    for (const auto& s : all) {
+      if (tok == "all" || tok == s.id() || tok == s.precision) {
+        add(s);
+        found = true;
+      }
+    }
+    if (!found) {
+      std::string ids;
+      for (const auto& s : all) {
+        ids += ' ';  // appended piecewise: " " + s.id() trips GCC 12's -Wrestrict false positive
+        ids += s.id();
+      }
+      throw std::invalid_argument("--configs: '" + tok + "' is not a configuration; use 'all', a precision (fp32, bf16, " +
+                                  "bf16-master, bf16-all, bf16-all-sr, fp16) or one of:" + ids);
+    }
+  }
+  if (out.empty()) throw std::invalid_argument("--configs selects nothing; e.g. --configs bf16/z2,fp16/z2");
+  return out;
+}
+
+struct options {
+  int steps = 200, layers = 2, dim = 64, heads = 4, seq = 64, batch = 16, eval_batches = 16;
+  double lr = 3e-3;
+  std::uint64_t seed = 1234;
+  std::string configs = default_configs, out = "gpt_out", corpus = "/usr/share/games/fortunes";
+};
+
+json make_config(const run_spec& s, const options& o) {
+  json zero = {{"stage", s.stage}};
+  if (s.offload) zero["offload_optimizer"] = {{"device", "cpu"}};
+  json j = {{"train_micro_batch_size_per_gpu", o.batch},
+            {"gradient_accumulation_steps", 1},
+            {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", o.lr}, {"betas", {0.9, 0.95}}, {"weight_decay", 0.01}}}}},
+            {"gradient_clipping", 1.0},
+            {"seed", o.seed},
+            {"zero_optimization", zero}};
+  const auto& p = s.precision;
+  if (p == "bf16") j["bf16"] = {{"enabled", true}};
+  if (p == "bf16-master") j["bf16"] = {{"enabled", true}, {"bf16_master_weights_and_grads", true}};
+  if (p == "bf16-all" || p == "bf16-all-sr")
+    j["bf16"] = {{"enabled", true}, {"bf16_master_weights_and_grads", true}, {"bf16_optimizer_states", true}};
+  if (p == "bf16-all-sr") j["rounding"] = "stochastic";
+  if (p == "fp16") j["fp16"] = {{"enabled", true}, {"loss_scale", 0}};
+  return j;
+}
+
+int n_states(mt::optimizer_type t) {
+  return t == mt::optimizer_type::adam || t == mt::optimizer_type::adamw ? 2 : 1;
+}
+
+// ---- output helpers -------------------------------------------------------------------
+
+std::string fmt(const char* f, double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, f, v);
+  return b;
+}
+
+void usage() {
+  std::printf(
+      "usage: train_gpt [--steps N] [--layers N] [--dim N] [--heads N] [--seq N] [--batch N] [--lr X]\n"
+      "                 [--eval-batches N] [--seed N] [--configs LIST] [--out DIR] [--corpus DIR] [--big]\n"
+      "  --configs: comma-separated ids (bf16/z2, fp16/z1+off), precisions (every variant: fp32, bf16,\n"
+      "             bf16-master, bf16-all, bf16-all-sr, fp16) or 'all'. Default:\n             %s\n"
+      "  --big:     6 layers, dim 384, 6 heads, seq 256, batch 32, 2000 steps, lr 1e-3 (later flags override);\n"
+      "             meant for a GPU, but the engine keeps parameters on the CPU in this build\n",
+      default_configs);
+}
+
+options parse_args(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      usage();
+      std::exit(0);
+    }
+    if (a == "--big") {
+      o.steps = 2000, o.layers = 6, o.dim = 384, o.heads = 6, o.seq = 256, o.batch = 32, o.lr = 1e-3;
+      continue;
+    }
+    if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value (see --help)");
+    const std::string v = argv[++i];
+    auto integer = [&](int lo) {
+      int x = 0;
+      try {
+        x = std::stoi(v);
+      } catch (...) {
+        throw std::invalid_argument(a + " " + v + ": not an integer");
+      }
+      if (x < lo) throw std::invalid_argument(a + " " + v + ": must be at least " + std::to_string(lo));
+      return x;
+    };
+    if (a == "--steps") o.steps = integer(2);
+    else if (a == "--layers") o.layers = integer(1);
+    else if (a == "--dim") o.dim = integer(8);
+    else if (a == "--heads") o.heads = integer(1);
+    else if (a == "--seq") o.seq = integer(2);
+    else if (a == "--batch") o.batch = integer(1);
+    else if (a == "--eval-batches") o.eval_batches = integer(1);
+    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(integer(0));
+    else if (a == "--lr") {
+      try {
+        o.lr = std::stod(v);
+      } catch (...) {
+        throw std::invalid_argument("--lr " + v + ": not a number");
+      }
+      if (!(o.lr > 0)) throw std::invalid_argument("--lr " + v + ": must be positive");
+    }
+    else if (a == "--configs") o.configs = v;
+    else if (a == "--out") o.out = v;
+    else if (a == "--corpus") o.corpus = v;
+    else throw std::invalid_argument("unknown flag " + a + " (see --help)");
+  }
+  if (o.dim % o.heads != 0)
+    throw std::invalid_argument("--dim " + std::to_string(o.dim) + " is not a multiple of --heads " +
+                                std::to_string(o.heads));
+  return o;
+}
+
+struct result {
+  run_spec spec;
+  std::string describe;
+  std::vector<double> losses;
+  double steps_per_s = 0, steps_per_s_mean = 0, final_loss = 0, mean_loss = 0, eval_loss = 0, loss_scale = 1;
+  std::uint64_t skipped = 0, numel = 0, padding = 0, device_bytes = 0, host_bytes = 0;
+  mpzero::memory_footprint predicted;
+  double measured_bpp() const { return static_cast<double>(device_bytes + host_bytes) / static_cast<double>(numel); }
+};
+
+// nullopt when the engine refuses the configuration (e.g. a combination this build of the
+// adapter does not compile); `why` gets the message. Every rank refuses alike.
+std::optional<result> train_one(const run_spec& spec, const options& o, const corpus& data, mt::any_communicator comm,
+                                int index, int total, std::string& why) {
+  const int rank = comm.rank(), world = comm.size();
+  torch::manual_seed(o.seed);  // same initial weights for every configuration
+  GPT model(o.layers, o.dim, o.heads, o.seq);
+  std::optional<mt::engine<GPT>> made;
+  try {
+    made.emplace(mt::initialize(model, make_config(spec, o), comm));
+  } catch (const std::exception& e) {
+    why = e.what();
+    return std::nullopt;
+  }
+  auto& engine = *made;
+
+  result r;
+  r.spec = spec;
+  r.describe = engine.describe();
+  const auto& cfg = engine.config();
+  const mpzero::state_layout layout{cfg.param_dtype(), cfg.master_dtype(), cfg.grad_dtype(), cfg.state_dtype(),
+                                    n_states(cfg.optimizer.type)};
+  r.predicted = mpzero::bytes_per_param(layout, spec.stage, spec.offload ? mpzero::offload_kind::cpu : mpzero::offload_kind::none,
+                                        world);
+
+  // The same batches for every configuration; each rank its own (data parallel).
+  std::mt19937_64 gen(o.seed * 1000003ULL + static_cast<std::uint64_t>(rank));
+  std::uniform_int_distribution<std::size_t> start(0, data.train.size() - static_cast<std::size_t>(o.seq) - 2);
+  std::vector<std::size_t> starts(static_cast<std::size_t>(o.batch));
+
+  const int report_every = std::max(1, o.steps / 50);
+  using clock = std::chrono::steady_clock;
+  std::vector<double> step_s;  // each step's wall time
+  const auto t0 = clock::now();
+  for (int step = 0; step < o.steps; ++step) {
+    const auto ts = clock::now();
+    for (auto& s : starts) s = start(gen);
+    auto [x, y] = windows(data.train, starts, o.seq);
+    auto loss = engine.forward(x, y);
+    engine.backward(loss);  // applies the fp16 loss scale; plain loss.backward() elsewhere
+    engine.step();
+    r.losses.push_back(loss.item<double>());
+    step_s.push_back(std::chrono::duration<double>(clock::now() - ts).count());
+    if (rank == 0 && ((step + 1) % report_every == 0 || step + 1 == o.steps)) {
+      const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      std::fprintf(stderr, "\r[%d/%d] %-18s step %5d/%d  loss %6.3f  %6.1f steps/s   ", index + 1, total,
+                   spec.id().c_str(), step + 1, o.steps, r.losses.back(), (step + 1) / el);
+      std::fflush(stderr);
+    }
+  }
+  // The first step warms up and is left out. The median step time, not the mean: on a
+  // shared machine other processes' bursts would otherwise decide the ranking.
+  std::vector<double> timed(step_s.begin() + 1, step_s.end());
+  r.steps_per_s_mean = static_cast<double>(timed.size()) / std::accumulate(timed.begin(), timed.end(), 0.0);
+  std::nth_element(timed.begin(), timed.begin() + static_cast<std::ptrdiff_t>(timed.size() / 2), timed.end());
+  r.steps_per_s = 1.0 / timed[timed.size() / 2];
+
+  // Every rank trained on its own batches: report the mean over ranks (one collective, at the end).
+  if (world > 1) {
+    std::vector<float> local(r.losses.begin(), r.losses.end()), sum(local.size());
+    comm.all_reduce(local.data(), sum.data(), local.size(), mpzero::comm::reduce_op::sum);
+    for (std::size_t i = 0; i < sum.size(); ++i) r.losses[i] = static_cast<double>(sum[i]) / world;
+  }
+  const auto tail = std::min<std::size_t>(10, r.losses.size());
+  r.final_loss = std::accumulate(r.losses.end() - static_cast<std::ptrdiff_t>(tail), r.losses.end(), 0.0) / tail;
+  r.mean_loss = std::accumulate(r.losses.begin(), r.losses.end(), 0.0) / r.losses.size();
+  r.skipped = engine.skipped_steps();
+  r.loss_scale = engine.loss_scale();
+
+  // Held-out loss on fixed, evenly spaced windows of the eval text (the same on every rank).
+  {
+    torch::NoGradGuard ng;
+    const std::size_t span = data.eval.size() - static_cast<std::size_t>(o.seq) - 2;
+    const std::size_t n = static_cast<std::size_t>(o.eval_batches) * static_cast<std::size_t>(o.batch);
+    double sum = 0;
+    for (int b = 0; b < o.eval_batches; ++b) {
+      for (int i = 0; i < o.batch; ++i) starts[i] = (static_cast<std::size_t>(b) * o.batch + i) * span / n;
+      auto [x, y] = windows(data.eval, starts, o.seq);
+      sum += engine.module()->forward(x, y).item<double>();
+    }
+    r.eval_loss = sum / o.eval_batches;
+  }
+
+  const auto m = engine.memory();
+  r.numel = m.model_numel;
+  r.padding = m.padding_numel;
+  r.device_bytes = m.model_state_bytes();
+  r.host_bytes = m.host_model_state_bytes();
+  if (rank == 0) {
+    std::fprintf(stderr, "\r[%d/%d] %-18s done: %.1f steps/s, train %.3f, eval %.3f%*s\n", index + 1, total,
+                 spec.id().c_str(), r.steps_per_s, r.final_loss, r.eval_loss, 20, "");
+  }
+  return r;
+}
+
+void print_table(const std::vector<result>& rs) {
+  const auto& b = rs.front();
+  std::printf("\n%-18s %8s %6s %10s %10s %8s %9s %8s %8s %8s %8s %7s\n", "config", "steps/s", "speed", "states MiB",
+              "host MiB", "B/param", "B/param", "final", "mean", "eval", "eval", "skipped");
+  std::printf("%-18s %8s %6s %10s %10s %8s %9s %8s %8s %8s %8s %7s\n", "", "(median)", "", "measured", "(offload)",
+              "measured", "predicted", "train", "train", "loss", "vs base", "steps");
+  for (const auto& r : rs) {
+    std::printf("%-18s %8.1f %5.2fx %10.3f %10.3f %8.2f %9.2f %8.4f %8.4f %8.4f %+8.4f %7llu\n", r.spec.id().c_str(),
+                r.steps_per_s, r.steps_per_s / b.steps_per_s, (r.device_bytes + r.host_bytes) / 1048576.0,
+                r.host_bytes / 1048576.0, r.measured_bpp(), r.predicted.total(), r.final_loss, r.mean_loss,
+                r.eval_loss, r.eval_loss - b.eval_loss, static_cast<unsigned long long>(r.skipped));
+  }
+  std::printf("\nbase = %s. steps/s: 1 / median step time (steps 2..N); speed relative to base.\n"
+              "B/param: bytes of model states (parameters, gradients, master weights, optimizer states) per\n"
+              "trainable parameter on this rank, device + host (states MiB includes the offloaded host part);\n"
+              "'predicted' is mpzero::bytes_per_param for the engine's dtypes. final train: mean of the last 10\n"
+              "steps' losses; losses in nats per byte; eval: held-out fortunes.\n",
+              b.spec.id().c_str());
+}
+
+void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<std::string, std::string>>& refused,
+                   const options& o, const corpus& data, int world) {
+  fs::create_directories(o.out);
+  json runs = json::array();
+  for (const auto& r : rs) {
+    runs.push_back({{"id", r.spec.id()},
+                    {"precision", r.spec.precision},
+                    {"stage", r.spec.stage},
+                    {"offload", r.spec.offload},
+                    {"describe", r.describe},
+                    {"steps_per_s", r.steps_per_s},
+                    {"steps_per_s_mean", r.steps_per_s_mean},
+                    {"model_numel", r.numel},
+                    {"padding_numel", r.padding},
+                    {"measured_device_bytes", r.device_bytes},
+                    {"measured_host_bytes", r.host_bytes},
+                    {"measured_bytes_per_param", r.measured_bpp()},
+                    {"predicted_device_bytes_per_param", r.predicted.device_bytes},
+                    {"predicted_host_bytes_per_param", r.predicted.host_bytes},
+                    {"predicted_bytes_per_param", r.predicted.total()},
+                    {"final_train_loss", r.final_loss},
+                    {"mean_train_loss", r.mean_loss},
+                    {"eval_loss", r.eval_loss},
+                    {"skipped_steps", r.skipped},
+                    {"final_loss_scale", r.loss_scale},
+                    {"train_loss", r.losses}});
+  }
+  json meta = {{"steps", o.steps},   {"layers", o.layers},         {"dim", o.dim},
+               {"heads", o.heads},   {"seq", o.seq},               {"batch", o.batch},
+               {"lr", o.lr},         {"seed", o.seed},             {"world_size", world},
+               {"threads", torch::get_num_threads()},              {"corpus", o.corpus},
+               {"train_bytes", data.train.size()},                 {"eval_bytes", data.eval.size()},
+               {"fortunes", data.fortunes}};
+  json not_run = json::array();
+  for (const auto& [id, msg] : refused) not_run.push_back({{"id", id}, {"reason", msg}});
+  std::ofstream(fs::path(o.out) / "results.json") << json{{"meta", meta}, {"runs", runs}, {"not_run", not_run}}.dump(1)
+                                                  << "\n";
+
+  std::ofstream csv(fs::path(o.out) / "summary.csv");
+  csv << "id,precision,stage,offload,steps_per_s,model_numel,measured_device_bytes,measured_host_bytes,"
+         "measured_bytes_per_param,predicted_bytes_per_param,final_train_loss,mean_train_loss,eval_loss,"
+         "skipped_steps,describe\n";
+  for (const auto& r : rs) {
+    csv << r.spec.id() << "," << r.spec.precision << "," << r.spec.stage << "," << (r.spec.offload ? 1 : 0) << ","
+        << fmt("%.3f", r.steps_per_s) << "," << r.numel << "," << r.device_bytes << "," << r.host_bytes << ","
+        << fmt("%.4f", r.measured_bpp()) << "," << fmt("%.4f", r.predicted.total()) << ","
+        << fmt("%.5f", r.final_loss) << "," << fmt("%.5f", r.mean_loss) << "," << fmt("%.5f", r.eval_loss) << ","
+        << r.skipped << ",\"" << r.describe << "\"\n";
+  }
+}
+
+int run(int argc, char** argv, mt::any_communicator comm) {
+  const options o = parse_args(argc, argv);
+  const auto specs = select_specs(o.configs);
+  const corpus data = load_corpus(o.corpus);
+  if (static_cast<std::size_t>(o.seq) + 2 >= data.eval.size())
+    throw std::invalid_argument("--seq " + std::to_string(o.seq) + " is longer than the held-out text (" +
+                                std::to_string(data.eval.size()) + " bytes); use a shorter --seq or a larger corpus");
+  const bool root = comm.rank() == 0;
+  if (root) {
+    std::printf("GPT: %d layers, dim %d, %d heads, seq %d, batch %d x %d rank(s), %d steps, AdamW lr %g\n", o.layers,
+                o.dim, o.heads, o.seq, o.batch, comm.size(), o.steps, o.lr);
+    std::printf("corpus: %zu fortunes from %zu files in %s: %zu training bytes, %zu held-out bytes\n", data.fortunes,
+                data.files, o.corpus.c_str(), data.train.size(), data.eval.size());
+    std::printf("%zu configurations, %d torch threads\n", specs.size(), torch::get_num_threads());
+    std::fflush(stdout);  // before the progress lines on stderr
+  }
+  std::vector<result> rs;
+  std::vector<std::pair<std::string, std::string>> refused;  // (id, the engine's message)
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    std::string why;
+    auto r = train_one(specs[i], o, data, comm, static_cast<int>(i), static_cast<int>(specs.size()), why);
+    if (r) {
+      rs.push_back(std::move(*r));
+      continue;
+    }
+    std::string first_line = why.substr(0, why.find('\n'));
+    const std::string tail = " Compiled:";  // the list of compiled combinations follows; leave it out
+    if (first_line.size() > tail.size() && first_line.ends_with(tail)) first_line.resize(first_line.size() - tail.size());
+    refused.emplace_back(specs[i].id(), first_line);
+    if (root) std::fprintf(stderr, "[%zu/%zu] %-18s skipped: %s\n", i + 1, specs.size(), specs[i].id().c_str(), first_line.c_str());
+  }
+  if (rs.empty()) throw std::runtime_error("the engine refused every selected configuration (see above)");
+  if (root) {
+    print_table(rs);
+    if (!refused.empty()) {
+      std::printf("\nnot run (the engine refused them):\n");
+      for (const auto& [id, msg] : refused) std::printf("  %-18s %s\n", id.c_str(), msg.c_str());
+    }
+    write_outputs(rs, refused, o, data, comm.size());
+    std::printf("wrote %s and %s\n", (fs::path(o.out) / "summary.csv").c_str(), (fs::path(o.out) / "results.json").c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+#ifdef MPZERO_GPT_MPI
+    // MPI only under a launcher (mpirun sets these); a plain run is world size 1 without it.
+    if (std::getenv("OMPI_COMM_WORLD_SIZE") || std::getenv("PMI_SIZE") || std::getenv("PMIX_RANK")) {
+      MPI_Init(&argc, &argv);
+      int rc = 0;
+      try {
+        mpzero::comm::mpi_communicator world(MPI_COMM_WORLD);
+        rc = run(argc, argv, mt::any_communicator::wrap(world));
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "\ntrain_gpt: %s\n", e.what());
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
+      MPI_Finalize();
+      return rc;
+    }
+#endif
+    return run(argc, argv, mt::any_communicator{});
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "\ntrain_gpt: %s\n", e.what());
+    return 1;
+  }
+}

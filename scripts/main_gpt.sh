@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The precision-configuration comparison: trains a small GPT on Debian's fortunes corpus
+# once per precision configuration (examples/gpt/train_gpt.cpp) and writes a table,
+# summary.csv, results.json, loss_curves.png and memory.png.
+#
+#   scripts/main_gpt.sh                       defaults: a few minutes on 2 CPU cores
+#   scripts/main_gpt.sh --configs all         every precision x ZeRO stage x offload
+#   MPZERO_GPT_OUT=dir scripts/main_gpt.sh    where the outputs go (default results/gpt)
+# Arguments go to train_gpt (--help lists them). Needs torch for python3 (scripts/setup.sh).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+build="${MPZERO_GPT_BUILD:-$root/build-gpt}"
+out="${MPZERO_GPT_OUT:-$root/results/gpt}"
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+
+# The corpus and the plotting library, when missing.
+if [ ! -d /usr/share/games/fortunes ]; then
+  echo "main_gpt: installing Debian's fortunes (the training corpus)"
+  $sudo apt-get update -qq
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fortunes >/dev/null
+fi
+if ! python3 -c "import matplotlib" 2>/dev/null; then
+  echo "main_gpt: installing matplotlib (for the plots)"
+  python3 -m pip install -q matplotlib 2>/dev/null || python3 -m pip install -q --break-system-packages matplotlib
+fi
+if ! python3 -c "import torch" 2>/dev/null; then
+  echo "main_gpt: torch for python3 is missing (LibTorch comes from it); run scripts/setup.sh first" >&2
+  exit 1
+fi
+
+# Only the trainer and the library it needs.
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMPZERO_BUILD_BENCH=OFF -DMPZERO_BUILD_TESTS=OFF \
+  -DMPZERO_ENABLE_CUDA=OFF >/dev/null
+cmake --build "$build" --target train_gpt -j "$(nproc)"
+
+"$build/examples/train_gpt" --out "$out" "$@"
+python3 "$root/examples/gpt/plot.py" "$out/results.json"
+echo
+echo "main_gpt: outputs in $out:"
+echo "  summary.csv   one row per configuration (the table above)"
+echo "  results.json  the same plus every step's training loss"
+echo "  loss_curves.png, memory.png"
