@@ -20,20 +20,70 @@ struct fp16 {
 };
 static_assert(sizeof(fp16) == 2 && alignof(fp16) == 2);
 
+namespace detail {
+
+// Shifts by a lane-dependent amount s in [0, 31] as five constant shifts blended
+// with masks: SSE2 has no per-lane variable shift, and plain integer masks keep the
+// code free of the branches that stop vectorization.
+template <unsigned K>
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr std::uint32_t blend_if_bit(std::uint32_t s, std::uint32_t x,
+                                                                          std::uint32_t shifted) noexcept {
+  const std::uint32_t take = 0u - ((s / K) & 1u);  // all ones when bit K of s is set
+  return (x & ~take) | (shifted & take);
+}
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr std::uint32_t shr_blend(std::uint32_t x, std::uint32_t s) noexcept {
+  x = blend_if_bit<16>(s, x, x >> 16);
+  x = blend_if_bit<8>(s, x, x >> 8);
+  x = blend_if_bit<4>(s, x, x >> 4);
+  x = blend_if_bit<2>(s, x, x >> 2);
+  return blend_if_bit<1>(s, x, x >> 1);
+}
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr std::uint32_t shl_blend(std::uint32_t x, std::uint32_t s) noexcept {
+  x = blend_if_bit<16>(s, x, x << 16);
+  x = blend_if_bit<8>(s, x, x << 8);
+  x = blend_if_bit<4>(s, x, x << 4);
+  x = blend_if_bit<2>(s, x, x << 2);
+  return blend_if_bit<1>(s, x, x << 1);
+}
+
+}  // namespace detail
+
+// Branch-free, and in integer arithmetic only: host loops vectorize only code they
+// may execute for every lane, and under -ftrapping-math (GCC's default) no FP
+// operation may be executed speculatively.
 MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr float to_float(fp16 x) noexcept {
   const std::uint32_t h = x.bits;
   const std::uint32_t sign = (h & 0x8000u) << 16;
   const std::uint32_t exponent = (h >> 10) & 0x1fu;
   const std::uint32_t mantissa = h & 0x3ffu;
-  if (exponent == 0x1fu) {
-    return detail::bits_as_float(mantissa != 0u ? 0x7fffffffu : (sign | 0x7f800000u));
+  const std::uint32_t normal = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  // Subnormal: mantissa * 2^-24. Normalise the leading one to bit 9 in constant
+  // shifts; d = 9 - floor(log2(mantissa)), and the float exponent is 103 + 9 - d.
+  std::uint32_t m = mantissa, d = 0;
+  {
+    const bool c = m < (1u << 2);
+    m = c ? m << 8 : m;
+    d += c ? 8u : 0u;
   }
-  if (exponent == 0u) {
-    // Subnormal or zero: mantissa * 2^-24 is exact in float.
-    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
-    return detail::bits_as_float(detail::float_as_bits(magnitude) | sign);
+  {
+    const bool c = m < (1u << 6);
+    m = c ? m << 4 : m;
+    d += c ? 4u : 0u;
   }
-  return detail::bits_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  {
+    const bool c = m < (1u << 8);
+    m = c ? m << 2 : m;
+    d += c ? 2u : 0u;
+  }
+  {
+    const bool c = m < (1u << 9);
+    m = c ? m << 1 : m;
+    d += c ? 1u : 0u;
+  }
+  const std::uint32_t subnormal = sign | (mantissa == 0u ? 0u : (((112u - d) << 23) | ((m << 14) & 0x7fffffu)));
+  const std::uint32_t special = mantissa != 0u ? 0x7fffffffu : (sign | 0x7f800000u);
+  const std::uint32_t r = exponent == 0x1fu ? special : (exponent == 0u ? subnormal : normal);
+  return detail::bits_as_float(r);
 }
 
 namespace detail {
@@ -60,17 +110,31 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr fp16_split split_for_fp16(std::u
 
 }  // namespace detail
 
-// Round to nearest, ties to even; |f| >= 65520 becomes infinity.
+// Round to nearest, ties to even; |f| >= 65520 becomes infinity. Branch-free: the
+// normal and the subnormal result are both computed, then selected.
 MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr fp16 fp16_from_float_rn(float f) noexcept {
   const std::uint32_t x = detail::float_as_bits(f);
   const std::uint32_t u = x & 0x7fffffffu;
   const std::uint32_t sign = (x >> 16) & 0x8000u;
-  if (u > 0x7f800000u) return fp16{0x7fffu};
-  if (u >= 0x47800000u) return fp16{static_cast<std::uint16_t>(sign | 0x7c00u)};
-  const detail::fp16_split s = detail::split_for_fp16(u);
-  if (s.shift >= 32u) return fp16{static_cast<std::uint16_t>(sign)};  // below 2^-25: rounds to zero
-  const std::uint32_t half = 1u << (s.shift - 1u);
-  return fp16{static_cast<std::uint16_t>(sign | detail::round_nearest_even(s.kept, s.rem, half))};
+  const bool normal = u >= 0x38800000u;
+  // Below half's normal range (float exponent <= 112) the significand shifts right by
+  // 126 - exponent >= 14; from 31 on the result is zero (the remainder stays below
+  // half an ulp), so clamping the shift to 31 is exact.
+  const std::uint32_t exponent = u >> 23;
+  const std::uint32_t sh = exponent - 95u <= 31u ? 126u - exponent : 31u;  // exponent in [95, 126]
+  const std::uint32_t mantissa = (u & 0x7fffffu) | 0x800000u;
+  const std::uint32_t sub_kept = detail::shr_blend(mantissa, sh);
+  const std::uint32_t unit = detail::shl_blend(1u, sh);
+  const std::uint32_t kept = normal ? (u - 0x38000000u) >> 13 : sub_kept;
+  const std::uint32_t rem = normal ? (u & 0x1fffu) : mantissa & (unit - 1u);
+  const std::uint32_t half = normal ? 0x1000u : unit >> 1;
+  // Nearest-even in bitwise arithmetic (round_nearest_even's || and && leave too
+  // many joins for GCC's if-conversion once inlined here).
+  const std::uint32_t up = (static_cast<std::uint32_t>(rem > half) | (static_cast<std::uint32_t>(rem == half) & kept)) & 1u;
+  std::uint32_t r = sign | (kept + up);
+  r = u >= 0x47800000u ? (sign | 0x7c00u) : r;
+  r = u > 0x7f800000u ? 0x7fffu : r;
+  return fp16{static_cast<std::uint16_t>(r)};
 }
 
 // Stochastic rounding with 32 uniform random bits; E[to_float(result)] == f up to
