@@ -3,7 +3,9 @@
 // compiler vectorizes, calling the same per-element code as the CUDA kernel.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <span>
 #include <vector>
 
@@ -40,8 +42,8 @@ void for_each_chunk(std::size_t num_chunks, const options& opt, Body&& body) {
 }
 
 template <precision_policy Policy, optim::rule Optimizer>
-void step_range(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, std::uint32_t size,
-                const step_args<Optimizer>& a) {
+MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin,
+                                        std::uint32_t size, const step_args<Optimizer>& a) {
   using param_t = typename Policy::param_type;
   using master_t = typename Policy::master_type;
   using grad_t = typename Policy::grad_type;
@@ -75,7 +77,71 @@ void step_range(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, st
   }
 }
 
+// The loop compiled for the widest vectors the CPU has, chosen at run time, so a
+// binary built for baseline x86-64 still uses AVX2 or AVX-512. No FMA is enabled in
+// these targets (and -ffp-contract=off forbids contraction anyway): every variant
+// rounds alike, bit for bit.
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__) && \
+    !defined(MPZERO_NO_RUNTIME_SIMD)
+#define MPZERO_RUNTIME_SIMD 1
+
+template <precision_policy Policy, optim::rule Optimizer>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512"))) void step_range_avx512(
+    const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, std::uint32_t size, const step_args<Optimizer>& a) {
+  step_range_body<Policy, Optimizer>(t, begin, size, a);
+}
+
+template <precision_policy Policy, optim::rule Optimizer>
+__attribute__((target("avx2"))) void step_range_avx2(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin,
+                                                     std::uint32_t size, const step_args<Optimizer>& a) {
+  step_range_body<Policy, Optimizer>(t, begin, size, a);
+}
+
+// 2: AVX-512 (F, BW, VL, DQ), 1: AVX2, 0: the build's baseline. MPZERO_HOST_SIMD=0/1/2
+// caps it (for comparisons and tests).
+inline int simd_level() {
+  static const int level = [] {
+    __builtin_cpu_init();
+    int l = 0;
+    if (__builtin_cpu_supports("avx2")) l = 1;
+    if (l == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+      l = 2;
+    if (const char* cap = std::getenv("MPZERO_HOST_SIMD"); cap != nullptr && cap[0] >= '0' && cap[0] <= '2' && cap[1] == '\0')
+      l = std::min(l, cap[0] - '0');
+    return l;
+  }();
+  return level;
+}
+#endif
+
+template <precision_policy Policy, optim::rule Optimizer>
+void step_range(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, std::uint32_t size,
+                const step_args<Optimizer>& a) {
+#if defined(MPZERO_RUNTIME_SIMD)
+  switch (simd_level()) {
+    case 2: step_range_avx512<Policy, Optimizer>(t, begin, size, a); return;
+    case 1: step_range_avx2<Policy, Optimizer>(t, begin, size, a); return;
+    default: break;
+  }
+#endif
+  step_range_body<Policy, Optimizer>(t, begin, size, a);
+}
+
 }  // namespace detail
+
+// Which vector instructions the host step uses on this CPU: "avx512", "avx2" or "baseline".
+inline const char* simd_name() {
+#if defined(MPZERO_RUNTIME_SIMD)
+  switch (detail::simd_level()) {
+    case 2: return "avx512";
+    case 1: return "avx2";
+    default: return "baseline";
+  }
+#else
+  return "baseline";
+#endif
+}
 
 // Runs one optimizer step over every tensor of `step`.
 template <precision_policy Policy, optim::rule Optimizer>
