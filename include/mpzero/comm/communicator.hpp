@@ -94,6 +94,32 @@ concept communicator = requires(C& c, const float* in, float* out, std::uint64_t
   { c.iall_gather_v(in, counts[static_cast<std::size_t>(c.rank())], out, counts) } -> request;
 };
 
+// The blocking calls of a communicator whose non-blocking calls return requests:
+// post, then wait. Communicators derive from it (CRTP) and keep barrier() their own.
+template <class Derived>
+class blocking_collectives {
+ public:
+  template <wire_type T>
+  void all_reduce(const T* in, T* out, std::uint64_t n, reduce_op op) {
+    self().iall_reduce(in, out, n, op).wait();
+  }
+  template <wire_type T>
+  void reduce_scatter_v(const T* in, T* out, std::span<const std::uint64_t> counts, reduce_op op) {
+    self().ireduce_scatter_v(in, out, counts, op).wait();
+  }
+  template <wire_type T>
+  void all_gather_v(const T* in, std::uint64_t n_in, T* out, std::span<const std::uint64_t> counts) {
+    self().iall_gather_v(in, n_in, out, counts).wait();
+  }
+  template <wire_type T>
+  void broadcast(T* data, std::uint64_t n, int root) {
+    self().ibroadcast(data, n, root).wait();
+  }
+
+ private:
+  Derived& self() noexcept { return static_cast<Derived&>(*this); }
+};
+
 // The default deadline of a wait, in seconds: MPZERO_COMM_TIMEOUT_S when set, else 300.
 inline constexpr double default_timeout_s = 300.0;
 

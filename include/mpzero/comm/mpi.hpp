@@ -260,7 +260,7 @@ class mpi_request {
   detail::clock::time_point posted_{};
 };
 
-class mpi_communicator {
+class mpi_communicator : public blocking_collectives<mpi_communicator> {
  public:
   using request_type = mpi_request;
 
@@ -474,22 +474,11 @@ class mpi_communicator {
   }
 
   // ---- blocking: post and wait ---------------------------------------------------
-  template <wire_type T>
-  void all_reduce(const T* in, T* out, std::uint64_t n, reduce_op op) {
-    iall_reduce(in, out, n, op).wait();
-  }
-  template <wire_type T>
-  void reduce_scatter_v(const T* in, T* out, std::span<const std::uint64_t> counts, reduce_op op) {
-    ireduce_scatter_v(in, out, counts, op).wait();
-  }
-  template <wire_type T>
-  void all_gather_v(const T* in, std::uint64_t n_in, T* out, std::span<const std::uint64_t> counts) {
-    iall_gather_v(in, n_in, out, counts).wait();
-  }
-  template <wire_type T>
-  void broadcast(T* data, std::uint64_t n, int root) {
-    ibroadcast(data, n, root).wait();
-  }
+  // all_reduce, reduce_scatter_v, all_gather_v and broadcast come from blocking_collectives.
+  using blocking_collectives::all_reduce;
+  using blocking_collectives::all_gather_v;
+  using blocking_collectives::broadcast;
+  using blocking_collectives::reduce_scatter_v;
   void barrier() { ibarrier().wait(); }
 
   // Raw bytes from root to every rank: ships an ncclUniqueId, a config blob, ...

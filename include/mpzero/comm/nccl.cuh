@@ -283,7 +283,7 @@ class nccl_request {
   detail::clock::time_point posted_{};
 };
 
-class nccl_communicator {
+class nccl_communicator : public blocking_collectives<nccl_communicator> {
  public:
   using request_type = nccl_request;
 
@@ -428,22 +428,11 @@ class nccl_communicator {
   }
 
   // ---- blocking: enqueue, then wait on the host ------------------------------------
-  template <wire_type T>
-  void all_reduce(const T* in, T* out, std::uint64_t n, reduce_op op) {
-    iall_reduce(in, out, n, op).wait();
-  }
-  template <wire_type T>
-  void reduce_scatter_v(const T* in, T* out, std::span<const std::uint64_t> counts, reduce_op op) {
-    ireduce_scatter_v(in, out, counts, op).wait();
-  }
-  template <wire_type T>
-  void all_gather_v(const T* in, std::uint64_t n_in, T* out, std::span<const std::uint64_t> counts) {
-    iall_gather_v(in, n_in, out, counts).wait();
-  }
-  template <wire_type T>
-  void broadcast(T* data, std::uint64_t n, int root) {
-    ibroadcast(data, n, root).wait();
-  }
+  // all_reduce, reduce_scatter_v, all_gather_v and broadcast come from blocking_collectives.
+  using blocking_collectives::all_reduce;
+  using blocking_collectives::all_gather_v;
+  using blocking_collectives::broadcast;
+  using blocking_collectives::reduce_scatter_v;
   void barrier() { iall_reduce(st_->scratch, st_->scratch, 1, reduce_op::sum).wait(); }
 
  private:
