@@ -5,7 +5,6 @@
 // latency does. The step reports the bytes it must move (bench/README.md); the copy
 // baselines move the same byte volume with cudaMemcpyAsync (device to device) and with
 // a plain 16-byte-vector copy kernel.
-#include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -17,9 +16,11 @@
 #include <vector>
 
 #include <mpzero/cuda/fused_step.cuh>
-#include <mpzero/mpzero.hpp>
+
+#include "bench_common.hpp"
 
 using namespace mpzero;
+using namespace mpzero_bench;
 
 namespace {
 
@@ -70,16 +71,6 @@ class stream_and_events {
   cudaEvent_t start{}, stop{};
 };
 
-// Deterministic values in [lo, hi) (the same generator as bench_host.cpp).
-__host__ __device__ float hashed_uniform(std::uint64_t i, std::uint64_t salt, float lo, float hi) {
-  std::uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ (salt * 0xD1B54A32D192ED03ull);
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 29;
-  const float u = static_cast<float>(x >> 40) * 0x1p-24f;
-  return lo + (hi - lo) * u;
-}
-
 template <storage_type T>
 __global__ void fill_kernel(T* p, std::uint64_t n, std::uint64_t salt, float lo, float hi) {
   for (std::uint64_t i = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; i < n;
@@ -88,8 +79,8 @@ __global__ void fill_kernel(T* p, std::uint64_t n, std::uint64_t salt, float lo,
 }
 
 template <storage_type T>
-void fill(const device_buffer& b, std::uint64_t n, std::uint64_t salt, float lo, float hi, cudaStream_t s) {
-  fill_kernel<T><<<1024, 256, 0, s>>>(b.as<T>(), n, salt, lo, hi);
+void fill(const device_buffer& b, std::uint64_t n, fill_range r, cudaStream_t s) {
+  fill_kernel<T><<<1024, 256, 0, s>>>(b.as<T>(), n, r.salt, r.lo, r.hi);
   MPZERO_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -99,44 +90,6 @@ __global__ void copy_kernel(const uint4* __restrict__ src, uint4* __restrict__ d
   for (std::uint64_t i = blockIdx.x * std::uint64_t{blockDim.x} + threadIdx.x; i < n;
        i += std::uint64_t{gridDim.x} * blockDim.x)
     dst[i] = src[i];
-}
-
-// Bytes one step must read and write per element (the formula of bench/README.md,
-// the same as bench_host.cpp's).
-template <precision_policy Policy, optim::rule Optimizer>
-constexpr std::uint64_t step_bytes_per_element() {
-  std::uint64_t b = sizeof(typename Policy::grad_type);
-  if constexpr (Policy::master_is_param) {
-    b += 2 * sizeof(typename Policy::param_type);
-  } else {
-    b += sizeof(typename Policy::param_type) + 2 * sizeof(typename Policy::master_type);
-  }
-  return b + 2 * static_cast<std::uint64_t>(Optimizer::n_states) * sizeof(typename Policy::state_type);
-}
-
-template <optim::rule Optimizer>
-typename Optimizer::options bench_options() {
-  typename Optimizer::options o{};
-  if constexpr (std::same_as<Optimizer, optim::adamw> || std::same_as<Optimizer, optim::adam>) {
-    o.lr = 1e-3;
-    o.weight_decay = 0.01;
-  } else if constexpr (std::same_as<Optimizer, optim::sgd>) {
-    o.lr = 1e-2;
-    o.momentum = 0.9;
-    o.weight_decay = 1e-4;
-  } else {
-    o.lr = 1e-4;
-    o.weight_decay = 0.01;
-  }
-  return o;
-}
-
-void set_common_counters(benchmark::State& state, std::uint64_t n, double bytes_per_element, double footprint) {
-  const double iters = static_cast<double>(state.iterations());
-  state.SetBytesProcessed(static_cast<std::int64_t>(iters * bytes_per_element * static_cast<double>(n)));
-  state.counters["elem/s"] = benchmark::Counter(iters * static_cast<double>(n), benchmark::Counter::kIsRate);
-  state.counters["B/elem"] = bytes_per_element;
-  state.counters["MiB"] = footprint / (1024.0 * 1024.0);
 }
 
 // Turns a CUDA or mpzero failure into a skipped benchmark with the message.
@@ -160,21 +113,19 @@ void BM_cuda_step(benchmark::State& state) {
     device_buffer grad(n * sizeof(typename Policy::grad_type));
     device_buffer master(Policy::master_is_param ? 0 : n * sizeof(typename Policy::master_type));
     std::vector<std::unique_ptr<device_buffer>> states;
-    fill<typename Policy::param_type>(param, n, 1, -1.0f, 1.0f, se.stream);
-    fill<typename Policy::grad_type>(grad, n, 2, -1e-2f, 1e-2f, se.stream);
+    fill<typename Policy::param_type>(param, n, kParamFill, se.stream);
+    fill<typename Policy::grad_type>(grad, n, kGradFill, se.stream);
     tensor t;
     t.param = param.as<typename Policy::param_type>();
     t.grad = grad.as<typename Policy::grad_type>();
     t.numel = n;
     if constexpr (!Policy::master_is_param) {
-      fill<typename Policy::master_type>(master, n, 1, -1.0f, 1.0f, se.stream);
+      fill<typename Policy::master_type>(master, n, kParamFill, se.stream);
       t.master = master.as<typename Policy::master_type>();
     }
     for (int k = 0; k < ns; ++k) {
       states.push_back(std::make_unique<device_buffer>(n * sizeof(typename Policy::state_type)));
-      const bool second_moment = ns == 2 && k == 1;  // Adam's v must be non-negative
-      fill<typename Policy::state_type>(*states[k], n, 3 + k, second_moment ? 0.0f : -1e-3f,
-                                        second_moment ? 1e-4f : 1e-3f, se.stream);
+      fill<typename Policy::state_type>(*states[k], n, state_fill(k, ns), se.stream);
       t.states[k] = states[k]->as<typename Policy::state_type>();
     }
     const fused_step<Policy, Optimizer> step(std::vector<tensor>{t});
@@ -186,11 +137,8 @@ void BM_cuda_step(benchmark::State& state) {
     MPZERO_CUDA_CHECK(cudaStreamSynchronize(se.stream));
 
     for (auto _ : state) state.SetIterationTime(se.time([&] { launcher.run(args, se.stream); }));
-    const std::uint64_t footprint = n * (sizeof(typename Policy::param_type) + sizeof(typename Policy::grad_type) +
-                                         (Policy::master_is_param ? 0 : sizeof(typename Policy::master_type)) +
-                                         ns * sizeof(typename Policy::state_type));
     set_common_counters(state, n, static_cast<double>(step_bytes_per_element<Policy, Optimizer>()),
-                        static_cast<double>(footprint));
+                        static_cast<double>(step_footprint_per_element<Policy, Optimizer>() * n));
   });
 }
 

@@ -4,142 +4,23 @@
 // the formula) as bytes_per_second; the copy baseline moves the same byte volume with
 // memcpy, split into the same chunks and spread over the same OpenMP threads with the
 // same static schedule, so "step GB/s / copy GB/s" compares like with like.
-#include <benchmark/benchmark.h>
-
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
-#include <new>
 #include <string>
 #include <vector>
 
-#include <sys/mman.h>
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
-#include <mpzero/mpzero.hpp>
+#include "bench_common.hpp"
 
 using namespace mpzero;
+using namespace mpzero_bench;
 
 namespace {
 
-constexpr std::uint32_t kChunk = plan_options{}.chunk_size;
-
-int bench_threads() {
-#if defined(_OPENMP)
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
-
-// Runs body(begin, end) over [0, n) in chunks of `chunk` on every thread with a static
-// schedule: the same split of work over threads that host::run uses for one tensor.
-template <class Body>
-void parallel_chunks(std::uint64_t n, std::uint64_t chunk, Body&& body) {
-  const auto chunks = static_cast<std::int64_t>((n + chunk - 1) / chunk);
-#if defined(_OPENMP)
-#pragma omp parallel for schedule(static) num_threads(bench_threads())
-#endif
-  for (std::int64_t c = 0; c < chunks; ++c) {
-    const std::uint64_t b = static_cast<std::uint64_t>(c) * chunk;
-    body(b, std::min(n, b + chunk));
-  }
-}
-
-// A page-aligned array, advised onto transparent huge pages and first touched by the
-// threads that will stream it (the same chunks the benchmark loop gives them), so that
-// neither page faults nor TLB misses differ between the step and the baselines.
-template <class T>
-class buffer {
- public:
-  explicit buffer(std::uint64_t n) : n_(n) {
-    constexpr std::size_t align = 2u << 20;
-    const std::size_t bytes = std::max<std::size_t>(align, (n * sizeof(T) + align - 1) / align * align);
-    data_ = static_cast<T*>(std::aligned_alloc(align, bytes));
-    if (data_ == nullptr) throw std::bad_alloc();
-#if defined(MADV_HUGEPAGE)
-    madvise(data_, bytes, MADV_HUGEPAGE);
-#endif
-  }
-  buffer(const buffer&) = delete;
-  buffer& operator=(const buffer&) = delete;
-  ~buffer() { std::free(data_); }
-  T* data() const noexcept { return data_; }
-  std::uint64_t size() const noexcept { return n_; }
-
- private:
-  T* data_ = nullptr;
-  std::uint64_t n_ = 0;
-};
-
-// Deterministic values in [lo, hi), cheap enough to fill gigabytes.
-float hashed_uniform(std::uint64_t i, std::uint64_t salt, float lo, float hi) {
-  std::uint64_t x = (i + 1) * 0x9E3779B97F4A7C15ull ^ (salt * 0xD1B54A32D192ED03ull);
-  x ^= x >> 31;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 29;
-  const float u = static_cast<float>(x >> 40) * 0x1p-24f;
-  return lo + (hi - lo) * u;
-}
-
-template <storage_type T>
-void fill(const buffer<T>& b, std::uint64_t chunk, std::uint64_t salt, float lo, float hi) {
-  T* p = b.data();
-  parallel_chunks(b.size(), chunk, [&](std::uint64_t begin, std::uint64_t end) {
-    for (std::uint64_t i = begin; i < end; ++i) p[i] = from_float<T>(hashed_uniform(i, salt, lo, hi));
-  });
-}
-
-// Bytes one step must read and write per element, from the policy's storage types:
-// the gradient is read; the parameter is read and written when it is the master,
-// and only written when a separate master is read and written; each optimizer state
-// is read and written.
-template <precision_policy Policy, optim::rule Optimizer>
-constexpr std::uint64_t step_bytes_per_element() {
-  std::uint64_t b = sizeof(typename Policy::grad_type);
-  if constexpr (Policy::master_is_param) {
-    b += 2 * sizeof(typename Policy::param_type);
-  } else {
-    b += sizeof(typename Policy::param_type) + 2 * sizeof(typename Policy::master_type);
-  }
-  return b + 2 * static_cast<std::uint64_t>(Optimizer::n_states) * sizeof(typename Policy::state_type);
-}
-
-// Bytes of model state the step touches per element (its working set).
-template <precision_policy Policy, optim::rule Optimizer>
-constexpr std::uint64_t step_footprint_per_element() {
-  std::uint64_t b = sizeof(typename Policy::grad_type) + sizeof(typename Policy::param_type);
-  if constexpr (!Policy::master_is_param) b += sizeof(typename Policy::master_type);
-  return b + static_cast<std::uint64_t>(Optimizer::n_states) * sizeof(typename Policy::state_type);
-}
-
-template <optim::rule Optimizer>
-typename Optimizer::options bench_options() {
-  typename Optimizer::options o{};
-  if constexpr (std::same_as<Optimizer, optim::adamw> || std::same_as<Optimizer, optim::adam>) {
-    o.lr = 1e-3;
-    o.weight_decay = 0.01;
-  } else if constexpr (std::same_as<Optimizer, optim::sgd>) {
-    o.lr = 1e-2;
-    o.momentum = 0.9;
-    o.weight_decay = 1e-4;
-  } else {
-    o.lr = 1e-4;
-    o.weight_decay = 0.01;
-  }
-  return o;
-}
-
-void set_common_counters(benchmark::State& state, std::uint64_t n, double bytes_per_element, double footprint) {
-  const double iters = static_cast<double>(state.iterations());
-  state.SetBytesProcessed(static_cast<std::int64_t>(iters * bytes_per_element * static_cast<double>(n)));
-  state.counters["elem/s"] = benchmark::Counter(iters * static_cast<double>(n), benchmark::Counter::kIsRate);
-  state.counters["B/elem"] = bytes_per_element;
-  state.counters["MiB"] = footprint / (1024.0 * 1024.0);
+// The common counters plus the thread count.
+void set_host_counters(benchmark::State& state, std::uint64_t n, double bytes_per_element, double footprint) {
+  set_common_counters(state, n, bytes_per_element, footprint);
   state.counters["threads"] = bench_threads();
 }
 
@@ -155,22 +36,20 @@ void BM_step(benchmark::State& state) {
   buffer<typename Policy::grad_type> grad(n);
   std::vector<std::unique_ptr<buffer<typename Policy::master_type>>> master;
   std::vector<std::unique_ptr<buffer<typename Policy::state_type>>> states;
-  fill(param, kChunk, 1, -1.0f, 1.0f);
-  fill(grad, kChunk, 2, -1e-2f, 1e-2f);
+  fill(param, kChunk, kParamFill);
+  fill(grad, kChunk, kGradFill);
   tensor t;
   t.param = param.data();
   t.grad = grad.data();
   t.numel = n;
   if constexpr (!Policy::master_is_param) {
     master.push_back(std::make_unique<buffer<typename Policy::master_type>>(n));
-    fill(*master[0], kChunk, 1, -1.0f, 1.0f);
+    fill(*master[0], kChunk, kParamFill);
     t.master = master[0]->data();
   }
   for (int k = 0; k < ns; ++k) {
     states.push_back(std::make_unique<buffer<typename Policy::state_type>>(n));
-    // Adam's second moment must be non-negative; other states are signed.
-    const bool second_moment = ns == 2 && k == 1;
-    fill(*states[k], kChunk, 3 + k, second_moment ? 0.0f : -1e-3f, second_moment ? 1e-4f : 1e-3f);
+    fill(*states[k], kChunk, state_fill(k, ns));
     t.states[k] = states[k]->data();
   }
   const fused_step<Policy, Optimizer> step(std::vector<tensor>{t});
@@ -182,8 +61,8 @@ void BM_step(benchmark::State& state) {
     host::run(step, args, opt);
     benchmark::ClobberMemory();
   }
-  set_common_counters(state, n, static_cast<double>(step_bytes_per_element<Policy, Optimizer>()),
-                      static_cast<double>(step_footprint_per_element<Policy, Optimizer>() * n));
+  set_host_counters(state, n, static_cast<double>(step_bytes_per_element<Policy, Optimizer>()),
+                    static_cast<double>(step_footprint_per_element<Policy, Optimizer>() * n));
 }
 
 // memcpy of range(0) * range(1) / 2 bytes: read and write together move range(1)
@@ -206,7 +85,7 @@ void BM_copy(benchmark::State& state) {
     parallel_chunks(bytes, chunk, [&](std::uint64_t b, std::uint64_t e) { std::memcpy(d + b, s + b, e - b); });
     benchmark::ClobberMemory();
   }
-  set_common_counters(state, n, static_cast<double>(bpe), 2.0 * static_cast<double>(bytes));
+  set_host_counters(state, n, static_cast<double>(bpe), 2.0 * static_cast<double>(bytes));
 }
 
 // In-place update of range(0) * range(1) / 2 bytes of fp32, x[i] = x[i] * q: the same
@@ -221,7 +100,7 @@ void BM_rmw(benchmark::State& state) {
   const std::uint64_t chunk = std::uint64_t{kChunk} * bpe / 2 / sizeof(float);
   buffer<float> x(floats);
   float* MPZERO_RESTRICT px = x.data();
-  fill(x, chunk, 10, 0.5f, 1.0f);
+  fill(x, chunk, {10, 0.5f, 1.0f});
   // Alternating factors keep the values in range however many iterations run.
   float q = 0.5f;
   for (auto _ : state) {
@@ -231,7 +110,7 @@ void BM_rmw(benchmark::State& state) {
     q = q == 0.5f ? 2.0f : 0.5f;
     benchmark::ClobberMemory();
   }
-  set_common_counters(state, n, static_cast<double>(bpe), static_cast<double>(floats * sizeof(float)));
+  set_host_counters(state, n, static_cast<double>(bpe), static_cast<double>(floats * sizeof(float)));
 }
 
 // STREAM-style triad over fp32 arrays, a[i] = b[i] + q * c[i] (read 2, write 1:
@@ -243,9 +122,9 @@ void BM_triad(benchmark::State& state) {
   float* MPZERO_RESTRICT pa = a.data();
   const float* MPZERO_RESTRICT pb = b.data();
   const float* MPZERO_RESTRICT pc = c.data();
-  fill(a, kChunk, 7, 0.0f, 1.0f);
-  fill(b, kChunk, 8, 0.0f, 1.0f);
-  fill(c, kChunk, 9, 0.0f, 1.0f);
+  fill(a, kChunk, {7, 0.0f, 1.0f});
+  fill(b, kChunk, {8, 0.0f, 1.0f});
+  fill(c, kChunk, {9, 0.0f, 1.0f});
   const float q = 0.5f;
   for (auto _ : state) {
     parallel_chunks(n, kChunk, [&](std::uint64_t lo, std::uint64_t hi) {
@@ -253,7 +132,7 @@ void BM_triad(benchmark::State& state) {
     });
     benchmark::ClobberMemory();
   }
-  set_common_counters(state, n, 12.0, 12.0 * static_cast<double>(n));
+  set_host_counters(state, n, 12.0, 12.0 * static_cast<double>(n));
 }
 
 // 64K elements (one chunk: one thread) to 128M elements (0.9 to 3.5 GiB of model
