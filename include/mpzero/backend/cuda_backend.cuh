@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <tuple>
@@ -19,6 +20,7 @@
 
 #include "../comm/communicator.hpp"
 #include "../cuda/check.cuh"
+#include "host_backend.hpp"
 #include "../cuda/fused_step.cuh"
 #include "../numeric/convert.hpp"
 #include "../step/fused_step.hpp"
@@ -81,6 +83,99 @@ inline unsigned grid_for(std::uint64_t n) {
 
 }  // namespace cuda::detail
 
+namespace cuda::detail {
+
+inline void* pinned_allocate(std::size_t bytes) {
+  void* p = nullptr;
+  // Portable: pinned for every device of the process, whichever is current.
+  if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable) != cudaSuccess) return nullptr;
+  return p;
+}
+inline void pinned_free(void* p) noexcept { cudaFreeHost(p); }
+
+// The copy stream of a backend and a pool of events for its transfers. Created on first
+// use (a default-constructed backend touches no device), shared by copies of the backend.
+struct transfer_pool {
+  std::mutex mutex;
+  cudaStream_t copy = nullptr;
+  std::vector<cudaEvent_t> free_events;
+
+  transfer_pool() = default;
+  transfer_pool(const transfer_pool&) = delete;
+  transfer_pool& operator=(const transfer_pool&) = delete;
+  ~transfer_pool() {
+    for (cudaEvent_t e : free_events) cudaEventDestroy(e);
+    if (copy != nullptr) cudaStreamDestroy(copy);  // released once its queued copies finish
+  }
+  cudaStream_t stream() {
+    std::lock_guard lock(mutex);
+    if (copy == nullptr) MPZERO_CUDA_CHECK(cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking));
+    return copy;
+  }
+  cudaEvent_t acquire() {
+    std::lock_guard lock(mutex);
+    if (!free_events.empty()) {
+      cudaEvent_t e = free_events.back();
+      free_events.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    MPZERO_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return e;
+  }
+  void release(cudaEvent_t e) noexcept {
+    std::lock_guard lock(mutex);
+    free_events.push_back(e);
+  }
+};
+
+}  // namespace cuda::detail
+
+inline constexpr host_allocator pinned_host_allocator{&cuda::detail::pinned_allocate, &cuda::detail::pinned_free,
+                                                      "pinned (cudaHostAlloc)", true};
+
+// A copy queued on a backend's copy stream: an event recorded after it. Move-only; the
+// event goes back to the pool when the transfer is dropped (dropping does not wait).
+class cuda_transfer {
+ public:
+  cuda_transfer() = default;
+  cuda_transfer(std::shared_ptr<cuda::detail::transfer_pool> pool, cudaEvent_t e) : pool_(std::move(pool)), event_(e) {}
+  cuda_transfer(cuda_transfer&& o) noexcept : pool_(std::move(o.pool_)), event_(std::exchange(o.event_, nullptr)) {}
+  cuda_transfer& operator=(cuda_transfer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      pool_ = std::move(o.pool_);
+      event_ = std::exchange(o.event_, nullptr);
+    }
+    return *this;
+  }
+  cuda_transfer(const cuda_transfer&) = delete;
+  cuda_transfer& operator=(const cuda_transfer&) = delete;
+  ~cuda_transfer() { reset(); }
+
+  // Whether the copy has finished (does not block).
+  bool done() const {
+    if (event_ == nullptr) return true;
+    const cudaError_t e = cudaEventQuery(event_);
+    if (e == cudaErrorNotReady) return false;
+    MPZERO_CUDA_CHECK(e);
+    return true;
+  }
+  // Blocks the host until the copy has finished.
+  void wait() const {
+    if (event_ != nullptr) MPZERO_CUDA_CHECK(cudaEventSynchronize(event_));
+  }
+  cudaEvent_t event() const noexcept { return event_; }
+
+ private:
+  void reset() noexcept {
+    if (event_ != nullptr && pool_) pool_->release(event_);
+    event_ = nullptr;
+  }
+  std::shared_ptr<cuda::detail::transfer_pool> pool_;
+  cudaEvent_t event_ = nullptr;
+};
+
 struct cuda_backend {
   cudaStream_t stream = nullptr;  // the stream all work is ordered on (0: the legacy default stream)
 
@@ -120,6 +215,27 @@ struct cuda_backend {
     if (n == 0) return;
     MPZERO_CUDA_CHECK(cudaMemcpyAsync(host_dst, src, static_cast<std::size_t>(n) * sizeof(T), cudaMemcpyDeviceToHost, stream));
     MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+
+  // ZeRO-Offload's host memory: pinned (page-locked) unless the caller opts out.
+  host_allocator host_memory(bool pinned) const noexcept { return pinned ? pinned_host_allocator : pageable_host_allocator; }
+
+  // Transfers on the backend's copy stream, ordered after the work queued on `stream`
+  // so far, overlapping whatever `stream` does next. The host memory should be pinned
+  // (host_memory(true)); pageable memory works but copies synchronously on the host.
+  // Keep both buffers alive until the transfer is done.
+  using transfer = cuda_transfer;
+  template <class T>
+  transfer download_async(T* host_dst, const T* src, std::uint64_t n) const {
+    return enqueue_copy(host_dst, src, n * sizeof(T), cudaMemcpyDeviceToHost);
+  }
+  template <class T>
+  transfer upload_async(T* dst, const T* host_src, std::uint64_t n) const {
+    return enqueue_copy(dst, host_src, n * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  // Work queued on `stream` after this call starts after `t` has finished; the host does not wait.
+  void order_after(const transfer& t) const {
+    if (t.event() != nullptr) MPZERO_CUDA_CHECK(cudaStreamWaitEvent(stream, t.event(), 0));
   }
 
   template <storage_type D, storage_type S>
@@ -191,6 +307,23 @@ struct cuda_backend {
   void synchronize() const { MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream)); }
 
  private:
+  transfer enqueue_copy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) const {
+    if (bytes == 0) return {};
+    cudaStream_t copy = transfers_->stream();
+    cudaEvent_t before = transfers_->acquire();
+    // The copy must see what `stream` has queued so far (e.g. the kernel that produced src).
+    cudaError_t e = cudaEventRecord(before, stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(copy, before, 0);
+    transfers_->release(before);  // re-recording later is safe: the wait captured this record
+    MPZERO_CUDA_CHECK(e);
+    MPZERO_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, copy));
+    transfer t(transfers_, transfers_->acquire());
+    MPZERO_CUDA_CHECK(cudaEventRecord(t.event(), copy));
+    return t;
+  }
+
+  std::shared_ptr<cuda::detail::transfer_pool> transfers_ = std::make_shared<cuda::detail::transfer_pool>();
+
   template <storage_type G>
   struct stats_entry {
     stats_entry(const G* p, std::uint64_t n, cudaStream_t s) : data(p), numel(n), stream(s) {

@@ -22,35 +22,73 @@
 
 namespace mpzero {
 
+// Where host memory comes from. The default is 64-byte aligned pageable memory; the
+// CUDA backend supplies page-locked ("pinned") memory for ZeRO-Offload, which the
+// copy engines read and write directly (no bounce buffer) and which lets copies run
+// asynchronously. `name` appears in out-of-memory errors.
+struct host_allocator {
+  void* (*allocate)(std::size_t bytes) = nullptr;  // nullptr on failure
+  void (*deallocate)(void* p) noexcept = nullptr;
+  const char* name = "pageable";
+  bool pinned = false;
+};
+
+namespace detail {
+inline void* aligned_host_allocate(std::size_t bytes) { return std::aligned_alloc(64, (bytes + 63) / 64 * 64); }
+inline void aligned_host_free(void* p) noexcept { std::free(p); }
+}  // namespace detail
+
+inline constexpr host_allocator pageable_host_allocator{&detail::aligned_host_allocate, &detail::aligned_host_free,
+                                                        "pageable", false};
+
 // An owning, zero-initialised, 64-byte aligned array in host memory.
 template <class T>
 class host_buffer {
  public:
   host_buffer() = default;
-  explicit host_buffer(std::uint64_t n) : n_(n) {
+  explicit host_buffer(std::uint64_t n, const host_allocator& alloc = pageable_host_allocator) : n_(n) {
     if (n == 0) return;
     if (n > (std::uint64_t{1} << 62) / sizeof(T)) detail::throw_invalid("host_buffer: " + std::to_string(n) + " elements is too many");
     const std::size_t bytes = (static_cast<std::size_t>(n) * sizeof(T) + 63) / 64 * 64;
-    void* p = std::aligned_alloc(64, bytes);
+    void* p = alloc.allocate(bytes);
     if (p == nullptr) {
-      throw error("mpzero: out of host memory allocating " + std::to_string(bytes) + " bytes");
+      throw error("mpzero: out of " + std::string(alloc.name) + " host memory allocating " + std::to_string(bytes) +
+                  " bytes" +
+                  (alloc.pinned ? "; pinned memory is limited by the OS (ulimit -l, cgroups): set "
+                                  "zero_options::pin_memory = false (offload_optimizer.pin_memory: false) to use "
+                                  "pageable memory"
+                                : ""));
     }
     std::memset(p, 0, bytes);
-    p_.reset(static_cast<T*>(p));
+    p_ = std::unique_ptr<T, deleter>(static_cast<T*>(p), deleter{alloc.deallocate});
+    pinned_ = alloc.pinned;
   }
   T* data() noexcept { return p_.get(); }
   const T* data() const noexcept { return p_.get(); }
   std::uint64_t size() const noexcept { return n_; }
   std::uint64_t bytes() const noexcept { return n_ * sizeof(T); }
+  // Page-locked (from a pinned allocator).
+  bool pinned() const noexcept { return pinned_; }
   std::span<T> span() noexcept { return {p_.get(), static_cast<std::size_t>(n_)}; }
   std::span<const T> span() const noexcept { return {p_.get(), static_cast<std::size_t>(n_)}; }
 
  private:
-  struct free_deleter {
-    void operator()(T* p) const noexcept { std::free(p); }
+  struct deleter {
+    void (*free)(void*) noexcept = nullptr;
+    void operator()(T* p) const noexcept {
+      if (free != nullptr) free(p);
+    }
   };
-  std::unique_ptr<T, free_deleter> p_;
+  std::unique_ptr<T, deleter> p_;
   std::uint64_t n_ = 0;
+  bool pinned_ = false;
+};
+
+// A host<->backend copy that may still be running (see the backends' *_async calls).
+// The host backend copies synchronously, so its transfers are always complete.
+struct host_transfer {
+  bool done() const noexcept { return true; }
+  void wait() const noexcept {}
 };
 
 struct host_backend {
@@ -86,6 +124,26 @@ struct host_backend {
     copy(host_dst, src, n);
   }
 
+  // ZeRO-Offload's host memory: host memory is the backend's memory here, so pinning
+  // has no meaning and the request is ignored.
+  host_allocator host_memory(bool /*pinned*/) const noexcept { return pageable_host_allocator; }
+
+  // Asynchronous transfers (the CUDA backend runs them on a copy stream, overlapped
+  // with compute): here they are plain copies, complete on return.
+  using transfer = host_transfer;
+  template <class T>
+  transfer download_async(T* host_dst, const T* src, std::uint64_t n) const {
+    copy(host_dst, src, n);
+    return {};
+  }
+  template <class T>
+  transfer upload_async(T* dst, const T* host_src, std::uint64_t n) const {
+    copy(dst, host_src, n);
+    return {};
+  }
+  // Orders the backend's later work after `t` (nothing to order here).
+  void order_after(const transfer&) const noexcept {}
+
   // dst[i] = round_to_nearest(dst[i] + src[i] * scale), computed in fp32.
   template <storage_type D, storage_type S>
   void accumulate(D* MPZERO_RESTRICT dst, const S* MPZERO_RESTRICT src, std::uint64_t n, float scale = 1.0f) const {
@@ -118,6 +176,7 @@ struct host_backend {
     stepper(const host_backend& b, std::vector<step_tensor<Policy, Optimizer>> tensors)
         : options_(b.options), step_(std::move(tensors)) {}
     void run(const step_args<Optimizer>& args) const { host::run(step_, args, options_); }
+    std::span<const step_tensor<Policy, Optimizer>> tensors() const noexcept { return step_.tensors(); }
 
    private:
     host::options options_;
