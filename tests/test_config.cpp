@@ -585,8 +585,9 @@ TEST_CASE("config: dtype selection", "[config]") {
       {R"("zero_optimization": {"stage": 2})", fp32, fp32, fp32, fp32, fp32},
       // bf16 with an fp32 master: gradients stay bf16, as DeepSpeed accumulates and reduces them
       {R"("bf16": {"enabled": true}, "zero_optimization": {"stage": 1})", bf16, fp32, bf16, fp32, bf16},
-      // ... unless data_types.grad_accum_dtype asks for fp32
-      {R"("bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp32"})", bf16, fp32, fp32, fp32, bf16},
+      // ... unless data_types.grad_accum_dtype asks for fp32; they are then reduced in fp32
+      // too (DeepSpeed would reduce them in bf16: write communication_data_type for that)
+      {R"("bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp32"})", bf16, fp32, fp32, fp32, fp32},
       // bf16 master, fp32 states (allowed on the GPU: mpzero extension)
       {R"("bf16": {"enabled": true, "bf16_master_weights_and_grads": true}, "zero_optimization": {"stage": 2})", bf16,
        bf16, bf16, fp32, bf16},
@@ -601,6 +602,8 @@ TEST_CASE("config: dtype selection", "[config]") {
        fp16, fp16, fp32, fp16},
       // communication_data_type overrides only the reduction dtype
       {R"("bf16": {"enabled": true}, "communication_data_type": "fp32")", bf16, fp32, bf16, fp32, fp32},
+      {R"("bf16": {"enabled": true}, "data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "bf16")",
+       bf16, fp32, fp32, fp32, bf16},
       {R"("communication_data_type": "bf16")", fp32, fp32, fp32, fp32, bf16},
       // autocast changes no storage dtype
       {R"("torch_autocast": {"enabled": true}, "zero_optimization": {"stage": 3})", fp32, fp32, fp32, fp32, fp32},

@@ -943,7 +943,7 @@ dtype config::grad_dtype() const { return grad_accum_dtype ? *grad_accum_dtype :
 
 dtype config::state_dtype() const { return bf16 && bf16_optimizer_states ? dtype::bf16 : dtype::fp32; }
 
-dtype config::comm_dtype() const { return communication_data_type ? *communication_data_type : param_dtype(); }
+dtype config::comm_dtype() const { return communication_data_type ? *communication_data_type : grad_dtype(); }
 
 std::string_view optimizer_name(optimizer_type t) {
   switch (t) {

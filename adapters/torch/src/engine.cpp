@@ -73,6 +73,26 @@ int current_reentrant_depth() {
   return depth >= 0 && depth < (1 << 20) ? depth : -1;
 }
 
+// DeepSpeed gives the parameters of torch_autocast.lower_precision_safe_modules the
+// autocast dtype for their reduction, matching each module's exact class (not
+// subclasses). A LibTorch module's name() is its demangled class ("torch::nn::LinearImpl");
+// an entry matches that, or it without namespaces, each with or without TORCH_MODULE's
+// "Impl": "Linear", "LinearImpl", "torch::nn::LinearImpl" (the config already turned
+// "torch.nn.Linear" into "Linear").
+bool is_lower_precision_safe(const std::string& cls, const std::vector<std::string>& entries) {
+  auto without_impl = [](std::string s) {
+    if (s.size() > 4 && s.compare(s.size() - 4, 4, "Impl") == 0) s.resize(s.size() - 4);
+    return s;
+  };
+  const std::size_t colon = cls.rfind("::");
+  const std::string bare = colon == std::string::npos ? cls : cls.substr(colon + 2);
+  const std::string names[] = {cls, without_impl(cls), bare, without_impl(bare)};
+  for (const auto& e : entries)
+    for (const auto& n : names)
+      if (e == n) return true;
+  return false;
+}
+
 }  // namespace
 
 namespace detail {
@@ -154,10 +174,10 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     return (micro_steps_ + 1) % cfg_.gradient_accumulation_steps == 0;
   }
   double next_lr() const { return lr_at(cfg_.scheduler, cfg_.optimizer.lr, scheduler_steps_); }
-  std::size_t index_of(const ::torch::Tensor& t) const {
+  std::size_t index_of(const ::torch::Tensor& t, const char* what) const {
     auto it = index_.find(t.unsafeGetTensorImpl());
     if (it == index_.end()) {
-      fail("full_grad: the tensor (shape " + shape_of(t) +
+      fail(std::string(what) + ": the tensor (shape " + shape_of(t) +
            ") is not a parameter this engine manages; pass one of engine.parameters()");
     }
     return it->second;
@@ -174,6 +194,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::vector<::torch::Tensor> params_;
   std::vector<std::string> names_;
   std::unordered_map<const c10::TensorImpl*, std::size_t> index_;
+  std::vector<dtype> comm_dtypes_;  // per managed parameter: the dtype its gradient is reduced in
   bool needs_scaling_ = false;
   float inv_gas_ = 1.0f;
   at::ScalarType param_type_ = at::kFloat;
@@ -267,6 +288,25 @@ void engine_state::init() {
   zo.average_gradients = true;
   zo.seed = cfg_.seed;
   needs_scaling_ = cfg_.fp16;
+
+  // The dtype each gradient is reduced in (DeepSpeed's get_comm_dtype): the autocast
+  // dtype for the parameters of lower_precision_safe_modules, communication_data_type
+  // for the others, else their own (accumulation) dtype. Passed to the core at run
+  // time, so no instantiation is added for it; all in the gradient dtype is the
+  // core's default path (no list).
+  comm_dtypes_.assign(params_.size(), cfg_.communication_data_type.value_or(spec.grad));
+  if (cfg_.torch_autocast.enabled) {
+    for (const auto& m : module_->modules(/*include_self=*/true)) {
+      if (!is_lower_precision_safe(m->name(), cfg_.torch_autocast.lower_precision_safe_modules)) continue;
+      for (const auto& p : m->parameters(/*recurse=*/false)) {
+        auto it = index_.find(p.unsafeGetTensorImpl());
+        if (it != index_.end()) comm_dtypes_[it->second] = cfg_.torch_autocast.dtype_;
+      }
+    }
+  }
+  if (std::any_of(comm_dtypes_.begin(), comm_dtypes_.end(), [&](dtype d) { return d != spec.grad; })) {
+    zo.wire_dtypes = comm_dtypes_;
+  }
 
   std::vector<std::uint64_t> numels;
   for (const auto& p : params_) numels.push_back(static_cast<std::uint64_t>(p.numel()));
@@ -546,7 +586,7 @@ int engine_base::rank() const { return st_->comm_.rank(); }
 int engine_base::world_size() const { return st_->comm_.size(); }
 const std::vector<::torch::Tensor>& engine_base::parameters() const { return st_->params_; }
 const std::vector<std::string>& engine_base::parameter_names() const { return st_->names_; }
-::torch::Tensor engine_base::full_grad(const ::torch::Tensor& param) { return st_->full_grad(st_->index_of(param)); }
+::torch::Tensor engine_base::full_grad(const ::torch::Tensor& param) { return st_->full_grad(st_->index_of(param, "full_grad")); }
 std::vector<::torch::Tensor> engine_base::full_grads() {
   std::vector<::torch::Tensor> out;
   for (std::size_t i = 0; i < st_->params_.size(); ++i) out.push_back(st_->full_grad(i));
@@ -560,6 +600,7 @@ std::vector<::torch::Tensor> engine_base::master_weights() {
   }
   return out;
 }
+dtype engine_base::comm_dtype(const ::torch::Tensor& param) const { return st_->comm_dtypes_[st_->index_of(param, "comm_dtype")]; }
 std::uint64_t engine_base::epilogues() const { return st_->epilogues_; }
 memory_report engine_base::memory() const { return st_->core_->memory(); }
 std::string engine_base::describe() const { return st_->core_->spec().describe(); }

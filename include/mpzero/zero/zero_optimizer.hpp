@@ -33,6 +33,7 @@
 #include "../backend/host_backend.hpp"
 #include "../comm/communicator.hpp"
 #include "../error.hpp"
+#include "../numeric/dtype.hpp"
 #include "../optim/optimizer.hpp"
 #include "../partition/bucket_plan.hpp"
 #include "../partition/flat_layout.hpp"
@@ -60,9 +61,21 @@ struct zero_options {
   bool check_overflow = true;
   // Average gradients over ranks (data parallelism) rather than summing them.
   bool average_gradients = true;
+  // ZeRO-Offload: page-lock the host partition (DeepSpeed's offload_optimizer.pin_memory)
+  // so that copies run on the copy engines, asynchronously. Only the CUDA backend pins.
+  bool pin_memory = true;
+  // ZeRO-Offload: the host step runs over the shard in sub-groups of this many elements;
+  // each sub-group's parameters are uploaded while the next one is updated.
+  std::uint64_t offload_sub_group_numel = std::uint64_t{1} << 24;
   // Key of stochastic rounding.
   std::uint64_t seed = 0;
   flat_layout_options layout{};
+  // The dtype each parameter's gradient travels in, one entry per parameter in the
+  // caller's order (DeepSpeed's torch_autocast: lower_precision_safe_modules in the
+  // autocast dtype, the others in communication_data_type). Empty: every gradient
+  // travels in the optimizer's Wire type. Contiguous parameters of one wire dtype are
+  // reduced together; a bucket that mixes dtypes costs one collective per run.
+  std::vector<dtype> wire_dtypes{};
 };
 
 struct step_report {
@@ -79,7 +92,7 @@ struct step_report {
 struct memory_report {
   std::uint64_t params = 0, grads = 0, master = 0, states = 0;  // in the backend's memory
   std::uint64_t host_master = 0, host_grads = 0, host_states = 0;  // CPU offload: in host memory
-  std::uint64_t buckets = 0;
+  std::uint64_t buckets = 0;  // staging, wire-typed and receive buffers of the reductions; stage 3's gathers
   std::uint64_t model_numel = 0;    // trainable elements, unpadded
   std::uint64_t padding_numel = 0;  // elements added to align the partitions
   std::uint64_t model_state_bytes() const noexcept { return params + grads + master + states; }
@@ -92,7 +105,9 @@ struct memory_report {
 // Wire: the element type gradients travel in (DeepSpeed's communication_data_type);
 // by default the gradient type. With another type, buckets are converted before the
 // reduction and the results converted back (sums of 16-bit wire types are formed in
-// fp32 by the communicators, one rounding per combine).
+// fp32 by the communicators, one rounding per combine). zero_options::wire_dtypes
+// chooses the wire dtype per parameter at run time instead (Wire is then only the
+// default of an empty list).
 template <precision_policy Policy, optim::rule Optimizer, class Stage, comm::communicator Comm,
           class Backend = host_backend, class Offload = offload_none, class Wire = typename Policy::grad_type>
 class ZeroOptimizer {
@@ -127,6 +142,9 @@ class ZeroOptimizer {
     if (zo.reduce_bucket_numel == 0) {
       detail::throw_invalid("ZeroOptimizer: reduce_bucket_numel = 0; use a positive bucket size (DeepSpeed's default is 5e8)");
     }
+    if (zo.offload_sub_group_numel == 0) {
+      detail::throw_invalid("ZeroOptimizer: offload_sub_group_numel = 0; use a positive number of elements (default 2^24)");
+    }
     if (!(zo.gradient_clipping >= 0) || !std::isfinite(zo.gradient_clipping)) {
       detail::throw_invalid("ZeroOptimizer: gradient_clipping = " + std::to_string(zo.gradient_clipping) +
                             "; use a finite max norm >= 0 (0 disables clipping)");
@@ -136,7 +154,10 @@ class ZeroOptimizer {
     build_layout(numels);
     allocate();
     if constexpr (offloaded) {
-      host_stepper_.emplace(host_.template make_stepper<Policy, Optimizer>(shard_tensors()));
+      // One stepper per sub-group: a sub-group's upload overlaps the next one's update.
+      for (const step_tensor<Policy, Optimizer>& t : sub_groups(shard_tensors())) {
+        host_steppers_.push_back(host_.template make_stepper<Policy, Optimizer>({t}));
+      }
     } else {
       stepper_.emplace(backend_.template make_stepper<Policy, Optimizer>(shard_tensors()));
     }
@@ -282,15 +303,19 @@ class ZeroOptimizer {
   void reduce_gradients() {
     if (in_backward_) end_backward();
     if (reduced_) return;
-    if (world_ > 1 && zero_stage < 2) {
-      backend_.before_comm(comm_);
-      if constexpr (converts_on_wire) {
-        reduce_full_grads_on_wire();
-      } else if constexpr (zero_stage == 0) {
-        comm_.all_reduce(grads_.data(), grads_.data(), grads_.size(), comm::reduce_op::sum);
-      } else if constexpr (zero_stage == 1) {
-        const std::vector<std::uint64_t> counts(static_cast<std::size_t>(world_), layout_.partition_numel());
-        comm_.reduce_scatter_v(grads_.data(), grads_.data() + shard_.begin, counts, comm::reduce_op::sum);
+    if constexpr (zero_stage < 2) {
+      // One run of the Wire type by default; with per-parameter wire dtypes, one run per
+      // stretch of equal dtype, in flat order on every rank. A run in another dtype goes
+      // through it at one rank too, so the bits do not depend on the world size or the
+      // stage (stages 2 and 3 always send their buckets).
+      for (const wire_run& run : runs_) {
+        with_wire_type(run.wire, [&]<class T>(T*) {
+          if constexpr (std::same_as<T, grad_type>) {
+            if (world_ > 1) reduce_in_place(run.range);
+          } else {
+            reduce_on_wire<T>(run.range);
+          }
+        });
       }
     }
     if constexpr (offloaded && zero_stage == 1) {
@@ -352,8 +377,7 @@ class ZeroOptimizer {
       ++steps_;
       const auto args = make_step_args<Optimizer>(opt_, steps_, static_cast<float>(unscale * rep.clip_coefficient), zo_.seed);
       if constexpr (offloaded) {
-        host_stepper_->run(args);
-        upload_updated_params();
+        run_offloaded_step(args);
       } else {
         stepper_->run(args);
       }
@@ -456,8 +480,7 @@ class ZeroOptimizer {
     m.master = master_.bytes();
     for (const auto& s : states_) m.states += s.bytes();
     for (const auto& b : staging_) m.buckets += b.bytes();
-    for (const auto& b : recv_) m.buckets += b.bytes();
-    for (const auto& b : wire_) m.buckets += b.bytes();
+    m.buckets += recv_pools_.bytes() + wire_pools_.bytes();
     for (const auto& [k, g] : groups_) m.buckets += g.data.bytes();
     m.host_master = h_master_.bytes();
     m.host_grads = h_grads_.bytes();
@@ -474,11 +497,68 @@ class ZeroOptimizer {
   using buffer = typename Backend::template buffer<T>;
   using request_t = typename Comm::request_type;
 
+  // A flat range whose gradients travel in one dtype.
+  struct wire_run {
+    flat_range range;
+    dtype wire;
+  };
+  // Reusable buffers of the three wire dtypes: a buffer is taken for one reduction and
+  // given back when it completes. Buffers are the backend's, or host memory from a
+  // host_allocator (the offload's staging of downloads).
+  template <class T, class Buf = buffer<T>>
+  struct pool {
+    std::vector<Buf> bufs;
+    std::vector<std::uint8_t> busy;
+    int acquire(const Backend& be, std::uint64_t n) {
+      return acquire_with(n, [&](std::uint64_t m) { return be.template allocate<T>(m); });
+    }
+    int acquire(const host_allocator& mem, std::uint64_t n) {
+      return acquire_with(n, [&](std::uint64_t m) { return host_buffer<T>(m, mem); });
+    }
+    template <class Make>
+    int acquire_with(std::uint64_t n, Make&& make) {
+      for (std::size_t i = 0; i < bufs.size(); ++i) {
+        if (!busy[i] && bufs[i].size() >= n) {
+          busy[i] = 1;
+          return static_cast<int>(i);
+        }
+      }
+      bufs.push_back(make(std::max<std::uint64_t>(n, 1)));
+      busy.push_back(1);
+      return static_cast<int>(bufs.size() - 1);
+    }
+    T* data(int i) { return bufs[static_cast<std::size_t>(i)].data(); }
+    void release(int i) { busy[static_cast<std::size_t>(i)] = 0; }
+    std::uint64_t bytes() const {
+      std::uint64_t b = 0;
+      for (const auto& x : bufs) b += x.bytes();
+      return b;
+    }
+  };
+  template <template <class> class Buf = buffer>
+  struct pools {
+    pool<float, Buf<float>> f32;
+    pool<bf16, Buf<bf16>> b16;
+    pool<fp16, Buf<fp16>> f16;
+    template <class T>
+    pool<T, Buf<T>>& get() {
+      if constexpr (std::same_as<T, float>) return f32;
+      else if constexpr (std::same_as<T, bf16>) return b16;
+      else return f16;
+    }
+    std::uint64_t bytes() const { return f32.bytes() + b16.bytes() + f16.bytes(); }
+  };
+  // One bucket's reduction: one collective per wire run.
   struct in_flight {
+    struct part {
+      wire_run run;
+      int recv;  // in recv_pools_, of the run's dtype
+      request_t request;
+    };
     std::size_t bucket;
-    int staging;  // gradient-typed bucket (or, when converting, the wire-typed copy)
-    int recv;
-    request_t request;
+    int staging = -1;             // the gradient-typed bucket while a run sends from it, else -1
+    int wire[3] = {-1, -1, -1};   // per dtype: the wire-typed copy of the bucket (in wire_pools_), or -1
+    std::vector<part> parts;
   };
   struct gathered_group {
     flat_range range;
@@ -526,9 +606,21 @@ class ZeroOptimizer {
     // the padding then stays partitioned with the rest.
     if (zero_stage < 3 || persistent_begin_ == layout_.total_numel()) persistent_begin_ = layout_.padded_numel();
     shard_ = zero_stage == 0 ? flat_range{0, layout_.padded_numel()} : layout_.partition(rank_);
+    plan_wire_runs(order);
     if constexpr (zero_stage >= 2) {
       buckets_ = bucket_plan(layout_, zo_.reduce_bucket_numel);
       const std::size_t nb = buckets_.buckets().size();
+      // Each bucket's runs of equal wire dtype (one run, the whole bucket, by default).
+      bucket_runs_.assign(nb, {});
+      for (std::size_t b = 0; b < nb; ++b) {
+        const flat_range br = buckets_.buckets()[b].range;
+        for (const wire_run& run : runs_) {
+          const flat_range r = intersect(run.range, br);
+          if (!r.empty()) bucket_runs_[b].push_back(wire_run{r, run.wire});
+        }
+        // A bucket of empty parameters still takes part (a reduction of nothing).
+        if (bucket_runs_[b].empty()) bucket_runs_[b].push_back(wire_run{br, dtype_of_v<Wire>});
+      }
       params_in_bucket_.assign(nb, 0);
       for (std::size_t s = 0; s < n; ++s) ++params_in_bucket_[buckets_.bucket_of(s)];
       remaining_ = params_in_bucket_;
@@ -537,6 +629,43 @@ class ZeroOptimizer {
       dirty_.assign(nb, 0);
       reported_.assign(n, 0);
       next_launch_ = static_cast<std::ptrdiff_t>(nb) - 1;
+    }
+  }
+
+  // Validates zero_options::wire_dtypes and splits [0, padded) into runs of equal wire
+  // dtype, in flat order. The padding tail travels with the last run (it is zero).
+  void plan_wire_runs(const std::vector<std::size_t>& order) {
+    const std::vector<dtype>& wd = zo_.wire_dtypes;
+    if (!wd.empty() && wd.size() != order.size()) {
+      detail::throw_invalid("ZeroOptimizer: zero_options::wire_dtypes has " + std::to_string(wd.size()) +
+                            " entries for " + std::to_string(order.size()) +
+                            " parameters; give one mpzero::dtype per parameter, in the order of numels, or leave it "
+                            "empty (every gradient then travels in " + std::string(name_of(dtype_of_v<Wire>)) + ")");
+    }
+    for (std::size_t i = 0; i < wd.size(); ++i) {
+      if (wd[i] != dtype::fp32 && wd[i] != dtype::bf16 && wd[i] != dtype::fp16) {
+        detail::throw_invalid("ZeroOptimizer: zero_options::wire_dtypes[" + std::to_string(i) + "] = " +
+                              std::to_string(static_cast<int>(wd[i])) +
+                              " is not a dtype; use mpzero::dtype::fp32, dtype::bf16 or dtype::fp16");
+      }
+    }
+    runs_.clear();
+    const std::uint64_t padded = layout_.padded_numel();
+    for (std::size_t s = 0; s < order.size(); ++s) {
+      const flat_range r = layout_.param_range(s);
+      if (r.empty()) continue;
+      const dtype d = wd.empty() ? dtype_of_v<Wire> : wd[order[s]];
+      if (!runs_.empty() && runs_.back().wire == d) {
+        runs_.back().range.end = r.end;  // parameters are contiguous in the flat buffer
+      } else {
+        runs_.push_back(wire_run{r, d});
+      }
+    }
+    if (runs_.empty()) {
+      runs_.push_back(wire_run{flat_range{0, padded}, dtype_of_v<Wire>});
+    } else {
+      runs_.front().range.begin = 0;
+      runs_.back().range.end = padded;
     }
   }
 
@@ -550,10 +679,12 @@ class ZeroOptimizer {
       gathered_.assign(layout_.num_params(), nullptr);
     }
     if constexpr (offloaded) {
-      h_master_ = host_.template allocate<master_type>(shard_.size());
-      for (auto& s : h_states_) s = host_.template allocate<state_type>(shard_.size());
-      h_grads_ = host_.template allocate<grad_type>(shard_.size());
-      if constexpr (!Policy::master_is_param) h_params_ = host_.template allocate<param_type>(shard_.size());
+      // Pinned when the backend can pin (and zo_.pin_memory): transfers then run on the copy engines.
+      const host_allocator mem = backend_.host_memory(zo_.pin_memory);
+      h_master_ = host_buffer<master_type>(shard_.size(), mem);
+      for (auto& s : h_states_) s = host_buffer<state_type>(shard_.size(), mem);
+      h_grads_ = host_buffer<grad_type>(shard_.size(), mem);
+      if constexpr (!Policy::master_is_param) h_params_ = host_buffer<param_type>(shard_.size(), mem);
       if constexpr (zero_stage == 1) grads_ = backend_.template allocate<grad_type>(padded);
     } else {
       if constexpr (!Policy::master_is_param) master_ = backend_.template allocate<master_type>(shard_.size());
@@ -567,23 +698,60 @@ class ZeroOptimizer {
     if constexpr (offloaded) host_.zero(h_grads_.data(), h_grads_.size());
   }
 
-  // Offload: the host step wrote the shard's parameters (in the parameter dtype) into
-  // host memory; copy them into the backend's parameter storage.
-  void upload_updated_params() {
+  // Offload: the host step in sub-groups. Each sub-group's parameters (written by the
+  // host step in the parameter dtype) are uploaded on the backend's copy stream while
+  // the host updates the next sub-group; the backend's later work (the gather, the next
+  // forward) is ordered after the uploads, and the host waits for them only at the next
+  // step, before it overwrites their source.
+  void run_offloaded_step(const step_args<Optimizer>& args) {
+    for (auto& t : uploads_) t.wait();
+    uploads_.clear();
+    for (auto& st : host_steppers_) {
+      st.run(args);
+      const auto& t = st.tensors().front();
+      upload_params(flat_range{t.global_offset, t.global_offset + t.numel});
+    }
+    for (const auto& t : uploads_) backend_.order_after(t);
+  }
+
+  // Queues the upload of the updated parameters of r (a part of this rank's shard).
+  void upload_params(flat_range r) {
     const param_type* src = nullptr;
     if constexpr (Policy::master_is_param) {
       src = h_master_.data();
     } else {
       src = h_params_.data();
     }
+    const auto up = [&](param_type* dst, flat_range piece) {
+      if (!piece.empty()) uploads_.push_back(backend_.upload_async(dst, src + (piece.begin - shard_.begin), piece.size()));
+    };
     if constexpr (zero_stage < 3) {
-      backend_.upload(params_.data() + shard_.begin, src, shard_.size());
+      up(params_.data() + r.begin, r);
     } else {
-      const flat_range a = intersect(shard_, flat_range{0, persistent_begin_});
-      const flat_range b = intersect(shard_, flat_range{persistent_begin_, layout_.padded_numel()});
-      if (!a.empty()) backend_.upload(params_.data(), src + (a.begin - shard_.begin), a.size());
-      if (!b.empty()) backend_.upload(persistent_.data() + (b.begin - persistent_begin_), src + (b.begin - shard_.begin), b.size());
+      const flat_range a = intersect(r, flat_range{0, persistent_begin_});
+      const flat_range b = intersect(r, flat_range{persistent_begin_, layout_.padded_numel()});
+      up(params_.data() + (a.begin - shard_.begin), a);
+      up(persistent_.data() + (b.begin - persistent_begin_), b);
     }
+  }
+
+  // Splits tensors into pieces of at most zo_.offload_sub_group_numel elements.
+  std::vector<step_tensor<Policy, Optimizer>> sub_groups(const std::vector<step_tensor<Policy, Optimizer>>& tensors) const {
+    std::vector<step_tensor<Policy, Optimizer>> out;
+    const std::uint64_t g = zo_.offload_sub_group_numel;
+    for (const auto& t : tensors) {
+      for (std::uint64_t off = 0; off < t.numel; off += g) {
+        step_tensor<Policy, Optimizer> piece = t;
+        piece.param += off;
+        if constexpr (!Policy::master_is_param) piece.master += off;
+        piece.grad += off;
+        for (int k = 0; k < n_states; ++k) piece.states[k] += off;
+        piece.numel = std::min(g, t.numel - off);
+        piece.global_offset = t.global_offset + off;
+        out.push_back(piece);
+      }
+    }
+    return out;
   }
 
   // The shard as step tensors: one, or in stage 3 two (partitioned and persistent
@@ -712,108 +880,169 @@ class ZeroOptimizer {
     }
   }
 
+  // Calls f(static_cast<T*>(nullptr)) with T the storage type of the wire dtype d.
+  template <class F>
+  static void with_wire_type(dtype d, F&& f) {
+    switch (d) {
+      case dtype::bf16: f(static_cast<bf16*>(nullptr)); return;
+      case dtype::fp16: f(static_cast<fp16*>(nullptr)); return;
+      case dtype::fp32: break;
+    }
+    f(static_cast<float*>(nullptr));
+  }
+  static constexpr std::size_t dtype_index(dtype d) noexcept { return static_cast<std::size_t>(d); }
+
+  // Reduce-scatters bucket b, one non-blocking collective per wire run, in flat order.
+  // A run in the gradient dtype is sent straight from the staging buffer; the others
+  // from a wire-typed copy of the bucket (one per dtype), so the staging buffer is
+  // given back at once when no run needs it.
   void launch(std::size_t b) {
     constexpr std::size_t max_in_flight = 2;
     while (pending_.size() >= max_in_flight) complete_oldest();
     const bucket& bk = buckets_.buckets()[b];
-    const std::vector<std::uint64_t> counts = layout_.rank_counts(bk.range);
-    const std::uint64_t mine = counts[static_cast<std::size_t>(rank_)];
-    int recv = acquire_recv(mine);
-    int st = staging_of_[b];
+    in_flight f;
+    f.bucket = b;
+    f.staging = staging_of_[b];
     staging_of_[b] = -1;
     launched_[b] = 1;
-    const Wire* send = nullptr;
-    if constexpr (converts_on_wire) {
-      const int w = acquire_wire();
-      backend_.convert(wire_[static_cast<std::size_t>(w)].data(), staging_[static_cast<std::size_t>(st)].data(), bk.range.size());
-      free_staging_.push_back(st);
-      st = w;
-      send = wire_[static_cast<std::size_t>(w)].data();
-    } else {
-      send = staging_[static_cast<std::size_t>(st)].data();
+    const grad_type* staged = staging_[static_cast<std::size_t>(f.staging)].data();
+    bool sends_staging = false;
+    for (const wire_run& run : bucket_runs_[b]) {
+      with_wire_type(run.wire, [&]<class T>(T*) {
+        if constexpr (std::same_as<T, grad_type>) {
+          sends_staging = true;
+        } else {
+          int& w = f.wire[dtype_index(run.wire)];
+          if (w < 0) w = wire_pools_.template get<T>().acquire(backend_, max_bucket_numel());
+          const std::uint64_t at = run.range.begin - bk.range.begin;
+          backend_.convert(wire_pools_.template get<T>().data(w) + at, staged + at, run.range.size());
+        }
+      });
+    }
+    if (!sends_staging) {
+      free_staging_.push_back(f.staging);
+      f.staging = -1;
     }
     backend_.before_comm(comm_);
-    pending_.push_back(in_flight{b, st, recv,
-                                 comm_.ireduce_scatter_v(send, recv_[static_cast<std::size_t>(recv)].data(), counts,
-                                                         comm::reduce_op::sum)});
-  }
-
-  int acquire_recv(std::uint64_t n) {
-    for (std::size_t i = 0; i < recv_.size(); ++i) {
-      if (!recv_busy_[i] && recv_[i].size() >= n) {
-        recv_busy_[i] = 1;
-        return static_cast<int>(i);
-      }
+    for (const wire_run& run : bucket_runs_[b]) {
+      with_wire_type(run.wire, [&]<class T>(T*) {
+        const std::vector<std::uint64_t> counts = layout_.rank_counts(run.range);
+        const std::uint64_t at = run.range.begin - bk.range.begin;
+        const int recv = recv_pools_.template get<T>().acquire(backend_, counts[static_cast<std::size_t>(rank_)]);
+        const T* send = nullptr;
+        if constexpr (std::same_as<T, grad_type>) {
+          send = staged + at;
+        } else {
+          send = wire_pools_.template get<T>().data(f.wire[dtype_index(run.wire)]) + at;
+        }
+        f.parts.push_back(typename in_flight::part{
+            run, recv,
+            comm_.ireduce_scatter_v(send, recv_pools_.template get<T>().data(recv), counts, comm::reduce_op::sum)});
+      });
     }
-    recv_.push_back(backend_.template allocate<Wire>(std::max<std::uint64_t>(n, 1)));
-    recv_busy_.push_back(1);
-    return static_cast<int>(recv_.size() - 1);
+    pending_.push_back(std::move(f));
   }
 
   void complete_oldest() {
     in_flight f = std::move(pending_.front());
     pending_.pop_front();
-    f.request.wait();
-    const flat_range own = intersect(buckets_.buckets()[f.bucket].range, shard_);
-    if (!own.empty()) {
-      const Wire* got = recv_[static_cast<std::size_t>(f.recv)].data();
-      if constexpr (offloaded) {
-        // Straight into the host partition, in the gradient dtype.
-        grad_type* dst = h_grads_.data() + (own.begin - shard_.begin);
-        if constexpr (Backend::device_memory) {
-          std::vector<Wire> tmp(own.size());
-          backend_.download(tmp.data(), got, own.size());
-          host_.accumulate(dst, tmp.data(), own.size());
-        } else {
-          host_.accumulate(dst, got, own.size());
+    for (auto& part : f.parts) {
+      part.request.wait();
+      with_wire_type(part.run.wire, [&]<class T>(T*) {
+        const flat_range own = intersect(part.run.range, shard_);
+        if (!own.empty()) {
+          const T* got = recv_pools_.template get<T>().data(part.recv);
+          if constexpr (offloaded) {
+            // Into the host partition, in the gradient dtype.
+            if constexpr (Backend::device_memory) {
+              // Overlapped with backward: the block goes to (pinned) host staging on the
+              // backend's copy stream and is added when the copy is done (retire_downloads).
+              const int h = host_pools_.template get<T>().acquire(backend_.host_memory(zo_.pin_memory), own.size());
+              downloads_.push_back(download{backend_.download_async(host_pools_.template get<T>().data(h), got, own.size()),
+                                            part.run.wire, part.recv, h, own.begin - shard_.begin, own.size()});
+              return;  // the receive buffer stays busy until then
+            } else {
+              host_.accumulate(h_grads_.data() + (own.begin - shard_.begin), got, own.size());
+            }
+          } else {
+            backend_.accumulate(grads_.data() + (own.begin - shard_.begin), got, own.size());
+          }
         }
-      } else {
-        backend_.accumulate(grads_.data() + (own.begin - shard_.begin), got, own.size());
-      }
+        recv_pools_.template get<T>().release(part.recv);
+      });
     }
-    recv_busy_[static_cast<std::size_t>(f.recv)] = 0;
-    if constexpr (converts_on_wire) {
-      free_wire_.push_back(f.staging);
+    if (f.staging >= 0) free_staging_.push_back(f.staging);
+    for (const dtype d : {dtype::fp32, dtype::bf16, dtype::fp16}) {
+      const int w = f.wire[dtype_index(d)];
+      if (w >= 0) with_wire_type(d, [&]<class T>(T*) { wire_pools_.template get<T>().release(w); });
+    }
+    if constexpr (offloaded && Backend::device_memory) retire_downloads(false);
+  }
+
+  // Stages 0 and 1, a run in the gradient dtype: reduced in place.
+  void reduce_in_place(flat_range r) {
+    backend_.before_comm(comm_);
+    if constexpr (zero_stage == 0) {
+      comm_.all_reduce(grads_.data() + r.begin, grads_.data() + r.begin, r.size(), comm::reduce_op::sum);
     } else {
-      free_staging_.push_back(f.staging);
+      // Rank k receives r's part of partition k, which is in's own block k: in place.
+      const std::vector<std::uint64_t> counts = layout_.rank_counts(r);
+      grad_type* in = grads_.data() + r.begin;
+      comm_.reduce_scatter_v(in, in + comm::detail::offset_of(counts, rank_), counts, comm::reduce_op::sum);
     }
   }
 
-  int acquire_wire() {
-    if (!free_wire_.empty()) {
-      const int idx = free_wire_.back();
-      free_wire_.pop_back();
-      return idx;
-    }
-    wire_.push_back(backend_.template allocate<Wire>(max_bucket_numel()));
-    return static_cast<int>(wire_.size() - 1);
-  }
-
-  // Stages 0 and 1 with a wire type other than the gradient type: the full gradient
-  // buffer goes through a wire-typed buffer one bucket-sized piece at a time.
-  void reduce_full_grads_on_wire() {
-    const std::uint64_t padded = layout_.padded_numel();
-    const std::uint64_t piece = std::min<std::uint64_t>(zo_.reduce_bucket_numel, std::max<std::uint64_t>(padded, 1));
-    buffer<Wire> send = backend_.template allocate<Wire>(piece);
-    buffer<Wire> recv = backend_.template allocate<Wire>(piece);
-    for (std::uint64_t begin = 0; begin < padded; begin += piece) {
-      const flat_range r{begin, std::min(begin + piece, padded)};
-      backend_.convert(send.data(), grads_.data() + r.begin, r.size());
+  // Stages 0 and 1, a run in another wire dtype T: through T-typed buffers one
+  // bucket-sized piece at a time (kept for the next step: memory().buckets counts them).
+  template <class T>
+  void reduce_on_wire(flat_range run) {
+    const std::uint64_t piece = std::min<std::uint64_t>(zo_.reduce_bucket_numel, std::max<std::uint64_t>(run.size(), 1));
+    // Sized for the longest run of this dtype, so that one pair serves every run.
+    std::uint64_t longest = 1;
+    for (const wire_run& x : runs_)
+      if (x.wire == dtype_of_v<T>) longest = std::max(longest, x.range.size());
+    const std::uint64_t n = std::min<std::uint64_t>(zo_.reduce_bucket_numel, longest);
+    auto& wp = wire_pools_.template get<T>();
+    const int send = wp.acquire(backend_, n);
+    const int recv = zero_stage == 1 ? wp.acquire(backend_, n) : -1;
+    for (std::uint64_t begin = run.begin; begin < run.end; begin += piece) {
+      const flat_range r{begin, std::min(begin + piece, run.end)};
+      backend_.convert(wp.data(send), grads_.data() + r.begin, r.size());
       backend_.before_comm(comm_);
       if constexpr (zero_stage == 0) {
-        comm_.all_reduce(send.data(), send.data(), r.size(), comm::reduce_op::sum);
-        backend_.convert(grads_.data() + r.begin, send.data(), r.size());
+        comm_.all_reduce(wp.data(send), wp.data(send), r.size(), comm::reduce_op::sum);
+        backend_.convert(grads_.data() + r.begin, wp.data(send), r.size());
       } else {
         const std::vector<std::uint64_t> counts = layout_.rank_counts(r);
-        comm_.reduce_scatter_v(send.data(), recv.data(), counts, comm::reduce_op::sum);
+        comm_.reduce_scatter_v(wp.data(send), wp.data(recv), counts, comm::reduce_op::sum);
         const flat_range own = intersect(r, shard_);
-        if (!own.empty()) backend_.convert(grads_.data() + own.begin, recv.data(), own.size());
+        if (!own.empty()) backend_.convert(grads_.data() + own.begin, wp.data(recv), own.size());
       }
     }
+    wp.release(send);
+    if (recv >= 0) wp.release(recv);
   }
 
   void drain() {
     while (!pending_.empty()) complete_oldest();
+    retire_downloads(true);
+  }
+
+  // Adds the downloaded blocks to the host partition, oldest first (the order they were
+  // reduced in, so sums are formed in the same order as without overlap): those whose
+  // copies are done, or all of them (waiting) when `all`.
+  void retire_downloads(bool all) {
+    while (!downloads_.empty()) {
+      download& d = downloads_.front();
+      if (!all && !d.transfer.done()) return;
+      d.transfer.wait();
+      with_wire_type(d.wire, [&]<class T>(T*) {
+        host_.accumulate(h_grads_.data() + d.offset, host_pools_.template get<T>().data(d.host), d.n);
+        host_pools_.template get<T>().release(d.host);
+        recv_pools_.template get<T>().release(d.recv);
+      });
+      downloads_.pop_front();
+    }
   }
 
   Comm& comm_;
@@ -830,6 +1059,8 @@ class ZeroOptimizer {
   std::vector<std::size_t> slot_of_;  // parameter index -> position in the flat buffers
   std::uint64_t persistent_begin_ = 0;
   flat_range shard_{};
+  std::vector<wire_run> runs_;  // [0, padded) in runs of equal wire dtype (one run by default)
+  pools<> wire_pools_;            // wire-typed copies of gradients being reduced (when not in the gradient dtype)
 
   buffer<param_type> params_;      // stages 0-2: all parameters; stage 3: this rank's partitioned ones
   buffer<param_type> persistent_;  // stage 3: the persistent parameters, whole
@@ -844,7 +1075,8 @@ class ZeroOptimizer {
   host_buffer<state_type> h_states_[n_states];
   host_buffer<grad_type> h_grads_;     // the shard's reduced gradients, accumulated over backward passes
   host_buffer<param_type> h_params_;   // the step's parameter output, when the master is wider
-  std::optional<host_backend::stepper<Policy, Optimizer>> host_stepper_;
+  std::vector<host_backend::stepper<Policy, Optimizer>> host_steppers_;  // one per sub-group of the shard
+  std::vector<typename Backend::transfer> uploads_;  // the last step's parameter uploads
   std::vector<step_tensor<Policy, Optimizer>> shard_tensors_;
 
   // stages 2-3
@@ -856,11 +1088,20 @@ class ZeroOptimizer {
   std::ptrdiff_t next_launch_ = -1;
   std::vector<buffer<grad_type>> staging_;
   std::vector<int> free_staging_;
-  std::vector<buffer<Wire>> recv_;
-  std::vector<buffer<Wire>> wire_;  // wire-typed copies of buckets in flight (when converting)
-  std::vector<int> free_wire_;
-  std::vector<std::uint8_t> recv_busy_;
+  std::vector<std::vector<wire_run>> bucket_runs_;  // each bucket's runs of equal wire dtype
+  pools<> recv_pools_;  // this rank's block of a reduction in flight
   std::deque<in_flight> pending_;
+  // Offload on a device backend: reduced blocks on their way to host memory.
+  struct download {
+    typename Backend::transfer transfer;
+    dtype wire;
+    int recv;             // in recv_pools_: busy until the copy is done
+    int host;             // in host_pools_: the copy's destination
+    std::uint64_t offset; // in the host partition
+    std::uint64_t n;
+  };
+  std::deque<download> downloads_;
+  pools<host_buffer> host_pools_;
 
   // stage 3
   std::vector<param_type*> gathered_;

@@ -104,8 +104,10 @@ struct config {
   dtype master_dtype() const;
   dtype grad_dtype() const;
   dtype state_dtype() const;
-  // The dtype gradients are reduced in: communication_data_type, else the model's dtype
-  // (param_dtype()), as DeepSpeed's engine resolves it.
+  // The dtype gradients are reduced in: communication_data_type, else the dtype they are
+  // accumulated in (grad_dtype(): the model's dtype, as DeepSpeed's engine resolves it,
+  // unless data_types.grad_accum_dtype makes it fp32). With torch_autocast enabled the
+  // parameters of lower_precision_safe_modules are reduced in the autocast dtype instead.
   dtype comm_dtype() const;
   bool stochastic_rounding() const { return rounding == "stochastic"; }
 };

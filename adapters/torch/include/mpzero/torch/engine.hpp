@@ -43,11 +43,13 @@
 // runs there; with CPU parameters this mostly moves the accounting, on a GPU it is
 // ZeRO-Offload.
 //
+// Gradient reduction dtypes: with torch_autocast enabled, the parameters of the
+// lower_precision_safe_modules (matched by exact class, as DeepSpeed) are reduced in the
+// autocast dtype, the others in communication_data_type, else in their own dtype; the
+// core takes them as zero_options::wire_dtypes (comm_dtype(param) reports each).
+//
 // Not yet: ZeRO stage 3 (refused with a message), CUDA parameters
-// (the device variant: cuda_backend + NCCL), reducing the gradients of
-// torch_autocast.lower_precision_safe_modules in the autocast dtype (they are reduced
-// in the configured gradient dtype), communication_data_type (gradients travel in
-// their own dtype).
+// (the device variant: cuda_backend + NCCL).
 #pragma once
 
 #include <cstdint>
@@ -118,6 +120,10 @@ class engine_base {
   std::vector<::torch::Tensor> full_grads();
   // Every managed parameter's master weights, fp32, whole, on every rank. Collective.
   std::vector<::torch::Tensor> master_weights();
+  // The dtype a managed parameter's gradient is reduced in (DeepSpeed's get_comm_dtype):
+  // torch_autocast.dtype for the parameters of lower_precision_safe_modules when autocast
+  // is enabled, else communication_data_type, else the gradient dtype.
+  dtype comm_dtype(const ::torch::Tensor& param) const;
   // How many backward epilogues have run (diagnostics and tests).
   std::uint64_t epilogues() const;
   memory_report memory() const;

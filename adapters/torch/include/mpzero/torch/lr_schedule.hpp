@@ -19,6 +19,8 @@
 //    WarmupDecayLR:  lr = min_lr + (max_lr - min_lr) * max(0, (T - i) / max(1, T - W))
 //    WarmupCosineLR: p = min(1, (i - W + 1) / max(1, T - W)),
 //                    lr = base_lr * max(0, cos_min + (1 - cos_min) * (1 + cos(pi p)) / 2)
+//    The min(1, ...) is mpzero's: DeepSpeed's p keeps growing past T, so its cosine turns
+//    back up (and alternates when T <= W); the two agree up to total_num_steps.
 //  - WarmupLR and WarmupDecayLR set the lr outright (base_lr is not used); WarmupCosineLR
 //    scales the optimizer's lr. scheduler_type::none returns base_lr.
 #pragma once
