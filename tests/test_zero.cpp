@@ -24,6 +24,8 @@
 #include <mpzero/comm/mpi.hpp>
 #include <mpzero/zero/zero_optimizer.hpp>
 
+#include "support/deferred_backend.hpp"
+
 using namespace mpzero;
 
 namespace {
@@ -83,10 +85,11 @@ std::vector<float> allgather_flat(const std::vector<std::pair<std::uint64_t, flo
   return out;
 }
 
-template <class Policy, class Opt, int Stage, class Wire = typename Policy::grad_type, class Offload = offload_none>
+template <class Policy, class Opt, int Stage, class Wire = typename Policy::grad_type, class Offload = offload_none,
+          class Backend = host_backend>
 outcome run_zero(const scenario& sc, const typename Opt::options& opt) {
   auto& c = world();
-  ZeroOptimizer<Policy, Opt, stage<Stage>, comm::mpi_communicator, host_backend, Offload, Wire> z(c, sc.numels, opt, sc.zo);
+  ZeroOptimizer<Policy, Opt, stage<Stage>, comm::mpi_communicator, Backend, Offload, Wire> z(c, sc.numels, opt, sc.zo);
   const std::size_t n = sc.numels.size();
   for (std::size_t p = 0; p < n; ++p) {
     std::vector<float> v(sc.numels[p]);
@@ -208,9 +211,10 @@ outcome run_reference(const scenario& sc, const typename Opt::options& opt, cons
   return out;
 }
 
-template <class Policy, class Opt, int Stage, class Wire = typename Policy::grad_type, class Offload = offload_none>
+template <class Policy, class Opt, int Stage, class Wire = typename Policy::grad_type, class Offload = offload_none,
+          class Backend = host_backend>
 void check_against_reference(const scenario& sc, const typename Opt::options& opt) {
-  const outcome got = run_zero<Policy, Opt, Stage, Wire, Offload>(sc, opt);
+  const outcome got = run_zero<Policy, Opt, Stage, Wire, Offload, Backend>(sc, opt);
   // The flat order, from an optimizer with the same layout rules.
   comm::mpi_communicator& c = world();
   ZeroOptimizer<Policy, Opt, stage<0>, comm::mpi_communicator> probe(c, sc.numels, opt, sc.zo);
@@ -586,4 +590,31 @@ TEST_CASE("ZeRO-Offload: host and device bytes equal the memory model, with 1 an
     check_offload_memory<policies::bf16_fp32_master, 2>(passes);
     check_offload_memory<policies::bf16_master_fp32_states, 3>(passes);
   }
+}
+
+TEST_CASE("ZeRO-Offload: overlapped transfers (late copies, sub-groups) give the same bits", "[offload]") {
+  // deferred_backend finishes a copy only when it is waited on or polled three times:
+  // a receive buffer reused, or a download read, before its copy is done would change
+  // the numbers. Small sub-groups make the host step and the uploads interleave.
+  scenario sc = uneven();
+  sc.passes = 2;
+  sc.report_twice = true;
+  sc.zo.offload_sub_group_numel = 7000;  // 3 to 14 sub-groups per shard at these world sizes
+  const std::uint64_t before = testing::deferred_backend::total_queued();
+  using B = testing::deferred_backend;
+  using G = bf16;
+  SECTION("stage 1") { check_against_reference<policies::bf16_all_sr, optim::adamw, 1, G, offload_cpu, B>(sc, adamw_opts()); }
+  SECTION("stage 2") { check_against_reference<policies::bf16_all_sr, optim::adamw, 2, G, offload_cpu, B>(sc, adamw_opts()); }
+  SECTION("stage 3") {
+    check_against_reference<policies::bf16_master_fp32_states, optim::adamw, 3, G, offload_cpu, B>(sc, adamw_opts());
+  }
+  REQUIRE(testing::deferred_backend::total_queued() > before);  // the overlapped path ran
+}
+
+TEST_CASE("ZeRO-Offload: a zero sub-group size is refused with a message", "[offload]") {
+  zero_options zo;
+  zo.offload_sub_group_numel = 0;
+  const std::vector<std::uint64_t> numels{10};
+  using Z = ZeroOptimizer<policies::fp32, optim::adamw, stage<1>, comm::mpi_communicator, host_backend, offload_cpu>;
+  REQUIRE_THROWS_WITH(Z(world(), numels, {}, zo), Catch::Contains("offload_sub_group_numel = 0"));
 }

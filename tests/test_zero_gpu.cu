@@ -36,8 +36,10 @@ struct snapshot {
 };
 
 template <class Policy, class Opt, int Stage, class Comm, class Backend, class Offload = offload_none>
-snapshot train(Comm& comm, Backend backend, const std::vector<std::uint64_t>& numels) {
+snapshot train(Comm& comm, Backend backend, const std::vector<std::uint64_t>& numels, bool pinned = true) {
   zero_options zo;
+  zo.pin_memory = pinned;
+  zo.offload_sub_group_numel = 30000;  // several sub-groups: uploads overlap the host step
   zo.reduce_bucket_numel = 5000;
   zo.param_persistence_threshold = 64;
   zo.loss_scaling = Policy::needs_loss_scaling;
@@ -93,7 +95,7 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 template <class Policy, class Opt, int Stage, class Offload = offload_none>
-void compare_backends() {
+void compare_backends(bool pinned = true) {
   require_device();
   const std::vector<std::uint64_t> numels{70001, 0, 33, 12345, 7, 100000};
   comm::local_communicator local;
@@ -103,10 +105,10 @@ void compare_backends() {
   snapshot dev;
   {
     comm::nccl_communicator nccl;
-    dev = train<Policy, Opt, Stage, comm::nccl_communicator, cuda_backend, Offload>(nccl, cuda_backend{stream}, numels);
+    dev = train<Policy, Opt, Stage, comm::nccl_communicator, cuda_backend, Offload>(nccl, cuda_backend{stream}, numels, pinned);
   }
   MPZERO_CUDA_CHECK(cudaStreamDestroy(stream));
-  INFO("stage " << Stage);
+  INFO("stage " << Stage << (pinned ? "" : ", pageable host memory"));
   REQUIRE(same_bits(host.params, dev.params));
   REQUIRE(same_bits(host.master, dev.master));
   REQUIRE(same_bits(host.s0, dev.s0));
@@ -134,4 +136,46 @@ TEST_CASE("ZeRO-Offload on CUDA (device parameters, host states and step) equals
   compare_backends<policies::bf16_all_sr, optim::adamw, 1, offload_cpu>();
   compare_backends<policies::bf16_fp32_master, optim::adamw, 2, offload_cpu>();
   compare_backends<policies::bf16_master_fp32_states, optim::adamw, 3, offload_cpu>();
+}
+
+TEST_CASE("ZeRO-Offload on CUDA with pageable host memory (pin_memory = false) gives the same bits", "[gpu][offload]") {
+  compare_backends<policies::bf16_fp32_master, optim::adamw, 2, offload_cpu>(false);
+}
+
+TEST_CASE("CUDA backend: pinned host memory; copy-stream transfers ordered after and before compute-stream work",
+          "[gpu][offload]") {
+  require_device();
+  cudaStream_t stream = nullptr;
+  MPZERO_CUDA_CHECK(cudaStreamCreate(&stream));
+  {
+    const cuda_backend be{stream};
+    const std::uint64_t n = std::uint64_t{1} << 22;
+    host_buffer<float> pinned(n, be.host_memory(true)), pageable(n, be.host_memory(false));
+    REQUIRE(pinned.pinned());
+    REQUIRE_FALSE(pageable.pinned());
+    cudaPointerAttributes a{};
+    MPZERO_CUDA_CHECK(cudaPointerGetAttributes(&a, pinned.data()));
+    REQUIRE(a.type == cudaMemoryTypeHost);
+
+    for (std::uint64_t i = 0; i < n; ++i) pinned.data()[i] = static_cast<float>(i % 1000) * 0.5f;
+    auto src = be.allocate<float>(n);
+    auto dst = be.allocate<float>(n);
+    // Upload on the copy stream, then compute-stream work ordered after it (no host wait).
+    auto up = be.upload_async(src.data(), pinned.data(), n);
+    be.order_after(up);
+    be.convert(dst.data(), src.data(), n);  // on `stream`
+    up.wait();  // before the host rewrites the upload's source
+    // A download queued now must see the convert (it is ordered after the stream's work).
+    std::memset(pinned.data(), 0, n * sizeof(float));
+    auto down = be.download_async(pinned.data(), dst.data(), n);
+    down.wait();
+    REQUIRE(down.done());
+    std::uint64_t bad = 0;
+    for (std::uint64_t i = 0; i < n; ++i) bad += pinned.data()[i] != static_cast<float>(i % 1000) * 0.5f;
+    REQUIRE(bad == 0);
+    // An empty transfer is done at once.
+    auto none = be.download_async(pinned.data(), dst.data(), 0);
+    REQUIRE(none.done());
+  }
+  MPZERO_CUDA_CHECK(cudaStreamDestroy(stream));
 }
