@@ -56,6 +56,7 @@ void require_same(const config& a, const config& b) {
   CHECK(a.zero.offload_optimizer == b.zero.offload_optimizer);
   CHECK(a.zero.offload_pin_memory == b.zero.offload_pin_memory);
   CHECK(a.zero.reduce_bucket_size == b.zero.reduce_bucket_size);
+  CHECK(a.zero.sub_group_size == b.zero.sub_group_size);
   CHECK(a.zero.allgather_bucket_size == b.zero.allgather_bucket_size);
   CHECK(a.zero.overlap_comm == b.zero.overlap_comm);
   CHECK(a.zero.contiguous_gradients == b.zero.contiguous_gradients);
@@ -117,7 +118,7 @@ TEST_CASE("config: every documented key is read", "[config]") {
     "zero_optimization": {
       "stage": 3,
       "offload_optimizer": {"device": "cpu", "pin_memory": false},
-      "reduce_bucket_size": 2e7, "allgather_bucket_size": 3e7,
+      "reduce_bucket_size": 2e7, "allgather_bucket_size": 3e7, "sub_group_size": 1e6,
       "overlap_comm": false, "contiguous_gradients": false, "reduce_scatter": false,
       "stage3_param_persistence_threshold": 1234, "stage3_prefetch_bucket_size": 5678,
       "leaf_module": {"classes": ["MoEBlock", "MoEBlock"], "names": "layers.0.mlp", "name_suffixes": [".experts"]}
@@ -158,6 +159,7 @@ TEST_CASE("config: every documented key is read", "[config]") {
   CHECK(c.zero.offload_optimizer == offload_device::cpu);
   CHECK_FALSE(c.zero.offload_pin_memory);
   CHECK(c.zero.reduce_bucket_size == 20'000'000);
+  CHECK(c.zero.sub_group_size == 1'000'000);
   CHECK(c.zero.allgather_bucket_size == 30'000'000);
   CHECK_FALSE(c.zero.overlap_comm);
   CHECK_FALSE(c.zero.contiguous_gradients);
@@ -443,6 +445,8 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
       {"{" M R"(, "gradient_clipping": -1})", 1, {"'gradient_clipping' = -1 is invalid", ">= 0"}},
       {"{" M R"(, "zero_optimization": {"reduce_bucket_size": 0}})", 1,
        {"'zero_optimization.reduce_bucket_size' = 0 is out of range", ">= 1"}},
+      {"{" M R"(, "zero_optimization": {"sub_group_size": 0}})", 1,
+       {"'zero_optimization.sub_group_size' = 0 is out of range", ">= 1"}},
       {"{" M R"(, "seed": -1})", 1, {"'seed' = -1 is out of range"}},
       // precision rules
       {"{" M R"(, "bf16": {"enabled": true}, "fp16": {"enabled": true}})", 1,

@@ -505,7 +505,7 @@ void parse_leaf_module(const json& j, config& c) {
 void parse_zero(const json& j, config& c) {
   const std::string p = "zero_optimization";
   check_keys(j, p,
-             {"stage", "offload_optimizer", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+             {"stage", "offload_optimizer", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "sub_group_size",
               "contiguous_gradients", "reduce_scatter", "stage3_param_persistence_threshold",
               "stage3_prefetch_bucket_size", "leaf_module", "param_persistence_threshold", "prefetch_bucket_size"},
              {{"offload_param", nullptr, "parameters stay on the device (offload_optimizer offloads the optimizer)"},
@@ -516,7 +516,6 @@ void parse_zero(const json& j, config& c) {
               {"use_multi_rank_bucket_allreduce", "*", "a communication detail"},
               {"load_from_fp32_weights", "*", "checkpoints are loaded in code"},
               {"elastic_checkpoint", "false", "no elastic checkpoints"},
-              {"sub_group_size", "*", "a DeepSpeed tiling knob"},
               {"stage3_max_live_parameters", "*", "a DeepSpeed prefetch knob"},
               {"stage3_max_reuse_distance", "*", "a DeepSpeed prefetch knob"},
               {"stage3_model_persistence_threshold", "*", "a DeepSpeed prefetch knob"},
@@ -538,6 +537,7 @@ void parse_zero(const json& j, config& c) {
   c.zero.stage = static_cast<int>(r.integer("stage", 0, 0, 3));
   if (const json* o = r.object("offload_optimizer")) parse_offload_optimizer(*o, c);
   c.zero.reduce_bucket_size = r.unsigned_integer("reduce_bucket_size", 500'000'000, 1);
+  c.zero.sub_group_size = r.unsigned_integer("sub_group_size", 0, 1);
   c.zero.allgather_bucket_size = r.unsigned_integer("allgather_bucket_size", 500'000'000, 1);
   // DeepSpeed's default overlaps communication in stage 3 only.
   c.zero.overlap_comm = r.boolean("overlap_comm", c.zero.stage == 3);
@@ -1076,6 +1076,7 @@ json to_json(const config& c) {
       {"stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size},
       {"leaf_module",
        {{"classes", z.leaf_module_classes}, {"names", z.leaf_module_names}, {"name_suffixes", z.leaf_module_name_suffixes}}}};
+  if (z.sub_group_size > 0) j["zero_optimization"]["sub_group_size"] = z.sub_group_size;  // 0: not given
   j["gradient_clipping"] = c.gradient_clipping;
   const optimizer_config& op = c.optimizer;
   json params = {{"lr", op.lr}, {"weight_decay", op.weight_decay}};

@@ -287,6 +287,8 @@ void engine_state::init() {
   zo.check_overflow = cfg_.fp16 || !cfg_.bf16 || cfg_.check_grad_overflow;
   zo.average_gradients = true;
   zo.seed = cfg_.seed;
+  zo.pin_memory = cfg_.zero.offload_pin_memory;
+  if (cfg_.zero.sub_group_size > 0) zo.offload_sub_group_numel = cfg_.zero.sub_group_size;
   needs_scaling_ = cfg_.fp16;
 
   // The dtype each gradient is reduced in (DeepSpeed's get_comm_dtype): the autocast

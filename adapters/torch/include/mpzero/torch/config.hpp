@@ -54,6 +54,9 @@ struct zero_config {
   int stage = 0;
   offload_device offload_optimizer = offload_device::none;
   bool offload_pin_memory = true;
+  // The host step's sub-group (ZeroOptimizer's offload_sub_group_numel): DeepSpeed's
+  // sub_group_size. 0 (not given): mpzero's default, 2^24 elements.
+  std::uint64_t sub_group_size = 0;
   std::uint64_t reduce_bucket_size = 500'000'000;
   std::uint64_t allgather_bucket_size = 500'000'000;
   bool overlap_comm = true;
