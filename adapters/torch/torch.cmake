@@ -43,7 +43,8 @@ elseif(_mpzero_torch_prefix)
   find_library(MPZERO_LIBTORCH_CPU torch_cpu PATHS "${_mpzero_torch_prefix}/lib" NO_DEFAULT_PATH)
   find_library(MPZERO_LIBC10 c10 PATHS "${_mpzero_torch_prefix}/lib" NO_DEFAULT_PATH)
   if(MPZERO_LIBTORCH_CPU AND MPZERO_LIBC10 AND EXISTS "${_mpzero_torch_prefix}/include/torch/csrc/api/include")
-    add_library(mpzero_libtorch_cpu INTERFACE IMPORTED)
+    # GLOBAL: bench/ links it too (mpzero_bench_torch).
+    add_library(mpzero_libtorch_cpu INTERFACE IMPORTED GLOBAL)
     # SYSTEM (the default for imported targets): LibTorch's headers do not pass -Wextra.
     # Linked by name with an explicit rpath rather than by full path: LibTorch's lib/
     # ships its own libgomp.so.1, which would make CMake warn that the rpath it computes
