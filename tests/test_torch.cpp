@@ -7,13 +7,7 @@
 // torch::optim::Adam; every rank computes every rank's micro-batch itself and averages
 // the gradients, so the reference needs no communication. Gradients are compared with
 // the tolerance of the compute dtype, master weights with fp32's.
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/autocast_mode.h>
-#include <torch/torch.h>
-// LibTorch's logging defines CHECK (glog style); the tests mean Catch's.
-#undef CHECK
-#include <catch2/catch.hpp>
-#include <mpi.h>
+#include "support/torch_mpi.hpp"  // LibTorch, then Catch and MPI
 
 #include <cmath>
 #include <cstdint>
@@ -25,8 +19,6 @@
 #include <string>
 #include <vector>
 
-#include <mpzero/comm/mpi.hpp>
-#include <mpzero/torch/engine.hpp>
 #include <mpzero/torch/process_group.hpp>
 #include <mpzero/torch/zero_core.hpp>
 
@@ -34,14 +26,12 @@ namespace mt = mpzero::torch;
 using torch::Tensor;
 using json = nlohmann::json;
 
+using mpzero::testing::R;
+using mpzero::testing::W;
+using mpzero::testing::world;
+
 namespace {
 
-mpzero::comm::mpi_communicator& world() {
-  static mpzero::comm::mpi_communicator c(MPI_COMM_WORLD, mpzero::comm::mpi_options{60.0});
-  return c;
-}
-int W() { return world().size(); }
-int R() { return world().rank(); }
 
 // ---- models ------------------------------------------------------------------------
 

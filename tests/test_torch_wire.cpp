@@ -12,13 +12,7 @@
 //
 // Schedule references: the learning rates from DeepSpeed's formulas (docs/config.md),
 // written out here, and torch::optim::Adam / AdamW given that lr at each step.
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/autocast_mode.h>
-#include <torch/torch.h>
-// LibTorch's logging defines CHECK (glog style); the tests mean Catch's.
-#undef CHECK
-#include <catch2/catch.hpp>
-#include <mpi.h>
+#include "support/torch_mpi.hpp"  // LibTorch, then Catch and MPI
 
 #include <algorithm>
 #include <cmath>
@@ -29,21 +23,17 @@
 #include <string>
 #include <vector>
 
-#include <mpzero/comm/mpi.hpp>
-#include <mpzero/torch/engine.hpp>
 
 namespace mt = mpzero::torch;
 using torch::Tensor;
 using json = nlohmann::json;
 
+using mpzero::testing::R;
+using mpzero::testing::W;
+using mpzero::testing::world;
+
 namespace {
 
-mpzero::comm::mpi_communicator& world() {
-  static mpzero::comm::mpi_communicator c(MPI_COMM_WORLD, mpzero::comm::mpi_options{60.0});
-  return c;
-}
-int W() { return world().size(); }
-int R() { return world().rank(); }
 
 // Linear -> LayerNorm -> Linear: parameters of a lower-precision-safe module class and
 // of one that is not.
