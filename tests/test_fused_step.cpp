@@ -187,6 +187,89 @@ TEST_CASE("stochastic rounding bits follow the global element index, not the ten
   CHECK(count_different(one, other_step) * 10 > stored);
 }
 
+namespace {
+
+// Runs `steps` steps of O under P over the same N elements (generated whole, then cut
+// at `cuts`) laid out as consecutive tensors from global index `first`, and returns
+// every stored bit in global order, array by array (params, masters, then each
+// optimizer state), whatever the cut.
+template <mpzero::precision_policy P, mpzero::optim::rule O>
+std::vector<std::uint32_t> run_split(std::uint64_t N, const std::vector<std::uint64_t>& cuts, std::uint64_t first,
+                                     const typename O::options& opt, mpzero::plan_options plan,
+                                     mpzero::host::options host, int steps = 2) {
+  constexpr int n = O::n_states;
+  std::vector<std::uint64_t> sizes;
+  std::uint64_t prev = 0;
+  for (const std::uint64_t c : cuts) {
+    sizes.push_back(c - prev);
+    prev = c;
+  }
+  sizes.push_back(N - prev);
+  const problem<P, O> whole({N}, 11);
+  problem<P, O> pr(sizes, 11);
+  std::uint64_t at = 0;
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    auto cut = [&](auto& dst, const auto& src) { dst.assign(src.begin() + at, src.begin() + at + sizes[t]); };
+    cut(pr.param[t], whole.param[0]);
+    if constexpr (!P::master_is_param) cut(pr.master[t], whole.master[0]);
+    cut(pr.grad[t], whole.grad[0]);
+    for (int k = 0; k < n; ++k) cut(pr.state[t * n + k], whole.state[k]);
+    at += sizes[t];
+  }
+  const mpzero::fused_step<P, O> fused(pr.tensors(first), plan);
+  for (int s = 1; s <= steps; ++s)
+    mpzero::host::run(fused, mpzero::make_step_args<O>(opt, static_cast<std::uint64_t>(s), 0.5f, 1234), host);
+  std::vector<std::uint32_t> out;
+  auto put = [&out](const auto& v) {
+    for (const auto& x : v) {
+      std::uint32_t u = 0;
+      std::memcpy(&u, &x, sizeof(x));
+      out.push_back(u);
+    }
+  };
+  for (const auto& v : pr.param) put(v);
+  for (const auto& v : pr.master) put(v);
+  for (int k = 0; k < n; ++k)
+    for (std::size_t t = 0; t < sizes.size(); ++t) put(pr.state[t * n + k]);
+  return out;
+}
+
+template <mpzero::precision_policy P, mpzero::optim::rule O>
+void check_split_invariance(const typename O::options& opt) {
+  INFO(optim_test::policy_name<P>() << " x " << O::name);
+  constexpr std::uint64_t N = 20011;
+  // An odd first index, and one that puts pair 2^32 (global index 2^33) inside the
+  // data, where the Philox counter's high word changes.
+  for (const std::uint64_t first : {std::uint64_t{1}, (std::uint64_t{1} << 33) - 9999}) {
+    INFO("first global index " << first);
+    const auto whole = run_split<P, O>(N, {}, first, opt, {}, {.threads = 1});
+    REQUIRE(count_different(whole, run_split<P, O>(N, {}, first, opt, {}, {.threads = 1}, 0)) > N / 2);
+    // Tensors that start at odd and at even global indices (a one-element tensor too),
+    // chunks of odd sizes (every chunk but the first starts mid-pair in turn), threads.
+    const std::vector<std::vector<std::uint64_t>> cut_sets = {{1}, {4097}, {1, 2, 4097, 12346}, {9999, 10000}};
+    const mpzero::plan_options plans[] = {{}, {.chunk_size = 7}, {.chunk_size = 1025}};
+    for (const auto& cuts : cut_sets) {
+      for (const auto& plan : plans) {
+        for (const int threads : {1, 2}) {
+          INFO(cuts.size() << " cuts from " << cuts.front() << ", chunk size " << plan.chunk_size << ", " << threads
+                           << " threads");
+          CHECK(count_different(run_split<P, O>(N, cuts, first, opt, plan, {.threads = threads}), whole) == 0);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("stochastic rounding: the same bits as one tensor or split at odd indices, whatever the chunking",
+          "[multi_tensor]") {
+  using namespace mpzero::optim;
+  check_split_invariance<bf16_all_sr, adamw>({.lr = 1e-2, .weight_decay = 0.1});
+  check_split_invariance<fp16_master_sr, lion>({.lr = 1e-3, .weight_decay = 0.1});
+  check_split_invariance<bf16_fp32_states_sr, sgd>({.lr = 0.1, .momentum = 0.9});
+}
+
 TEST_CASE("fused_step refuses bad tensor descriptions with a useful message", "[optim]") {
   using mpzero::optim::adam;
   using mpzero::policies::bf16_all;

@@ -6,6 +6,7 @@
 // host implementations of the conversion intrinsics and of curand's Philox.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -291,23 +292,187 @@ TEST_CASE("element random bits depend on seed, step and index only", "[numeric]"
   CHECK(element_random_bits(42, 3, 1000ull + (1ull << 32)).v[0] != a.v[0]);  // high index bits matter
 }
 
+TEST_CASE("stochastic-rounding bits: one Philox draw per pair of elements, 16-bit halves", "[numeric]") {
+  // The layout from its definition (numeric/philox.hpp): pair p = g / 2 draws Philox4x32-10
+  // with counter (p low, p high, step low, step high) and key (seed low, seed high); of
+  // the draw's eight 16-bit halves (half h = bits [16 (h % 2), 16 (h % 2) + 16) of
+  // word h / 2) the even element takes halves 0-3 and the odd one halves 4-7.
+  const std::uint64_t seeds[] = {0, 42, 0x0123456789ABCDEFull};
+  const std::uint64_t steps[] = {1, 7, (1ull << 32) + 3};
+  const std::uint64_t indices[] = {0, 1, 2, 3, 1000, 1001, (1ull << 33) - 2, (1ull << 33) - 1, 1ull << 33,
+                                   (1ull << 33) + 1, ~0ull - 1, ~0ull};
+  int mismatches = 0;
+  for (const std::uint64_t seed : seeds) {
+    for (const std::uint64_t step : steps) {
+      for (const std::uint64_t g : indices) {
+        const std::uint64_t p = g / 2;
+        const philox_u32x4 d =
+            philox4x32_10({{static_cast<std::uint32_t>(p), static_cast<std::uint32_t>(p >> 32),
+                            static_cast<std::uint32_t>(step), static_cast<std::uint32_t>(step >> 32)}},
+                          static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32));
+        const element_bits e = element_rounding_bits(seed, step, g);
+        const element_bits from_pair = element_pair_bits(pair_random_bits(seed, step, p), g);
+        for (int h = 0; h < 4; ++h) {
+          const int draw_half = static_cast<int>(g % 2) * 4 + h;
+          const auto want = static_cast<std::uint16_t>((d.v[draw_half / 2] >> (16 * (draw_half % 2))) & 0xffffu);
+          mismatches += e.half(h) != want;
+          mismatches += from_pair.half(h) != want;
+        }
+      }
+    }
+  }
+  CHECK(mismatches == 0);
+
+  // The two elements of a pair use all eight halves of one draw between them, and
+  // nothing of the next pair's draw.
+  const element_bits even = element_rounding_bits(9, 2, 500), odd = element_rounding_bits(9, 2, 501);
+  const philox_u32x4 d = pair_random_bits(9, 2, 250);
+  CHECK(even.w[0] == d.v[0]);
+  CHECK(even.w[1] == d.v[1]);
+  CHECK(odd.w[0] == d.v[2]);
+  CHECK(odd.w[1] == d.v[3]);
+  CHECK(element_rounding_bits(9, 2, 502).w[0] != even.w[0]);
+  // Seed, step and the index's high bits all reach the bits.
+  CHECK(element_rounding_bits(10, 2, 500).w[0] != even.w[0]);
+  CHECK(element_rounding_bits(9, 3, 500).w[0] != even.w[0]);
+  CHECK(element_rounding_bits(9, 2, 500 + (1ull << 33)).w[0] != even.w[0]);
+  static_assert(element_rounding_bits(1, 2, 3).half(3) == element_rounding_bits(1, 2, 3).half(3),
+                "usable in constant expressions");
+}
+
+TEST_CASE("round_nearest_even matches its definition for every remainder up to 16 bits", "[numeric]") {
+  // kept + 1 iff the discarded fraction rem / 2^shift exceeds one half, or equals it
+  // and kept is odd.
+  const std::uint32_t kepts[] = {0, 1, 2, 3, 0x3ff, 0x7ffe, 0x7fff, 0xfffffffeu};
+  long mismatches = 0;
+  for (unsigned shift = 1; shift <= 16; ++shift) {
+    const std::uint32_t half = 1u << (shift - 1);
+    for (std::uint32_t rem = 0; rem < (1u << shift); ++rem) {
+      const long double frac = std::ldexp(static_cast<long double>(rem), -static_cast<int>(shift));
+      for (const std::uint32_t kept : kepts) {
+        const bool up = frac > 0.5L || (frac == 0.5L && kept % 2 == 1);
+        mismatches += detail::round_nearest_even(kept, rem, half) != kept + (up ? 1u : 0u);
+      }
+    }
+  }
+  CHECK(mismatches == 0);
+}
+
 namespace {
 
-// Draws many stochastic roundings of x and checks: each result is one of the two
-// neighbours, and the mean is x within 6 standard errors (an SR result differs from
-// x by at most one ulp, so its standard deviation is at most ulp / 2).
+// The mean of stochastically rounding x over all 65536 values of the 16 random bits,
+// and the range of the results. With uniform bits this mean is the expected value.
+struct sr_mean {
+  long double mean;
+  float lo, hi;
+};
+
+template <class Round>
+sr_mean mean_over_all_bits(float x, Round round) {
+  long double sum = 0;
+  float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+  for (std::uint32_t r = 0; r < 65536; ++r) {
+    const float v = to_float(round(x, static_cast<std::uint16_t>(r)));
+    sum += v;
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  return {sum / 65536, lo, hi};
+}
+
+// Values whose stochastic roundings to T are finite: random magnitudes 2^[lo_exp, hi_exp)
+// of both signs, each format's subnormal range included.
+std::vector<float> sr_inputs(int lo_exp, int hi_exp, int n, std::uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> mant(1.0f, 2.0f);
+  std::uniform_int_distribution<int> expo(lo_exp, hi_exp - 1);
+  std::vector<float> out;
+  for (int i = 0; i < n; ++i) out.push_back(std::ldexp(mant(gen), expo(gen)) * (i % 2 ? -1.0f : 1.0f));
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("stochastic rounding to bf16 with 16 random bits is exactly unbiased", "[numeric]") {
+  // float -> bf16 drops exactly 16 bits, so over all 65536 random values the mean of
+  // the results is x itself, and every result is one of x's two bf16 neighbours.
+  auto round = [](float v, std::uint16_t r) { return bf16_from_float_sr(v, r); };
+  std::vector<float> xs = sr_inputs(-140, 127, 1500, 21);  // bf16 subnormals from 2^-133 down
+  for (float x : {1.0f, -1.0f, 0.0f, 1.0f + 0x1p-8f, 1.0f + 0x1p-23f, 0x1p-133f, 3.38e38f,
+                  std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::min()})
+    xs.push_back(x);
+  for (const float x : xs) {
+    const sr_mean m = mean_over_all_bits(x, round);
+    INFO("x = " << x << " lo " << m.lo << " hi " << m.hi);
+    CHECK(m.mean == static_cast<long double>(x));
+    CHECK(to_float(from_float<bf16>(m.lo)) == m.lo);  // both results are bf16 values
+    CHECK(to_float(from_float<bf16>(m.hi)) == m.hi);
+    CHECK(static_cast<long double>(m.hi) - m.lo <= std::fabs(x) * 0x1p-7L + 0x1p-133L);  // at most one ulp apart
+  }
+  REQUIRE(bf16_from_float_sr(std::numeric_limits<float>::quiet_NaN(), 0xffffu).bits == 0x7fff);
+  REQUIRE(bf16_from_float_sr(std::numeric_limits<float>::infinity(), 0xffffu).bits == 0x7f80);
+  REQUIRE(bf16_from_float_sr(-std::numeric_limits<float>::infinity(), 0xffffu).bits == 0xff80);
+}
+
+TEST_CASE("stochastic rounding to fp16 with 16 random bits: exact for normals, within 2^-16 ulp for subnormals",
+          "[numeric]") {
+  auto round = [](float v, std::uint16_t r) { return fp16_from_float_sr(v, r); };
+  // Normal results drop 13 bits: the mean over all 16-bit random values is x exactly.
+  std::vector<float> normals = sr_inputs(-14, 16, 1500, 22);
+  normals.push_back(0x1p-14f);
+  normals.push_back(65504.0f);
+  normals.push_back(std::nextafter(65504.0f, 0.0f));
+  for (const float x : normals) {
+    if (std::fabs(x) > 65504.0f) continue;  // may round to infinity
+    const sr_mean m = mean_over_all_bits(x, round);
+    INFO("x = " << x << " lo " << m.lo << " hi " << m.hi);
+    CHECK(m.mean == static_cast<long double>(x));
+    CHECK(to_float(from_float<fp16>(m.lo)) == m.lo);
+    CHECK(to_float(from_float<fp16>(m.hi)) == m.hi);
+  }
+  // Subnormal results (ulp 2^-24) drop more than 16 bits below 2^-17: the probability
+  // of rounding up is truncated to 16 bits, so the mean falls short of x, in
+  // magnitude, by less than 2^-16 ulp = 2^-40; from 2^-17 up (and at zero) it is exact.
+  std::vector<float> subnormals = sr_inputs(-60, -14, 1500, 23);
+  for (float x : {0x1p-24f, 0x1p-25f, 3 * 0x1p-26f, 0x1p-17f, std::nextafter(0x1p-17f, 0.0f), 1e-30f, 0.0f,
+                  std::numeric_limits<float>::denorm_min()})
+    subnormals.push_back(x);
+  long exact_count = 0;
+  for (const float x : subnormals) {
+    const sr_mean m = mean_over_all_bits(x, round);
+    INFO("x = " << x << " mean " << static_cast<double>(m.mean));
+    const long double shortfall = std::fabs(static_cast<long double>(x)) - std::fabs(m.mean);
+    CHECK(shortfall >= 0);
+    CHECK(shortfall < 0x1p-40L);
+    if (std::fabs(x) >= 0x1p-17f) CHECK(shortfall == 0);
+    exact_count += shortfall == 0;
+    CHECK(m.hi - m.lo <= 0x1p-24f);
+  }
+  CHECK(exact_count < static_cast<long>(subnormals.size()));  // the truncation is real: the bound is not vacuous
+  REQUIRE(fp16_from_float_sr(std::numeric_limits<float>::quiet_NaN(), 0).bits == 0x7fff);
+  REQUIRE(fp16_from_float_sr(70000.0f, 0xffffu).bits == 0x7c00);
+  REQUIRE(fp16_from_float_sr(-std::numeric_limits<float>::infinity(), 0).bits == 0xfc00);
+  // Far below the smallest subnormal: rounds up with (truncated) probability 0.
+  REQUIRE(fp16_from_float_sr(1e-30f, 0).bits == 0x0000);
+}
+
+namespace {
+
+// Draws many stochastic roundings of x, with the random halves of the step's own
+// stream (all four halves of each element in turn), and checks: each result is one of
+// the two neighbours, and the mean is x within 6 standard errors (an SR result differs
+// from x by at most one ulp, so its standard deviation is at most ulp / 2).
 template <class T, class Round>
 void check_unbiased(float x, Round round, int samples, std::uint64_t seed) {
-  const float down = to_float(from_float<T>(x));  // one neighbour; find the other
   long double sum = 0;
   float lo = std::numeric_limits<float>::infinity(), hi = -std::numeric_limits<float>::infinity();
   for (int i = 0; i < samples; ++i) {
-    const float r = to_float(round(x, element_random_bits(seed, 0, static_cast<std::uint64_t>(i)).v[0]));
+    const element_bits e = element_rounding_bits(seed, 1, static_cast<std::uint64_t>(i / 4));
+    const float r = to_float(round(x, e.half(i % 4)));
     lo = std::min(lo, r);
     hi = std::max(hi, r);
     sum += r;
   }
-  (void)down;
   INFO("x = " << x << " lo " << lo << " hi " << hi);
   REQUIRE(lo <= x);
   REQUIRE(hi >= x);
@@ -326,47 +491,42 @@ void check_unbiased(float x, Round round, int samples, std::uint64_t seed) {
 
 }  // namespace
 
-TEST_CASE("stochastic rounding to bf16 is unbiased", "[numeric]") {
+TEST_CASE("stochastic rounding with the step's random stream is unbiased: bf16", "[numeric]") {
   std::mt19937 gen(11);
   std::uniform_real_distribution<float> mant(1.0f, 2.0f);
   std::uniform_int_distribution<int> expo(-140, 120);
   for (int i = 0; i < 64; ++i) {
     const float x = std::ldexp(mant(gen), expo(gen)) * (i % 2 ? -1.0f : 1.0f);
-    check_unbiased<bf16>(x, [](float v, std::uint32_t r) { return bf16_from_float_sr(v, r); }, 20000, i);
+    check_unbiased<bf16>(x, [](float v, std::uint16_t r) { return bf16_from_float_sr(v, r); }, 20000, i);
   }
-  check_unbiased<bf16>(1.0f, [](float v, std::uint32_t r) { return bf16_from_float_sr(v, r); }, 1000, 1);
-  REQUIRE(bf16_from_float_sr(std::numeric_limits<float>::quiet_NaN(), 0xffffffffu).bits == 0x7fff);
-  REQUIRE(bf16_from_float_sr(std::numeric_limits<float>::infinity(), 0xffffffffu).bits == 0x7f80);
-  REQUIRE(bf16_from_float_sr(-std::numeric_limits<float>::infinity(), 0xffffffffu).bits == 0xff80);
+  check_unbiased<bf16>(1.0f, [](float v, std::uint16_t r) { return bf16_from_float_sr(v, r); }, 1000, 1);
 }
 
-TEST_CASE("stochastic rounding to fp16 is unbiased, subnormals included", "[numeric]") {
+TEST_CASE("stochastic rounding with the step's random stream is unbiased: fp16, subnormals included", "[numeric]") {
   std::mt19937 gen(12);
   std::uniform_real_distribution<float> mant(1.0f, 2.0f);
   std::uniform_int_distribution<int> expo(-27, 15);  // subnormal range, normals, up to 65536
   for (int i = 0; i < 64; ++i) {
     const float x = std::ldexp(mant(gen), expo(gen)) * (i % 2 ? -1.0f : 1.0f);
     if (std::fabs(x) >= 65504.0f) continue;
-    check_unbiased<fp16>(x, [](float v, std::uint32_t r) { return fp16_from_float_sr(v, r); }, 20000, 100 + i);
+    check_unbiased<fp16>(x, [](float v, std::uint16_t r) { return fp16_from_float_sr(v, r); }, 20000, 100 + i);
   }
-  REQUIRE(fp16_from_float_sr(std::numeric_limits<float>::quiet_NaN(), 0).bits == 0x7fff);
-  REQUIRE(fp16_from_float_sr(70000.0f, 0xffffffffu).bits == 0x7c00);
-  REQUIRE(fp16_from_float_sr(-std::numeric_limits<float>::infinity(), 0).bits == 0xfc00);
-  // Far below the smallest subnormal: rounds up with (truncated) probability ~0.
-  REQUIRE(fp16_from_float_sr(1e-30f, 0).bits == 0x0000);
 }
 
 TEST_CASE("stochastic rounding: aggregate bias over many values is below 1e-3 ulp", "[numeric]") {
-  // One draw for each of many values: the mean signed error, in ulps, must vanish.
+  // One rounding for each of many values, each with its own element's master half (as
+  // the fused step uses them): the mean signed error, in ulps, must vanish.
   std::mt19937 gen(13);
-  std::uniform_real_distribution<float> dist(1.0f, 2.0f);  // bf16 ulp is 2^-7 here
+  std::uniform_real_distribution<float> dist(1.0f, 2.0f);  // bf16 ulp is 2^-7, fp16 ulp 2^-10 here
   const int n = 1 << 20;
-  long double err = 0;
+  long double err_bf16 = 0, err_fp16 = 0;
   for (int i = 0; i < n; ++i) {
     const float x = dist(gen);
-    const float r = to_float(bf16_from_float_sr(x, element_random_bits(5, 1, static_cast<std::uint64_t>(i)).v[0]));
-    err += (static_cast<long double>(r) - x) / 0x1p-7L;
+    const element_bits e = element_rounding_bits(5, 1, static_cast<std::uint64_t>(i));
+    err_bf16 += (static_cast<long double>(to_float(bf16_from_float_sr(x, e.half(0)))) - x) / 0x1p-7L;
+    err_fp16 += (static_cast<long double>(to_float(fp16_from_float_sr(x, e.half(1)))) - x) / 0x1p-10L;
   }
   // Standard error of the mean of n errors each within one ulp: <= 0.5 / sqrt(n) ~ 5e-4.
-  REQUIRE(std::fabs(err / n) < 3e-3L);
+  REQUIRE(std::fabs(err_bf16 / n) < 3e-3L);
+  REQUIRE(std::fabs(err_fp16 / n) < 3e-3L);
 }

@@ -1,6 +1,11 @@
-// The host step's run-time SIMD variants (baseline, AVX2, AVX-512) give the same bits.
-// Each variant the CPU supports runs the same inputs; the outputs must match the
-// baseline variant exactly, for nearest and stochastic rounding and every dtype.
+// The host step's loop against its scalar reference, for every SIMD variant this CPU
+// runs (portable, baseline x86-64, AVX2, AVX-512).
+//
+// The reference is update_element() element by element, each drawing its own bits with
+// the scalar Philox (element_rounding_bits). The host loop instead draws once per pair
+// of elements, in blocks, with vector code of its own; it must give the reference's
+// bits exactly, also where a tensor or a range starts at an odd global index (the
+// first element is the odd half of a pair) and where the pair counter crosses 2^32.
 #include <catch2/catch.hpp>
 
 #include <cstdint>
@@ -12,7 +17,6 @@
 
 using namespace mpzero;
 
-#if defined(MPZERO_RUNTIME_SIMD)
 namespace {
 
 template <class T>
@@ -32,18 +36,23 @@ bool same(const std::vector<T>& a, const std::vector<T>& b) {
 
 template <class Policy, class Opt>
 struct state {
-  std::vector<typename Policy::param_type> param;
-  std::vector<typename Policy::master_type> master;
+  using param_t = typename Policy::param_type;
+  using master_t = typename Policy::master_type;
+  using state_t = typename Policy::state_type;
+  std::vector<param_t> param;
+  std::vector<master_t> master;
   std::vector<typename Policy::grad_type> grad;
-  std::vector<typename Policy::state_type> s0, s1;
+  std::vector<state_t> s0, s1;
+  std::uint64_t global_offset;
 
-  explicit state(std::size_t n)
-      : param(filled<typename Policy::param_type>(n, 1, -1.0f, 1.0f)),
+  state(std::size_t n, std::uint64_t offset)
+      : param(filled<param_t>(n, 1, -1.0f, 1.0f)),
         master(Policy::master_is_param ? 0 : n),
         grad(filled<typename Policy::grad_type>(n, 2, -0.01f, 0.01f)),
-        s0(filled<typename Policy::state_type>(n, 3, -1e-3f, 1e-3f)),
-        s1(filled<typename Policy::state_type>(n, 4, 0.0f, 1e-5f)) {
-    for (std::size_t i = 0; i < master.size(); ++i) master[i] = from_float<typename Policy::master_type>(to_float(param[i]));
+        s0(filled<state_t>(n, 3, -1e-3f, 1e-3f)),
+        s1(filled<state_t>(n, 4, 0.0f, 1e-5f)),
+        global_offset(offset) {
+    for (std::size_t i = 0; i < master.size(); ++i) master[i] = from_float<master_t>(to_float(param[i]));
   }
   step_tensor<Policy, Opt> tensor() {
     step_tensor<Policy, Opt> t;
@@ -53,8 +62,25 @@ struct state {
     t.states[0] = s0.data();
     if constexpr (Opt::n_states > 1) t.states[1] = s1.data();
     t.numel = param.size();
-    t.global_offset = 12345;
+    t.global_offset = global_offset;
     return t;
+  }
+  // The scalar reference: each element on its own, its bits from its own draw.
+  void reference_step(const step_args<Opt>& a) {
+    for (std::size_t i = 0; i < param.size(); ++i) {
+      state_t s[Opt::n_states];
+      s[0] = s0[i];
+      if constexpr (Opt::n_states > 1) s[1] = s1[i];
+      param_t p{};
+      if constexpr (Policy::master_is_param) {
+        update_element<Policy, Opt>(a, global_offset + i, param[i], grad[i], s, p);
+      } else {
+        update_element<Policy, Opt>(a, global_offset + i, master[i], grad[i], s, p);
+        param[i] = p;
+      }
+      s0[i] = s[0];
+      if constexpr (Opt::n_states > 1) s1[i] = s[1];
+    }
   }
   bool operator==(const state& o) const {
     return same(param, o.param) && same(master, o.master) && same(s0, o.s0) && same(s1, o.s1);
@@ -62,34 +88,108 @@ struct state {
 };
 
 template <class Policy, class Opt>
-void check_variants() {
-  const std::uint32_t n = 70001;  // a vector body and a scalar tail
+using range_fn = void (*)(const step_tensor<Policy, Opt>&, std::uint64_t, std::uint32_t, const step_args<Opt>&);
+
+template <class Policy, class Opt>
+struct variant {
+  std::string name;
+  range_fn<Policy, Opt> run;
+};
+
+template <class Policy, class Opt>
+void portable(const step_tensor<Policy, Opt>& t, std::uint64_t begin, std::uint32_t size, const step_args<Opt>& a) {
+  host::detail::step_range_body<Policy, Opt, host::detail::pair_fill_scalar>(t, begin, size, a);
+}
+
+// Every loop this CPU can run: the portable one (scalar draws, what non-x86 and Clang
+// builds use) and the run-time SIMD variants.
+template <class Policy, class Opt>
+std::vector<variant<Policy, Opt>> variants() {
+  std::vector<variant<Policy, Opt>> v = {{"portable", &portable<Policy, Opt>}};
+#if defined(MPZERO_RUNTIME_SIMD)
+  v.push_back({"baseline", &host::detail::step_range_baseline<Policy, Opt>});
+  if (__builtin_cpu_supports("avx2")) v.push_back({"avx2", &host::detail::step_range_avx2<Policy, Opt>});
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    v.push_back({"avx512", &host::detail::step_range_avx512<Policy, Opt>});
+#endif
+  return v;
+}
+
+template <class Policy, class Opt>
+void check_against_reference() {
+  const std::uint32_t n = 70001;  // vector bodies, scalar tails, many pair blocks
   typename Opt::options o{};
   o.lr = 1e-2;
-  state<Policy, Opt> base(n), avx2(n), avx512(n);
-  for (std::uint64_t step = 1; step <= 3; ++step) {
-    const auto args = make_step_args<Opt>(o, step, 0.5f, 77);
-    host::detail::step_range_body<Policy, Opt>(base.tensor(), 0, n, args);
-    if (__builtin_cpu_supports("avx2")) host::detail::step_range_avx2<Policy, Opt>(avx2.tensor(), 0, n, args);
-    if (host::detail::simd_level() == 2) host::detail::step_range_avx512<Policy, Opt>(avx512.tensor(), 0, n, args);
+  // Odd and even first indices; the last puts pair index 2^32 (global 2^33) inside
+  // the tensor, where the counter's high word changes.
+  for (const std::uint64_t offset : {std::uint64_t{12345}, std::uint64_t{12346}, (std::uint64_t{1} << 33) - 20001}) {
+    state<Policy, Opt> ref(n, offset);
+    for (std::uint64_t step = 1; step <= 3; ++step) ref.reference_step(make_step_args<Opt>(o, step, 0.5f, 77));
+    REQUIRE_FALSE(ref == state<Policy, Opt>(n, offset));  // the steps did something
+    for (const auto& v : variants<Policy, Opt>()) {
+      INFO(v.name << " loop, first global index " << offset);
+      state<Policy, Opt> got(n, offset);
+      for (std::uint64_t step = 1; step <= 3; ++step) {
+        const auto args = make_step_args<Opt>(o, step, 0.5f, 77);
+        // Ranges that start mid-pair and mid-block, as chunks of any size do.
+        const auto t = got.tensor();
+        v.run(t, 0, 3, args);
+        v.run(t, 3, 1030, args);
+        v.run(t, 1033, 1, args);
+        v.run(t, 1034, n - 1034, args);
+      }
+      CHECK(got == ref);
+    }
   }
-  if (__builtin_cpu_supports("avx2")) REQUIRE(avx2 == base);
-  if (host::detail::simd_level() == 2) REQUIRE(avx512 == base);
-  REQUIRE_FALSE(base == state<Policy, Opt>(n));  // the steps did something
+}
+
+template <class Fill>
+void check_fill(const char* name, Fill fill) {
+  INFO(name);
+  for (const std::uint64_t p0 : {std::uint64_t{0}, std::uint64_t{5}, (std::uint64_t{1} << 32) - 3}) {
+    for (const std::uint32_t npairs : {1u, 7u, 16u, 17u, 513u}) {
+      std::vector<std::uint32_t> lo(2 * npairs + host::detail::pair_fill_slack),
+          hi(2 * npairs + host::detail::pair_fill_slack);
+      fill(99, 4, p0, npairs, lo.data(), hi.data());
+      int mismatches = 0;
+      for (std::uint32_t k = 0; k < 2 * npairs; ++k) {
+        const std::uint64_t g = 2 * p0 + k;
+        const element_bits want = element_rounding_bits(99, 4, g);
+        mismatches += lo[k] != want.w[0];
+        mismatches += hi[k] != want.w[1];
+      }
+      INFO("p0 " << p0 << ", " << npairs << " pairs");
+      CHECK(mismatches == 0);
+    }
+  }
 }
 
 }  // namespace
 
-TEST_CASE("host step: AVX2 and AVX-512 variants give the baseline's bits", "[multi_tensor]") {
+TEST_CASE("host step: every loop variant gives the scalar reference's bits", "[multi_tensor]") {
   INFO("this CPU runs the host step as: " << host::simd_name());
-  check_variants<policies::fp32, optim::adamw>();
-  check_variants<policies::bf16_fp32_master, optim::adam>();
-  check_variants<policies::bf16_all, optim::adamw>();
-  check_variants<policies::bf16_all_sr, optim::adamw>();
-  check_variants<policies::fp16_fp32_master, optim::sgd>();
-  check_variants<precision<fp16, fp16, fp16, float, round_stochastic>, optim::lion>();
+  check_against_reference<policies::fp32, optim::adamw>();
+  check_against_reference<policies::bf16_fp32_master, optim::adam>();
+  check_against_reference<policies::bf16_all, optim::adamw>();
+  check_against_reference<policies::bf16_all_sr, optim::adamw>();
+  check_against_reference<policies::fp16_fp32_master, optim::sgd>();
+  check_against_reference<precision<fp16, fp16, fp16, float, round_stochastic>, optim::lion>();
+  check_against_reference<precision<bf16, float, bf16, bf16, round_stochastic>, optim::adam>();
 }
-#else
+
+TEST_CASE("host step: the block generators write each element's pair bits", "[multi_tensor]") {
+  check_fill("scalar", host::detail::pair_fill_scalar{});
+#if defined(MPZERO_RUNTIME_SIMD)
+  check_fill("sse2", host::detail::simd::pair_fill<host::detail::simd::u64x2>{});
+  // Wider generators: run outside their target loops (slowly, but the same arithmetic).
+  if (__builtin_cpu_supports("avx2")) check_fill("avx2", host::detail::simd::pair_fill<host::detail::simd::u64x4>{});
+  if (__builtin_cpu_supports("avx512f"))
+    check_fill("avx512", host::detail::simd::pair_fill<host::detail::simd::u64x8>{});
+#endif
+}
+
+#if !defined(MPZERO_RUNTIME_SIMD)
 TEST_CASE("host step: this build has no run-time SIMD variants (not x86 GCC)", "[multi_tensor]") {
   REQUIRE(std::string(host::simd_name()) == "baseline");
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "../config.hpp"
@@ -15,8 +16,14 @@
 #include "../step/fused_step.hpp"
 #include "../step/grad_stats.hpp"
 
-namespace mpzero::host {
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__SSE2__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__CUDACC__) && !defined(MPZERO_NO_RUNTIME_SIMD)
+// x86 GCC: the host step picks AVX2 or AVX-512 at run time (detail::simd_level).
+#define MPZERO_RUNTIME_SIMD 1
+#include <immintrin.h>
+#endif
 
+namespace mpzero::host {
 
 struct options {
   int threads = 0;  // 0: OpenMP's default (OMP_NUM_THREADS or all cores)
@@ -41,7 +48,183 @@ void for_each_chunk(std::size_t num_chunks, const options& opt, Body&& body) {
 #endif
 }
 
-template <precision_policy Policy, optim::rule Optimizer>
+// ---- Stochastic-rounding bits for a block of elements ----------------------------------
+//
+// The step draws Philox once per pair of elements (numeric/philox.hpp). A block of
+// consecutive elements first gets its pairs' draws, written per element (element k of
+// the pairs owns lo[k], hi[k], the words of its element_bits), then the element loop
+// reads them like any other array, so it vectorizes as the nearest-rounding loop does.
+// `fill(seed, step, p0, npairs, lo, hi)` writes the bits of elements 2 p0 to
+// 2 (p0 + npairs) - 1 (global indices); it may write up to pair_fill_slack words more.
+
+inline constexpr std::uint32_t pair_fill_slack = 32;
+
+// Portable: one draw per iteration through the shared scalar functions.
+struct pair_fill_scalar {
+  MPZERO_FORCEINLINE void operator()(std::uint64_t seed, std::uint64_t step, std::uint64_t p0, std::uint32_t npairs,
+                                     std::uint32_t* MPZERO_RESTRICT lo, std::uint32_t* MPZERO_RESTRICT hi) const {
+    for (std::uint32_t j = 0; j < npairs; ++j) {
+      const philox_u32x4 d = pair_random_bits(seed, step, p0 + j);
+      for (unsigned odd = 0; odd < 2; ++odd) {
+        const element_bits e = element_pair_bits(d, odd);
+        lo[2 * j + odd] = e.w[0];
+        hi[2 * j + odd] = e.w[1];
+      }
+    }
+  }
+};
+
+#if defined(MPZERO_RUNTIME_SIMD)
+// Philox4x32-10 on GCC vectors of 64-bit lanes, one pair per lane. Each 32-bit word
+// of the state lives in the low half of a 64-bit lane, where pmuludq reads it: the
+// multiply gives hi:lo in one lane, lo is already in place and hi moves down with a
+// pshufd; the high halves hold junk that never reaches a low half. Per round and 8
+// pairs (AVX-512): 2 pmuludq, 2 pshufd, 2 three-way xors. GCC vectorizes the scalar
+// code's 32x32->64 multiplies as widened 64-bit multiplies (vpmullq) instead: 5.5x
+// slower (7.6 against 1.4 ns per pair on one Xeon core, GCC 12). The arithmetic is
+// the scalar philox4x32_10's, so the bits are the same (tests/test_simd.cpp checks
+// every variant against the scalar reference).
+namespace simd {
+
+typedef std::uint64_t u64x2 __attribute__((vector_size(16)));
+typedef std::uint32_t u32x4 __attribute__((vector_size(16)));
+typedef std::uint64_t u64x4 __attribute__((vector_size(32)));
+typedef std::uint32_t u32x8 __attribute__((vector_size(32)));
+typedef std::uint64_t u64x8 __attribute__((vector_size(64)));
+typedef std::uint32_t u32x16 __attribute__((vector_size(64)));
+
+template <class W>
+struct words_of;  // the same vector as 32-bit words
+template <>
+struct words_of<u64x2> {
+  using type = u32x4;
+};
+template <>
+struct words_of<u64x4> {
+  using type = u32x8;
+};
+template <>
+struct words_of<u64x8> {
+  using type = u32x16;
+};
+
+// The 64-bit products of the low halves of each lane (pmuludq). Not always_inline:
+// GCC inlines callees into the generic code below before that code is inlined into the
+// target("avx2") / target("avx512f") loops, and refuses an always_inline callee whose
+// target the (default-target) caller lacks; these are inlined later, in the right
+// target. Vectors go by reference: by value, a 32- or 64-byte vector argument of a
+// function called from default-target code changes the ABI (-Wpsabi).
+inline void mul_low(const u64x2& a, const u64x2& b, u64x2& out) {
+  out = reinterpret_cast<u64x2>(_mm_mul_epu32(reinterpret_cast<__m128i>(a), reinterpret_cast<__m128i>(b)));
+}
+__attribute__((target("avx2"))) inline void mul_low(const u64x4& a, const u64x4& b, u64x4& out) {
+  out = reinterpret_cast<u64x4>(_mm256_mul_epu32(reinterpret_cast<__m256i>(a), reinterpret_cast<__m256i>(b)));
+}
+// The zero-masked form with every lane selected is the same vpmuludq; the unmasked
+// intrinsic trips GCC 12's -Wmaybe-uninitialized on its undefined pass-through operand.
+__attribute__((target("avx512f"))) inline void mul_low(const u64x8& a, const u64x8& b, u64x8& out) {
+  out = reinterpret_cast<u64x8>(
+      _mm512_maskz_mul_epu32(static_cast<__mmask8>(0xff), reinterpret_cast<__m512i>(a), reinterpret_cast<__m512i>(b)));
+}
+
+// Every lane x, lane by lane: `W{} + x` says the same, but where such a vector is
+// copied into an array (c1[u] below) GCC 12 warns -Wmaybe-uninitialized. In the round
+// loop the keys keep `W{} + x`: written lane by lane there, GCC 12 emits masked
+// broadcasts and the loop runs 2.7x slower.
+template <class W>
+MPZERO_FORCEINLINE void splat(std::uint64_t x, W& out) {
+  for (int l = 0; l < static_cast<int>(sizeof(W) / 8); ++l) out[l] = x;
+}
+
+// Each lane's high word copied to its low half, by the word shuffle `high`.
+template <class W, class V>
+MPZERO_FORCEINLINE void high_to_low(const W& x, const V& high, W& out) {
+  out = reinterpret_cast<W>(__builtin_shuffle(reinterpret_cast<V>(x), high));
+}
+
+template <class W>
+struct pair_fill {
+  static constexpr int n = static_cast<int>(sizeof(W) / 8);  // pairs per vector
+  // Vectors per iteration: two independent ones share each round key, which GCC
+  // rebuilds in the loop (a broadcast each) when it runs out of registers for all 18.
+  // About 1.14x over one; four gain another 4% and waste more draws past a block's end.
+  static constexpr int unroll = 2;
+  static_assert(2 * n * unroll <= static_cast<int>(pair_fill_slack), "the block buffers are too short");
+
+  MPZERO_FORCEINLINE void operator()(std::uint64_t seed, std::uint64_t step, std::uint64_t p0, std::uint32_t npairs,
+                                     std::uint32_t* MPZERO_RESTRICT lo, std::uint32_t* MPZERO_RESTRICT hi) const {
+    using V = typename words_of<W>::type;
+    constexpr int U = unroll;
+    // lane: pair j + l in lane l. high: each lane's high word copied to its low half
+    // (pshufd: not on the port that multiplies). interleave: the low words of
+    // two vectors, alternating: the even and the odd element of each pair.
+    W lane{};
+    V high{}, interleave{};
+    for (int l = 0; l < n; ++l) {
+      lane[l] = static_cast<std::uint64_t>(l);
+      high[2 * l] = high[2 * l + 1] = static_cast<std::uint32_t>(2 * l + 1);
+      interleave[2 * l] = static_cast<std::uint32_t>(2 * l);
+      interleave[2 * l + 1] = static_cast<std::uint32_t>(2 * n + 2 * l);
+    }
+    constexpr std::uint32_t m0 = 0xD2511F53u, m1 = 0xCD9E8D57u, w0 = 0x9E3779B9u, w1 = 0xBB67AE85u;
+    W vm0, vm1;
+    splat(m0, vm0);
+    splat(m1, vm1);
+    const std::uint32_t k0 = static_cast<std::uint32_t>(seed), k1 = static_cast<std::uint32_t>(seed >> 32);
+    // The counter's words 2 and 3 (the step) are the same in every lane: round 0's
+    // product of word 2 is a scalar.
+    std::uint32_t step_hi = 0, step_lo = 0;
+    mpzero::detail::mulhilo32(m1, static_cast<std::uint32_t>(step), step_hi, step_lo);
+    const std::uint32_t step_top = static_cast<std::uint32_t>(step >> 32);
+    W round0_c0, round0_c1, round0_c2;
+    splat(step_hi ^ k0, round0_c0);
+    splat(step_lo, round0_c1);
+    splat(step_top ^ k1, round0_c2);
+    for (std::uint32_t j = 0; j < npairs; j += U * n) {
+      W c0[U], c1[U], c2[U], c3[U];
+      for (int u = 0; u < U; ++u) {
+        const W index = lane + (p0 + j + u * n);  // the counter's words 0 and 1
+        W prod;
+        mul_low(index, vm0, prod);
+        c0[u] = (index >> 32) ^ round0_c0;
+        c1[u] = round0_c1;
+        high_to_low(prod, high, c2[u]);
+        c2[u] ^= round0_c2;
+        c3[u] = prod;
+      }
+      for (int round = 1; round < 10; ++round) {
+        const W key0 = W{} + static_cast<std::uint32_t>(k0 + static_cast<std::uint32_t>(round) * w0);
+        const W key1 = W{} + static_cast<std::uint32_t>(k1 + static_cast<std::uint32_t>(round) * w1);
+        for (int u = 0; u < U; ++u) {
+          W prod0, prod1, hi0, hi1;
+          mul_low(c0[u], vm0, prod0);
+          mul_low(c2[u], vm1, prod1);
+          high_to_low(prod0, high, hi0);
+          high_to_low(prod1, high, hi1);
+          c0[u] = hi1 ^ c1[u] ^ key0;
+          c1[u] = prod1;
+          c2[u] = hi0 ^ c3[u] ^ key1;
+          c3[u] = prod0;
+        }
+      }
+      for (int u = 0; u < U; ++u) {
+        const W v[4] = {c0[u], c1[u], c2[u], c3[u]};
+        for (int w = 0; w < 2; ++w) {
+          const V words = __builtin_shuffle(reinterpret_cast<V>(v[pair_word(0, w)]), reinterpret_cast<V>(v[pair_word(1, w)]),
+                                            interleave);
+          __builtin_memcpy((w == 0 ? lo : hi) + 2 * (j + u * n), &words, sizeof(V));
+        }
+      }
+    }
+  }
+};
+
+}  // namespace simd
+#endif
+
+// The step over elements [begin, begin + size) of one tensor. Fill generates the
+// stochastic-rounding bits (pair_fill_scalar or a simd::pair_fill).
+template <precision_policy Policy, optim::rule Optimizer, class Fill = pair_fill_scalar>
 MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin,
                                         std::uint32_t size, const step_args<Optimizer>& a) {
   using param_t = typename Policy::param_type;
@@ -60,20 +243,36 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
   state_t* MPZERO_RESTRICT s0 = t.states[0] + begin;
   state_t* MPZERO_RESTRICT s1 = n > 1 ? t.states[n > 1 ? 1 : 0] + begin : nullptr;
   state_t* MPZERO_RESTRICT s2 = n > 2 ? t.states[n > 2 ? 2 : 0] + begin : nullptr;
-  const std::uint64_t base = t.global_offset + begin;
-  for (std::uint32_t i = 0; i < size; ++i) {
-    master_t w = master[i];
-    state_t s[n];
-    s[0] = s0[i];
-    if constexpr (n > 1) s[1] = s1[i];
-    if constexpr (n > 2) s[2] = s2[i];
-    param_t p{};
-    update_element<Policy, Optimizer>(a, base + i, w, grad[i], s, p);
-    master[i] = w;
-    if constexpr (!Policy::master_is_param) param[i] = p;
-    s0[i] = s[0];
-    if constexpr (n > 1) s1[i] = s[1];
-    if constexpr (n > 2) s2[i] = s[2];
+  // Blocks of pair_block elements: under stochastic rounding, first the block's random
+  // bits, then its update. The block's first element may be the odd one of its pair (a
+  // tensor or chunk that starts at an odd global index): its pair's draw is made for it
+  // too, and `odd` skips the even element's words. So an element's bits depend on its
+  // global index only, whatever the chunking.
+  constexpr bool sr = Policy::rounding::stochastic;
+  constexpr std::uint32_t pair_block = 1024;
+  alignas(64) std::uint32_t lo[sr ? pair_block + pair_fill_slack : 1], hi[sr ? pair_block + pair_fill_slack : 1];
+  const std::uint64_t first = t.global_offset + begin;
+  for (std::uint64_t b = 0; b < size; b += pair_block) {
+    const std::uint32_t len = static_cast<std::uint32_t>(std::min<std::uint64_t>(pair_block, size - b));
+    const std::uint32_t odd = static_cast<std::uint32_t>((first + b) & 1u);
+    if constexpr (sr) Fill{}(a.seed, a.step, (first + b) >> 1, (odd + len + 1) / 2, lo, hi);
+    for (std::uint32_t j = 0; j < len; ++j) {
+      const std::uint64_t i = b + j;
+      element_bits bits{};
+      if constexpr (sr) bits = element_bits{{lo[odd + j], hi[odd + j]}};
+      master_t w = master[i];
+      state_t s[n];
+      s[0] = s0[i];
+      if constexpr (n > 1) s[1] = s1[i];
+      if constexpr (n > 2) s[2] = s2[i];
+      param_t p{};
+      update_element_with_bits<Policy, Optimizer>(a, bits, w, grad[i], s, p);
+      master[i] = w;
+      if constexpr (!Policy::master_is_param) param[i] = p;
+      s0[i] = s[0];
+      if constexpr (n > 1) s1[i] = s[1];
+      if constexpr (n > 2) s2[i] = s[2];
+    }
   }
 }
 
@@ -81,20 +280,34 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
 // binary built for baseline x86-64 still uses AVX2 or AVX-512. No FMA is enabled in
 // these targets (and -ffp-contract=off forbids contraction anyway): every variant
 // rounds alike, bit for bit.
-#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__) && \
-    !defined(MPZERO_NO_RUNTIME_SIMD)
-#define MPZERO_RUNTIME_SIMD 1
+#if defined(MPZERO_RUNTIME_SIMD)
 
 template <precision_policy Policy, optim::rule Optimizer>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512"))) void step_range_avx512(
     const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, std::uint32_t size, const step_args<Optimizer>& a) {
-  step_range_body<Policy, Optimizer>(t, begin, size, a);
+  step_range_body<Policy, Optimizer, simd::pair_fill<simd::u64x8>>(t, begin, size, a);
 }
 
 template <precision_policy Policy, optim::rule Optimizer>
 __attribute__((target("avx2"))) void step_range_avx2(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin,
                                                      std::uint32_t size, const step_args<Optimizer>& a) {
-  step_range_body<Policy, Optimizer>(t, begin, size, a);
+  step_range_body<Policy, Optimizer, simd::pair_fill<simd::u64x4>>(t, begin, size, a);
+}
+
+// The build's baseline (SSE2 on x86-64; whatever -m flags the build adds, which the
+// random bits use too).
+#if defined(__AVX512F__)
+using baseline_pair_fill = simd::pair_fill<simd::u64x8>;
+#elif defined(__AVX2__)
+using baseline_pair_fill = simd::pair_fill<simd::u64x4>;
+#else
+using baseline_pair_fill = simd::pair_fill<simd::u64x2>;
+#endif
+
+template <precision_policy Policy, optim::rule Optimizer>
+void step_range_baseline(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, std::uint32_t size,
+                         const step_args<Optimizer>& a) {
+  step_range_body<Policy, Optimizer, baseline_pair_fill>(t, begin, size, a);
 }
 
 // 2: AVX-512 (F, BW, VL, DQ), 1: AVX2, 0: the build's baseline. MPZERO_HOST_SIMD=0/1/2
@@ -122,10 +335,11 @@ void step_range(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, st
   switch (simd_level()) {
     case 2: step_range_avx512<Policy, Optimizer>(t, begin, size, a); return;
     case 1: step_range_avx2<Policy, Optimizer>(t, begin, size, a); return;
-    default: break;
+    default: step_range_baseline<Policy, Optimizer>(t, begin, size, a); return;
   }
-#endif
+#else
   step_range_body<Policy, Optimizer>(t, begin, size, a);
+#endif
 }
 
 }  // namespace detail

@@ -1,6 +1,7 @@
 // mpzero: the CUDA backend of the fused step and of the gradient check. These
-// kernels only move data: the arithmetic is update_element() and to_float(), the
-// code the host backend runs, so both give the same bits.
+// kernels only move data: the arithmetic is update_element_with_bits() with the
+// rounding bits of pair_random_bits() / element_pair_bits(), and to_float(), the code
+// the host backend runs, so both give the same bits.
 //
 // Two-phase use (CUB's habit): ask workspace_bytes(), hand in device memory with
 // upload() once (the tensor and chunk tables live there and are reused every step),
@@ -66,12 +67,23 @@ __global__ void __launch_bounds__(Threads)
     load_vec(master + i, w);
 #pragma unroll
     for (int k = 0; k < n; ++k) load_vec(states[k] + i, s[k]);
+    // One Philox draw per pair of elements (numeric/philox.hpp). i is a multiple of
+    // Ilp (even), so every thread of the block sees the same parity of base + i: when
+    // base is odd, element 0's pair began in the previous thread's group and is drawn
+    // again here; the bits depend on the global index alone.
+    philox_u32x4 draw{};
 #pragma unroll
     for (int j = 0; j < Ilp; ++j) {
+      const std::uint64_t gi = base + i + j;
+      element_bits bits{};
+      if constexpr (Policy::rounding::stochastic) {
+        if (j == 0 || (gi & 1u) == 0) draw = pair_random_bits(args.seed, args.step, gi >> 1);
+        bits = element_pair_bits(draw, gi);
+      }
       state_t sj[n];
 #pragma unroll
       for (int k = 0; k < n; ++k) sj[k] = s[k][j];
-      update_element<Policy, Optimizer>(args, base + i + j, w[j], g[j], sj, p[j]);
+      update_element_with_bits<Policy, Optimizer>(args, bits, w[j], g[j], sj, p[j]);
 #pragma unroll
       for (int k = 0; k < n; ++k) s[k][j] = sj[k];
     }
@@ -80,7 +92,8 @@ __global__ void __launch_bounds__(Threads)
 #pragma unroll
     for (int k = 0; k < n; ++k) store_vec(states[k] + i, s[k]);
   }
-  // Tail, or a tensor whose pointers are not 16-byte aligned: one element at a time.
+  // Tail, or a tensor whose pointers are not 16-byte aligned: one element at a time,
+  // each drawing its pair's bits for itself.
   for (std::uint32_t i = n_vec + threadIdx.x; i < c.size; i += Threads) {
     master_t w = master[i];
     state_t s[n];

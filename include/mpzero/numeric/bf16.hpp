@@ -33,14 +33,19 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr bf16 bf16_from_float_rn(float f)
 }
 
 // Stochastic rounding: the magnitude rounds up with probability equal to the
-// discarded fraction, so E[to_float(result)] == f. `rand` supplies 32 uniform bits
-// (only the low 16 are needed). Values beyond the largest finite bf16 may round to
-// infinity with the probability that proportion implies; NaN and infinities pass through.
-MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr bf16 bf16_from_float_sr(float f, std::uint32_t rand) noexcept {
+// discarded fraction, so E[to_float(result)] == f exactly: float -> bf16 discards
+// exactly 16 bits, and `rand16` supplies 16 uniform bits, so adding them carries into
+// the kept bits with probability (discarded bits) / 2^16. Values beyond the largest
+// finite bf16 may round to infinity with the probability that proportion implies; NaN
+// and infinities pass through.
+//
+// Infinities need no case of their own: adding less than 2^16 to 0x7f800000 or
+// 0xff800000 leaves the top 16 bits as they are. One select (for NaN) instead of
+// three keeps the vectorized host step short: it rounds three values per element.
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr bf16 bf16_from_float_sr(float f, std::uint16_t rand16) noexcept {
   const std::uint32_t u = detail::float_as_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{0x7fffu};
-  if ((u & 0x7fffffffu) == 0x7f800000u) return bf16{static_cast<std::uint16_t>(u >> 16)};
-  return bf16{static_cast<std::uint16_t>((u + (rand & 0xffffu)) >> 16)};
+  const std::uint32_t rounded = (u + rand16) >> 16;
+  return bf16{static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fffu : rounded)};
 }
 
 }  // namespace mpzero

@@ -35,24 +35,25 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr T from_float(float x) noexcept {
   }
 }
 
-// Stochastic conversion with 32 random bits; identity for float.
+// Stochastic conversion with 16 random bits; identity for float.
 template <storage_type T>
-MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr T from_float_sr(float x, std::uint32_t rand) noexcept {
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr T from_float_sr(float x, std::uint16_t rand16) noexcept {
   if constexpr (std::same_as<T, float>) {
+    (void)rand16;
     return x;
   } else if constexpr (std::same_as<T, bf16>) {
-    return bf16_from_float_sr(x, rand);
+    return bf16_from_float_sr(x, rand16);
   } else {
-    return fp16_from_float_sr(x, rand);
+    return fp16_from_float_sr(x, rand16);
   }
 }
 
 template <storage_type T, rounding_mode R>
-MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr T round_as(float x, std::uint32_t rand) noexcept {
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr T round_as(float x, std::uint16_t rand16) noexcept {
   if constexpr (R::stochastic) {
-    return from_float_sr<T>(x, rand);
+    return from_float_sr<T>(x, rand16);
   } else {
-    (void)rand;
+    (void)rand16;
     return from_float<T>(x);
   }
 }

@@ -137,16 +137,21 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr fp16 fp16_from_float_rn(float f)
   return fp16{static_cast<std::uint16_t>(r)};
 }
 
-// Stochastic rounding with 32 uniform random bits; E[to_float(result)] == f up to
-// 2^-32 of an ulp. Values in [65504, 65536) may round to infinity, larger ones do.
-MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr fp16 fp16_from_float_sr(float f, std::uint32_t rand) noexcept {
+// Stochastic rounding with 16 uniform random bits. A normal half result discards 13
+// bits of the float significand: rounding up iff rand16 < rem << 3 is the same test as
+// (rand16 >> 3) < rem, an exact probability rem / 2^13, so E[to_float(result)] == f.
+// A subnormal half result discards more than 16 bits where |f| < 2^-17; the
+// probability is then truncated to 16 bits and the expected result is low by less than
+// 2^-16 ulp (docs/precision.md). Values in [65504, 65536) may round to infinity,
+// larger ones do.
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr fp16 fp16_from_float_sr(float f, std::uint16_t rand16) noexcept {
   const std::uint32_t x = detail::float_as_bits(f);
   const std::uint32_t u = x & 0x7fffffffu;
   const std::uint32_t sign = (x >> 16) & 0x8000u;
   if (u > 0x7f800000u) return fp16{0x7fffu};
   if (u >= 0x47800000u) return fp16{static_cast<std::uint16_t>(sign | 0x7c00u)};
   const detail::fp16_split s = detail::split_for_fp16(u);
-  return fp16{static_cast<std::uint16_t>(sign | detail::round_stochastic(s.kept, s.rem, s.shift, rand))};
+  return fp16{static_cast<std::uint16_t>(sign | detail::round_stochastic(s.kept, s.rem, s.shift, rand16))};
 }
 
 }  // namespace mpzero

@@ -68,30 +68,46 @@ step_args<Optimizer> make_step_args(const typename Optimizer::options& o, std::u
 
 // The whole update of one element, in registers. `w` is the master value (the
 // parameter itself when Policy::master_is_param); `p` receives the parameter when
-// the master is separate.
+// the master is separate. `bits` are the element's stochastic-rounding bits
+// (element_pair_bits of its pair's draw; ignored under nearest rounding): the master
+// rounds with half 0, optimizer state k with half 1 + k. Loops draw once per pair of
+// elements and pass each its share.
 template <precision_policy Policy, optim::rule Optimizer>
-MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void update_element(const step_args<Optimizer>& a, std::uint64_t global_index,
-                                                          typename Policy::master_type& w,
-                                                          typename Policy::grad_type g,
-                                                          typename Policy::state_type (&s)[Optimizer::n_states],
-                                                          typename Policy::param_type& p) {
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void update_element_with_bits(const step_args<Optimizer>& a, element_bits bits,
+                                                                    typename Policy::master_type& w,
+                                                                    typename Policy::grad_type g,
+                                                                    typename Policy::state_type (&s)[Optimizer::n_states],
+                                                                    typename Policy::param_type& p) {
   using R = typename Policy::rounding;
   constexpr int n = Optimizer::n_states;
+  static_assert(1 + n <= 4, "stochastic rounding gives each element four 16-bit random halves (master + 3 states); "
+                            "an optimizer with more than 3 states needs a wider draw per element");
   float wf = to_float(w);
   const float gf = fp::mul(to_float(g), a.grad_scale);
   float sf[n];
   for (int k = 0; k < n; ++k) sf[k] = to_float(s[k]);
   Optimizer::update(a.opt, wf, gf, sf);
-  philox_u32x4 bits{};
-  if constexpr (R::stochastic) bits = element_random_bits(a.seed, a.step, global_index);
-  w = round_as<typename Policy::master_type, R>(wf, bits.v[0]);
-  for (int k = 0; k < n; ++k) s[k] = round_as<typename Policy::state_type, R>(sf[k], bits.v[1 + k]);
+  w = round_as<typename Policy::master_type, R>(wf, bits.half(0));
+  for (int k = 0; k < n; ++k) s[k] = round_as<typename Policy::state_type, R>(sf[k], bits.half(1 + k));
   if constexpr (!Policy::master_is_param) {
     // The parameter is a copy of a wider master: nearest rounding, the master keeps the precision.
     p = from_float<typename Policy::param_type>(wf);
   } else {
     (void)p;
   }
+}
+
+// The same update with the element's bits drawn on their own (one draw for one
+// element): the scalar reference, and the path for elements updated one at a time.
+template <precision_policy Policy, optim::rule Optimizer>
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void update_element(const step_args<Optimizer>& a, std::uint64_t global_index,
+                                                          typename Policy::master_type& w,
+                                                          typename Policy::grad_type g,
+                                                          typename Policy::state_type (&s)[Optimizer::n_states],
+                                                          typename Policy::param_type& p) {
+  element_bits bits{};
+  if constexpr (Policy::rounding::stochastic) bits = element_rounding_bits(a.seed, a.step, global_index);
+  update_element_with_bits<Policy, Optimizer>(a, bits, w, g, s, p);
 }
 
 // The description of a fused step: validated tensors and their chunk plan. Build it
