@@ -36,8 +36,10 @@ struct snapshot {
 };
 
 template <class Policy, class Opt, int Stage, class Comm, class Backend, class Offload = offload_none>
-snapshot train(Comm& comm, Backend backend, const std::vector<std::uint64_t>& numels, bool pinned = true) {
+snapshot train(Comm& comm, Backend backend, const std::vector<std::uint64_t>& numels, bool pinned = true,
+               const std::vector<dtype>& wire = {}) {
   zero_options zo;
+  zo.wire_dtypes = wire;
   zo.pin_memory = pinned;
   zo.offload_sub_group_numel = 30000;  // several sub-groups: uploads overlap the host step
   zo.reduce_bucket_numel = 5000;
@@ -95,17 +97,17 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 template <class Policy, class Opt, int Stage, class Offload = offload_none>
-void compare_backends(bool pinned = true) {
+void compare_backends(bool pinned = true, const std::vector<dtype>& wire = {}) {
   require_device();
   const std::vector<std::uint64_t> numels{70001, 0, 33, 12345, 7, 100000};
   comm::local_communicator local;
-  const snapshot host = train<Policy, Opt, Stage>(local, host_backend{}, numels);
+  const snapshot host = train<Policy, Opt, Stage>(local, host_backend{}, numels, true, wire);
   cudaStream_t stream = nullptr;
   MPZERO_CUDA_CHECK(cudaStreamCreate(&stream));
   snapshot dev;
   {
     comm::nccl_communicator nccl;
-    dev = train<Policy, Opt, Stage, comm::nccl_communicator, cuda_backend, Offload>(nccl, cuda_backend{stream}, numels, pinned);
+    dev = train<Policy, Opt, Stage, comm::nccl_communicator, cuda_backend, Offload>(nccl, cuda_backend{stream}, numels, pinned, wire);
   }
   MPZERO_CUDA_CHECK(cudaStreamDestroy(stream));
   INFO("stage " << Stage << (pinned ? "" : ", pageable host memory"));
@@ -178,4 +180,14 @@ TEST_CASE("CUDA backend: pinned host memory; copy-stream transfers ordered after
     REQUIRE(none.done());
   }
   MPZERO_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+TEST_CASE("ZeRO on CUDA + NCCL with per-parameter wire dtypes equals the host backend", "[gpu][zero]") {
+  // numels {70001, 0, 33, 12345, 7, 100000}: runs of bf16, fp16 and fp32 on the wire,
+  // buckets of 5000 elements mixing them.
+  const std::vector<dtype> wire{dtype::bf16, dtype::fp32, dtype::fp16, dtype::fp32, dtype::bf16, dtype::bf16};
+  compare_backends<policies::fp32, optim::adamw, 0>(true, wire);
+  compare_backends<policies::fp32, optim::adamw, 2>(true, wire);
+  compare_backends<policies::bf16_fp32_master, optim::adamw, 3>(true, wire);
+  compare_backends<policies::bf16_fp32_master, optim::adamw, 2, offload_cpu>(true, wire);
 }
