@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <new>
+#include <string>
 
 #include <sys/mman.h>
 #if defined(_OPENMP)
@@ -161,6 +162,22 @@ void fill(const buffer<T>& b, std::uint64_t chunk, fill_range r) {
   parallel_chunks(b.size(), chunk, [&](std::uint64_t begin, std::uint64_t end) {
     for (std::uint64_t i = begin; i < end; ++i) p[i] = mpzero::from_float<T>(hashed_uniform(i, r.salt, r.lo, r.hi));
   });
+}
+
+// The host step's build and run-time configuration, in the benchmark's context block,
+// so that every result file says what it measured.
+inline void add_host_context() {
+  benchmark::AddCustomContext("mpzero_threads", std::to_string(bench_threads()));
+  benchmark::AddCustomContext("mpzero_chunk_elements", std::to_string(kChunk));
+  benchmark::AddCustomContext("mpzero_host_simd", mpzero::host::simd_name());
+#if defined(MPZERO_BENCH_NATIVE_ON)
+  benchmark::AddCustomContext("mpzero_march_native", "yes");
+#else
+  benchmark::AddCustomContext("mpzero_march_native", "no");
+#endif
+#if defined(MPZERO_BENCH_CXX_FLAGS)
+  benchmark::AddCustomContext("mpzero_cxx_flags", MPZERO_BENCH_CXX_FLAGS);
+#endif
 }
 
 }  // namespace mpzero_bench

@@ -164,17 +164,7 @@ BENCHMARK(BM_rmw)->Apply(copy_sizes);
 BENCHMARK(BM_triad)->Apply(step_sizes);
 
 int main(int argc, char** argv) {
-  benchmark::AddCustomContext("mpzero_threads", std::to_string(bench_threads()));
-  benchmark::AddCustomContext("mpzero_chunk_elements", std::to_string(kChunk));
-  benchmark::AddCustomContext("mpzero_host_simd", host::simd_name());
-#if defined(MPZERO_BENCH_NATIVE_ON)
-  benchmark::AddCustomContext("mpzero_march_native", "yes");
-#else
-  benchmark::AddCustomContext("mpzero_march_native", "no");
-#endif
-#if defined(MPZERO_BENCH_CXX_FLAGS)
-  benchmark::AddCustomContext("mpzero_cxx_flags", MPZERO_BENCH_CXX_FLAGS);
-#endif
+  add_host_context();
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

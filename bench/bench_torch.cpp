@@ -119,13 +119,15 @@ void fused_adamw(const at::Tensor& param, const at::Tensor& grad, const at::Tens
 }
 
 // The torch counterpart of a policy: what a LibTorch program runs for the same model.
+// One dtype for parameters, gradients and states (fp32, bf16_all): one fused call.
 template <precision_policy Policy>
-class torch_side;
+class torch_side {
+  static_assert(Policy::master_is_param && std::is_same_v<typename Policy::param_type, typename Policy::grad_type> &&
+                    std::is_same_v<typename Policy::param_type, typename Policy::state_type>,
+                "torch's fused AdamW takes one dtype for params, grads and states: specialize torch_side");
 
-template <>
-class torch_side<policies::fp32> {
  public:
-  explicit torch_side(model_state<policies::fp32>& s)
+  explicit torch_side(model_state<Policy>& s)
       : p_(wrap(s.param)), g_(wrap(s.grad)), m_(wrap(s.exp_avg)), v_(wrap(s.exp_avg_sq)) {}
   void run() const { fused_adamw(p_, g_, m_, v_, step_); }
   static constexpr std::uint64_t extra_bytes_per_element = 0;
@@ -159,19 +161,6 @@ class torch_side<policies::bf16_fp32_master> {
  private:
   buffer<float> grad32_;
   at::Tensor p_, g_, w_, g32_, m_, v_;
-  at::Tensor step_ = at::scalar_tensor(static_cast<double>(kStep), at::kFloat);
-};
-
-template <>
-class torch_side<policies::bf16_all> {
- public:
-  explicit torch_side(model_state<policies::bf16_all>& s)
-      : p_(wrap(s.param)), g_(wrap(s.grad)), m_(wrap(s.exp_avg)), v_(wrap(s.exp_avg_sq)) {}
-  void run() const { fused_adamw(p_, g_, m_, v_, step_); }
-  static constexpr std::uint64_t extra_bytes_per_element = 0;
-
- private:
-  at::Tensor p_, g_, m_, v_;
   at::Tensor step_ = at::scalar_tensor(static_cast<double>(kStep), at::kFloat);
 };
 
@@ -410,16 +399,7 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("torch_version", TORCH_VERSION);
   benchmark::AddCustomContext("torch_threads", std::to_string(at::get_num_threads()));
   benchmark::AddCustomContext("torch_cpu_capability", at::get_cpu_capability());
-  benchmark::AddCustomContext("mpzero_threads", std::to_string(bench_threads()));
-  benchmark::AddCustomContext("mpzero_host_simd", host::simd_name());
-#if defined(MPZERO_BENCH_NATIVE_ON)
-  benchmark::AddCustomContext("mpzero_march_native", "yes");
-#else
-  benchmark::AddCustomContext("mpzero_march_native", "no");
-#endif
-#if defined(MPZERO_BENCH_CXX_FLAGS)
-  benchmark::AddCustomContext("mpzero_cxx_flags", MPZERO_BENCH_CXX_FLAGS);
-#endif
+  add_host_context();
 
   // The display is always the console format (colour on a terminal only); write JSON
   // with --benchmark_out=FILE --benchmark_out_format=json.
