@@ -32,7 +32,6 @@ using mpzero::testing::world;
 
 namespace {
 
-
 // ---- models ------------------------------------------------------------------------
 
 // Two Linear(4, 4) layers. forward(x) gives logits, forward(x, y) the MSE loss (in fp32).

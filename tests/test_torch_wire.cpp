@@ -23,7 +23,6 @@
 #include <string>
 #include <vector>
 
-
 namespace mt = mpzero::torch;
 using torch::Tensor;
 using json = nlohmann::json;
@@ -33,7 +32,6 @@ using mpzero::testing::W;
 using mpzero::testing::world;
 
 namespace {
-
 
 // Linear -> LayerNorm -> Linear: parameters of a lower-precision-safe module class and
 // of one that is not.
