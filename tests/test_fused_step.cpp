@@ -84,10 +84,30 @@ struct problem {
     };
     for (const auto& v : param) put(v);
     for (const auto& v : master) put(v);
-    for (const auto& v : state) put(v);
+    // States by state index, then tensor: a model cut into tensors lists its states in
+    // the same order as the uncut one.
+    for (int k = 0; k < n; ++k)
+      for (std::size_t t = 0; t < param.size(); ++t) put(state[t * n + k]);
     return out;
   }
 };
+
+// The elements of `whole` (a problem of one tensor) cut into consecutive tensors of `sizes`.
+template <mpzero::precision_policy P, mpzero::optim::rule O>
+problem<P, O> cut_problem(const problem<P, O>& whole, const std::vector<std::uint64_t>& sizes) {
+  constexpr int n = O::n_states;
+  problem<P, O> pr(sizes, 0);
+  std::uint64_t at = 0;
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    auto cut = [&](auto& dst, const auto& src) { dst.assign(src.begin() + at, src.begin() + at + sizes[t]); };
+    cut(pr.param[t], whole.param[0]);
+    if constexpr (!P::master_is_param) cut(pr.master[t], whole.master[0]);
+    cut(pr.grad[t], whole.grad[0]);
+    for (int k = 0; k < n; ++k) cut(pr.state[t * n + k], whole.state[k]);
+    at += sizes[t];
+  }
+  return pr;
+}
 
 // How many entries of two bit vectors differ (a length difference counts in full).
 // Compared this way, not with ==, so that a failure prints a number rather than a
@@ -148,16 +168,7 @@ TEST_CASE("stochastic rounding bits follow the global element index, not the ten
 
   auto run = [&](const std::vector<std::uint64_t>& sizes, auto make_tensors, std::uint64_t seed, std::uint64_t step) {
     // The same data whatever the split: generate N elements, then cut them.
-    problem<bf16_all_sr, lion> whole({N}, 5);
-    problem<bf16_all_sr, lion> pr(sizes, 5);
-    std::uint64_t at = 0;
-    for (std::size_t t = 0; t < sizes.size(); ++t) {
-      auto cut = [&](auto& dst, const auto& src) { dst.assign(src.begin() + at, src.begin() + at + sizes[t]); };
-      cut(pr.param[t], whole.param[0]);
-      cut(pr.grad[t], whole.grad[0]);
-      cut(pr.state[t], whole.state[0]);
-      at += sizes[t];
-    }
+    problem<bf16_all_sr, lion> pr = cut_problem(problem<bf16_all_sr, lion>({N}, 5), sizes);
     const mpzero::fused_step<bf16_all_sr, lion> fused(make_tensors(pr));
     mpzero::host::run(fused, mpzero::make_step_args<lion>(opt, step, 1.0f, seed));
     return pr.bits();
@@ -197,7 +208,6 @@ template <mpzero::precision_policy P, mpzero::optim::rule O>
 std::vector<std::uint32_t> run_split(std::uint64_t N, const std::vector<std::uint64_t>& cuts, std::uint64_t first,
                                      const typename O::options& opt, mpzero::plan_options plan,
                                      mpzero::host::options host, int steps = 2) {
-  constexpr int n = O::n_states;
   std::vector<std::uint64_t> sizes;
   std::uint64_t prev = 0;
   for (const std::uint64_t c : cuts) {
@@ -205,33 +215,11 @@ std::vector<std::uint32_t> run_split(std::uint64_t N, const std::vector<std::uin
     prev = c;
   }
   sizes.push_back(N - prev);
-  const problem<P, O> whole({N}, 11);
-  problem<P, O> pr(sizes, 11);
-  std::uint64_t at = 0;
-  for (std::size_t t = 0; t < sizes.size(); ++t) {
-    auto cut = [&](auto& dst, const auto& src) { dst.assign(src.begin() + at, src.begin() + at + sizes[t]); };
-    cut(pr.param[t], whole.param[0]);
-    if constexpr (!P::master_is_param) cut(pr.master[t], whole.master[0]);
-    cut(pr.grad[t], whole.grad[0]);
-    for (int k = 0; k < n; ++k) cut(pr.state[t * n + k], whole.state[k]);
-    at += sizes[t];
-  }
+  problem<P, O> pr = cut_problem(problem<P, O>({N}, 11), sizes);
   const mpzero::fused_step<P, O> fused(pr.tensors(first), plan);
   for (int s = 1; s <= steps; ++s)
     mpzero::host::run(fused, mpzero::make_step_args<O>(opt, static_cast<std::uint64_t>(s), 0.5f, 1234), host);
-  std::vector<std::uint32_t> out;
-  auto put = [&out](const auto& v) {
-    for (const auto& x : v) {
-      std::uint32_t u = 0;
-      std::memcpy(&u, &x, sizeof(x));
-      out.push_back(u);
-    }
-  };
-  for (const auto& v : pr.param) put(v);
-  for (const auto& v : pr.master) put(v);
-  for (int k = 0; k < n; ++k)
-    for (std::size_t t = 0; t < sizes.size(); ++t) put(pr.state[t * n + k]);
-  return out;
+  return pr.bits();
 }
 
 template <mpzero::precision_policy P, mpzero::optim::rule O>

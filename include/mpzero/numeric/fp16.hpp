@@ -59,27 +59,17 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr float to_float(fp16 x) noexcept 
   const std::uint32_t normal = sign | ((exponent + 112u) << 23) | (mantissa << 13);
   // Subnormal: mantissa * 2^-24. Normalise the leading one to bit 9 in constant
   // shifts; d = 9 - floor(log2(mantissa)), and the float exponent is 103 + 9 - d.
+  // Selects, not branches, so the host loops vectorize.
   std::uint32_t m = mantissa, d = 0;
-  {
-    const bool c = m < (1u << 2);
-    m = c ? m << 8 : m;
-    d += c ? 8u : 0u;
-  }
-  {
-    const bool c = m < (1u << 6);
-    m = c ? m << 4 : m;
-    d += c ? 4u : 0u;
-  }
-  {
-    const bool c = m < (1u << 8);
-    m = c ? m << 2 : m;
-    d += c ? 2u : 0u;
-  }
-  {
-    const bool c = m < (1u << 9);
-    m = c ? m << 1 : m;
-    d += c ? 1u : 0u;
-  }
+  const auto normalise = [&](std::uint32_t below, std::uint32_t shift) {
+    const bool c = m < below;
+    m = c ? m << shift : m;
+    d += c ? shift : 0u;
+  };
+  normalise(1u << 2, 8u);
+  normalise(1u << 6, 4u);
+  normalise(1u << 8, 2u);
+  normalise(1u << 9, 1u);
   const std::uint32_t subnormal = sign | (mantissa == 0u ? 0u : (((112u - d) << 23) | ((m << 14) & 0x7fffffu)));
   const std::uint32_t special = mantissa != 0u ? 0x7fffffffu : (sign | 0x7f800000u);
   const std::uint32_t r = exponent == 0x1fu ? special : (exponent == 0u ? subnormal : normal);
