@@ -25,15 +25,13 @@
 #include <mpzero/zero/zero_optimizer.hpp>
 
 #include "support/deferred_backend.hpp"
+#include "support/mpi_world.hpp"
 
 using namespace mpzero;
 
 namespace {
 
-comm::mpi_communicator& world() {
-  static comm::mpi_communicator c(MPI_COMM_WORLD);
-  return c;
-}
+using mpzero::testing::world;
 
 // The gradient element `e` of parameter `p` that rank `r` reports in backward pass
 // `pass` of optimizer step `step`: an integer in [-8, 8] times 2^-6.

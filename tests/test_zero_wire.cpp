@@ -26,14 +26,13 @@
 #include <mpzero/comm/mpi.hpp>
 #include <mpzero/zero/zero_optimizer.hpp>
 
+#include "support/mpi_world.hpp"
+
 using namespace mpzero;
 
 namespace {
 
-comm::mpi_communicator& world() {
-  static comm::mpi_communicator c(MPI_COMM_WORLD);
-  return c;
-}
+using mpzero::testing::world;
 
 // ---- the reference arithmetic ---------------------------------------------------------
 

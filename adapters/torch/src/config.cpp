@@ -537,7 +537,7 @@ void parse_zero(const json& j, config& c) {
   c.zero.stage = static_cast<int>(r.integer("stage", 0, 0, 3));
   if (const json* o = r.object("offload_optimizer")) parse_offload_optimizer(*o, c);
   c.zero.reduce_bucket_size = r.unsigned_integer("reduce_bucket_size", 500'000'000, 1);
-  c.zero.sub_group_size = r.unsigned_integer("sub_group_size", 0, 1);
+  if (j.contains("sub_group_size")) c.zero.sub_group_size = r.unsigned_integer("sub_group_size", 0, 1);
   c.zero.allgather_bucket_size = r.unsigned_integer("allgather_bucket_size", 500'000'000, 1);
   // DeepSpeed's default overlaps communication in stage 3 only.
   c.zero.overlap_comm = r.boolean("overlap_comm", c.zero.stage == 3);
@@ -1076,7 +1076,7 @@ json to_json(const config& c) {
       {"stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size},
       {"leaf_module",
        {{"classes", z.leaf_module_classes}, {"names", z.leaf_module_names}, {"name_suffixes", z.leaf_module_name_suffixes}}}};
-  if (z.sub_group_size > 0) j["zero_optimization"]["sub_group_size"] = z.sub_group_size;  // 0: not given
+  if (z.sub_group_size) j["zero_optimization"]["sub_group_size"] = *z.sub_group_size;
   j["gradient_clipping"] = c.gradient_clipping;
   const optimizer_config& op = c.optimizer;
   json params = {{"lr", op.lr}, {"weight_decay", op.weight_decay}};

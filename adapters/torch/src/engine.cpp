@@ -272,7 +272,7 @@ void engine_state::init() {
   spec.master = cfg_.master_dtype();
   spec.grad = cfg_.grad_dtype();
   spec.state = cfg_.state_dtype();
-  spec.stochastic_rounding = cfg_.rounding == "stochastic";
+  spec.stochastic_rounding = cfg_.stochastic_rounding();
   spec.optimizer = cfg_.optimizer.type;
   spec.stage = cfg_.zero.stage;
   spec.offload = cfg_.zero.offload_optimizer == offload_device::cpu;
@@ -288,7 +288,7 @@ void engine_state::init() {
   zo.average_gradients = true;
   zo.seed = cfg_.seed;
   zo.pin_memory = cfg_.zero.offload_pin_memory;
-  if (cfg_.zero.sub_group_size > 0) zo.offload_sub_group_numel = cfg_.zero.sub_group_size;
+  if (cfg_.zero.sub_group_size) zo.offload_sub_group_numel = *cfg_.zero.sub_group_size;
   needs_scaling_ = cfg_.fp16;
 
   // The dtype each gradient is reduced in (DeepSpeed's get_comm_dtype): the autocast
@@ -296,7 +296,7 @@ void engine_state::init() {
   // for the others, else their own (accumulation) dtype. Passed to the core at run
   // time, so no instantiation is added for it; all in the gradient dtype is the
   // core's default path (no list).
-  comm_dtypes_.assign(params_.size(), cfg_.communication_data_type.value_or(spec.grad));
+  comm_dtypes_.assign(params_.size(), cfg_.comm_dtype());
   if (cfg_.torch_autocast.enabled) {
     for (const auto& m : module_->modules(/*include_self=*/true)) {
       if (!is_lower_precision_safe(m->name(), cfg_.torch_autocast.lower_precision_safe_modules)) continue;

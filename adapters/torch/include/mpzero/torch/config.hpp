@@ -55,8 +55,8 @@ struct zero_config {
   offload_device offload_optimizer = offload_device::none;
   bool offload_pin_memory = true;
   // The host step's sub-group (ZeroOptimizer's offload_sub_group_numel): DeepSpeed's
-  // sub_group_size. 0 (not given): mpzero's default, 2^24 elements.
-  std::uint64_t sub_group_size = 0;
+  // sub_group_size. Not given: mpzero's default, 2^24 elements.
+  std::optional<std::uint64_t> sub_group_size;
   std::uint64_t reduce_bucket_size = 500'000'000;
   std::uint64_t allgather_bucket_size = 500'000'000;
   bool overlap_comm = true;
