@@ -25,6 +25,16 @@
 
 namespace mpzero::host {
 
+// The code below differs with MPZERO_RUNTIME_SIMD (on for g++, off in nvcc's host pass
+// and elsewhere). Each variant lives in its own inline namespace, so a program that
+// links translation units of both kinds gets two sets of functions, not two bodies
+// for one name (which would break the one-definition rule).
+#if defined(MPZERO_RUNTIME_SIMD)
+inline namespace simd_dispatch {
+#else
+inline namespace portable {
+#endif
+
 struct options {
   int threads = 0;  // 0: OpenMP's default (OMP_NUM_THREADS or all cores)
 };
@@ -414,4 +424,5 @@ grad_stats gradient_stats(const multi_tensor_plan& plan, std::span<const grad_vi
   return total;
 }
 
+}  // inline namespace simd_dispatch / portable
 }  // namespace mpzero::host

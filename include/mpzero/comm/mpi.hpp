@@ -475,10 +475,6 @@ class mpi_communicator : public blocking_collectives<mpi_communicator> {
 
   // ---- blocking: post and wait ---------------------------------------------------
   // all_reduce, reduce_scatter_v, all_gather_v and broadcast come from blocking_collectives.
-  using blocking_collectives::all_reduce;
-  using blocking_collectives::all_gather_v;
-  using blocking_collectives::broadcast;
-  using blocking_collectives::reduce_scatter_v;
   void barrier() { ibarrier().wait(); }
 
   // Raw bytes from root to every rank: ships an ncclUniqueId, a config blob, ...

@@ -429,10 +429,6 @@ class nccl_communicator : public blocking_collectives<nccl_communicator> {
 
   // ---- blocking: enqueue, then wait on the host ------------------------------------
   // all_reduce, reduce_scatter_v, all_gather_v and broadcast come from blocking_collectives.
-  using blocking_collectives::all_reduce;
-  using blocking_collectives::all_gather_v;
-  using blocking_collectives::broadcast;
-  using blocking_collectives::reduce_scatter_v;
   void barrier() { iall_reduce(st_->scratch, st_->scratch, 1, reduce_op::sum).wait(); }
 
  private:

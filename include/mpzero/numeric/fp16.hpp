@@ -118,10 +118,7 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr fp16 fp16_from_float_rn(float f)
   const std::uint32_t kept = normal ? (u - 0x38000000u) >> 13 : sub_kept;
   const std::uint32_t rem = normal ? (u & 0x1fffu) : mantissa & (unit - 1u);
   const std::uint32_t half = normal ? 0x1000u : unit >> 1;
-  // Nearest-even in bitwise arithmetic (round_nearest_even's || and && leave too
-  // many joins for GCC's if-conversion once inlined here).
-  const std::uint32_t up = (static_cast<std::uint32_t>(rem > half) | (static_cast<std::uint32_t>(rem == half) & kept)) & 1u;
-  std::uint32_t r = sign | (kept + up);
+  std::uint32_t r = sign | detail::round_nearest_even(kept, rem, half);
   r = u >= 0x47800000u ? (sign | 0x7c00u) : r;
   r = u > 0x7f800000u ? 0x7fffu : r;
   return fp16{static_cast<std::uint16_t>(r)};

@@ -124,7 +124,6 @@ class ZeroOptimizer {
   using grad_type = typename Policy::grad_type;
   using state_type = typename Policy::state_type;
   using wire_type = Wire;
-  static constexpr bool converts_on_wire = !std::same_as<Wire, typename Policy::grad_type>;
   static constexpr int zero_stage = Stage::value;
   static constexpr int n_states = Optimizer::n_states;
   static constexpr bool offloaded = Offload::value == offload_kind::cpu;
@@ -163,6 +162,17 @@ class ZeroOptimizer {
     }
   }
 
+  // Transfers still in flight read or write buffers freed here: wait for them.
+  ~ZeroOptimizer() {
+    if constexpr (offloaded) {
+      try {
+        for (auto& t : uploads_) t.wait();
+        for (auto& d : downloads_) d.transfer.wait();
+      } catch (...) {  // a failed device: nothing left to protect
+      }
+    }
+  }
+
   ZeroOptimizer(const ZeroOptimizer&) = delete;
   ZeroOptimizer& operator=(const ZeroOptimizer&) = delete;
 
@@ -193,6 +203,7 @@ class ZeroOptimizer {
   // type. Every rank calls it with the same values.
   template <storage_type T>
   void load_param(std::size_t i, const T* values) {
+    if constexpr (offloaded) wait_uploads();  // they read the host master this rewrites
     const std::size_t s = slot(i);
     const flat_range r = layout_.param_range(s);
     // The parameter storage this rank keeps.
@@ -484,9 +495,8 @@ class ZeroOptimizer {
     for (const auto& [k, g] : groups_) m.buckets += g.data.bytes();
     m.host_master = h_master_.bytes();
     m.host_grads = h_grads_.bytes();
-    m.host_states = 0;
     for (const auto& s : h_states_) m.host_states += s.bytes();
-    m.buckets += h_params_.bytes();
+    m.buckets += h_params_.bytes() + host_pools_.bytes();  // offload: the step's output, download staging
     m.model_numel = layout_.total_numel();
     m.padding_numel = layout_.padded_numel() - layout_.total_numel();
     return m;
@@ -695,7 +705,8 @@ class ZeroOptimizer {
 
   void zero_all_grads() {
     backend_.zero(grads_.data(), grads_.size());
-    if constexpr (offloaded) host_.zero(h_grads_.data(), h_grads_.size());
+    // Stage 1 overwrites the host partition with each step's reduced shard instead.
+    if constexpr (offloaded && zero_stage >= 2) host_.zero(h_grads_.data(), h_grads_.size());
   }
 
   // Offload: the host step in sub-groups. Each sub-group's parameters (written by the
@@ -704,8 +715,7 @@ class ZeroOptimizer {
   // forward) is ordered after the uploads, and the host waits for them only at the next
   // step, before it overwrites their source.
   void run_offloaded_step(const step_args<Optimizer>& args) {
-    for (auto& t : uploads_) t.wait();
-    uploads_.clear();
+    wait_uploads();
     for (auto& st : host_steppers_) {
       st.run(args);
       const auto& t = st.tensors().front();
@@ -976,7 +986,9 @@ class ZeroOptimizer {
       const int w = f.wire[dtype_index(d)];
       if (w >= 0) with_wire_type(d, [&]<class T>(T*) { wire_pools_.template get<T>().release(w); });
     }
-    if constexpr (offloaded && Backend::device_memory) retire_downloads(false);
+    // At most two blocks on their way to the host, like the reductions: each holds a
+    // receive buffer and a staging buffer.
+    if constexpr (offloaded && Backend::device_memory) retire_downloads(2);
   }
 
   // Stages 0 and 1, a run in the gradient dtype: reduced in place.
@@ -1025,16 +1037,21 @@ class ZeroOptimizer {
 
   void drain() {
     while (!pending_.empty()) complete_oldest();
-    retire_downloads(true);
+    retire_downloads(0);
+  }
+
+  void wait_uploads() {
+    for (auto& t : uploads_) t.wait();
+    uploads_.clear();
   }
 
   // Adds the downloaded blocks to the host partition, oldest first (the order they were
   // reduced in, so sums are formed in the same order as without overlap): those whose
-  // copies are done, or all of them (waiting) when `all`.
-  void retire_downloads(bool all) {
+  // copies are done, and, waiting, as many more as leave at most `keep` in flight.
+  void retire_downloads(std::size_t keep) {
     while (!downloads_.empty()) {
       download& d = downloads_.front();
-      if (!all && !d.transfer.done()) return;
+      if (downloads_.size() <= keep && !d.transfer.done()) return;
       d.transfer.wait();
       with_wire_type(d.wire, [&]<class T>(T*) {
         host_.accumulate(h_grads_.data() + d.offset, host_pools_.template get<T>().data(d.host), d.n);
@@ -1100,8 +1117,8 @@ class ZeroOptimizer {
     std::uint64_t offset; // in the host partition
     std::uint64_t n;
   };
+  pools<host_buffer> host_pools_;  // before downloads_, which point into it
   std::deque<download> downloads_;
-  pools<host_buffer> host_pools_;
 
   // stage 3
   std::vector<param_type*> gathered_;

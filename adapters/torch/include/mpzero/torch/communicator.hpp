@@ -187,7 +187,7 @@ class any_request {
 };
 
 // A comm::communicator that forwards to a communicator_base. Copies share the target.
-class any_communicator {
+class any_communicator : public comm::blocking_collectives<any_communicator> {
  public:
   using request_type = any_request;
 
@@ -225,22 +225,7 @@ class any_communicator {
     return any_request(impl_->ibroadcast(data, n, wire_of<T>(), root));
   }
 
-  template <comm::wire_type T>
-  void all_reduce(const T* in, T* out, std::uint64_t n, comm::reduce_op op) {
-    iall_reduce(in, out, n, op).wait();
-  }
-  template <comm::wire_type T>
-  void reduce_scatter_v(const T* in, T* out, std::span<const std::uint64_t> counts, comm::reduce_op op) {
-    ireduce_scatter_v(in, out, counts, op).wait();
-  }
-  template <comm::wire_type T>
-  void all_gather_v(const T* in, std::uint64_t n_in, T* out, std::span<const std::uint64_t> counts) {
-    iall_gather_v(in, n_in, out, counts).wait();
-  }
-  template <comm::wire_type T>
-  void broadcast(T* data, std::uint64_t n, int root) {
-    ibroadcast(data, n, root).wait();
-  }
+  // all_reduce, reduce_scatter_v, all_gather_v and broadcast: from comm::blocking_collectives.
   void barrier() { impl_->barrier(); }
 
  private:
