@@ -63,8 +63,6 @@ class core_impl final : public zero_core {
       : comm_(std::move(comm)), spec_(spec_of<Policy, Opt, N, Offload>()), z_(comm_, numels, options_of<Opt>(opt), zo) {}
 
   const core_spec& spec() const noexcept override { return spec_; }
-  std::size_t num_params() const noexcept override { return z_.num_params(); }
-  std::uint64_t numel(std::size_t i) const override { return z_.numel(i); }
 
   void* param_data(std::size_t i) override {
     if constexpr (N < 3) {
@@ -81,7 +79,6 @@ class core_impl final : public zero_core {
     with_storage(t, src, [&](auto* p) { z_.accumulate_grad(i, p, scale); });
   }
   void end_backward() override { z_.end_backward(); }
-  void reduce_gradients() override { z_.reduce_gradients(); }
   void zero_grad() override { z_.zero_grad(); }
   std::vector<float> full_grad(std::size_t i) override { return z_.full_grad(i); }
 
@@ -99,14 +96,12 @@ class core_impl final : public zero_core {
   }
 
   step_report step() override { return z_.step(); }
-  double lr() const override { return z_.options().lr; }
   void set_lr(double lr) override {
     auto o = z_.options();
     o.lr = lr;
     z_.set_options(o);
   }
   double loss_scale() const override { return z_.loss_scale(); }
-  bool loss_scaling() const override { return z_.scaler().has_value(); }
   memory_report memory() const override { return z_.memory(); }
 
  private:

@@ -44,8 +44,6 @@ class zero_core {
   virtual ~zero_core() = default;
 
   virtual const core_spec& spec() const noexcept = 0;
-  virtual std::size_t num_params() const noexcept = 0;
-  virtual std::uint64_t numel(std::size_t i) const = 0;
 
   // Parameter i's storage (spec().param elements), which forward reads and step()
   // updates in place. Stages 0-2 only.
@@ -53,10 +51,9 @@ class zero_core {
   // Sets parameter i (and its master copy) from numel(i) elements of type `t`.
   virtual void load_param(std::size_t i, const void* values, dtype t) = 0;
 
-  // ZeroOptimizer::accumulate_grad / end_backward / reduce_gradients / zero_grad.
+  // ZeroOptimizer::accumulate_grad / end_backward / zero_grad.
   virtual void accumulate_grad(std::size_t i, const void* src, dtype t, float scale) = 0;
   virtual void end_backward() = 0;
-  virtual void reduce_gradients() = 0;
   virtual void zero_grad() = 0;
   // Parameter i's reduced, averaged, unscaled gradient (collective).
   virtual std::vector<float> full_grad(std::size_t i) = 0;
@@ -64,10 +61,8 @@ class zero_core {
   virtual std::vector<std::vector<float>> full_master() = 0;
 
   virtual step_report step() = 0;
-  virtual double lr() const = 0;
   virtual void set_lr(double lr) = 0;
   virtual double loss_scale() const = 0;
-  virtual bool loss_scaling() const = 0;
   virtual memory_report memory() const = 0;
 };
 
