@@ -92,7 +92,9 @@ struct step_report {
 struct memory_report {
   std::uint64_t params = 0, grads = 0, master = 0, states = 0;  // in the backend's memory
   std::uint64_t host_master = 0, host_grads = 0, host_states = 0;  // CPU offload: in host memory
-  std::uint64_t buckets = 0;  // staging, wire-typed and receive buffers of the reductions; stage 3's gathers
+  std::uint64_t buckets = 0;  // in the backend's memory: staging, wire-typed and receive buffers of the
+                              // reductions; stage 3's gathers
+  std::uint64_t host_buckets = 0;  // CPU offload, in host memory: the step's parameter output, download staging
   std::uint64_t model_numel = 0;    // trainable elements, unpadded
   std::uint64_t padding_numel = 0;  // elements added to align the partitions
   std::uint64_t model_state_bytes() const noexcept { return params + grads + master + states; }
@@ -496,7 +498,7 @@ class ZeroOptimizer {
     m.host_master = h_master_.bytes();
     m.host_grads = h_grads_.bytes();
     for (const auto& s : h_states_) m.host_states += s.bytes();
-    m.buckets += h_params_.bytes() + host_pools_.bytes();  // offload: the step's output, download staging
+    m.host_buckets = h_params_.bytes() + host_pools_.bytes();
     m.model_numel = layout_.total_numel();
     m.padding_numel = layout_.padded_numel() - layout_.total_numel();
     return m;
