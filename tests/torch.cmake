@@ -12,3 +12,11 @@ if(TARGET mpzero_torch AND MPI_CXX_FOUND)
 elseif(TARGET mpzero_torch)
   message(STATUS "mpzero: MPI not found; the [torch] tests are not built")
 endif()
+# The engine on CUDA parameters ([gpu]; one process: NCCL takes one rank per GPU), and
+# what any build says about its CUDA path ([torch]). Needs the CUDA cores
+# (MPZERO_TORCH_CUDA) and NCCL; g++ compiles it with the CUDA headers (c10d's NCCL group).
+if(TARGET mpzero_torch AND MPZERO_TORCH_CUDA AND MPZERO_NCCL_FOUND)
+  mpzero_add_test(test_torch_gpu SOURCES test_torch_gpu.cpp TAGS gpu torch LIBS mpzero::torch mpzero_nccl CUDA::cudart)
+  target_compile_definitions(test_torch_gpu PRIVATE USE_C10D_NCCL USE_CUDA)
+  set_tests_properties(test_torch_gpu.torch PROPERTIES ENVIRONMENT OMP_NUM_THREADS=1)
+endif()

@@ -5,13 +5,16 @@
 #  - MPZERO_TORCH_FIND_PACKAGE=ON: find_package(Torch) as LibTorch documents. A CUDA
 #    build of LibTorch (e.g. PyPI's default wheel) then insists on finding the CUDA
 #    toolkit at configure time, and links libtorch_cuda.
-#  - OFF (the default without CUDA): the host part only. The headers and
-#    libtorch_cpu/libc10 are imported directly from the LibTorch prefix, which works
-#    with CPU and CUDA builds alike and needs no CUDA toolkit; CPU tensors only.
+#  - OFF (the default): the headers and libraries are imported directly from the
+#    LibTorch prefix, which works with CPU and CUDA builds alike: libtorch_cpu and
+#    libc10, plus libtorch_cuda and libc10_cuda when the prefix has them and CUDA is
+#    built (MPZERO_HAS_CUDA). LibTorch's CMake package is not needed.
 # The prefix is Torch_DIR/../../.. when Torch_DIR is set, else the installed Python
 # package's (python3 -c "import torch"), else not found: then nothing is defined.
-# The engine has no CUDA path yet (CPU tensors only), so the host part is the default
-# even where CUDA is present.
+#
+# MPZERO_TORCH_CUDA (default: on when CUDA is built and LibTorch has CUDA): the engine's
+# CUDA cores (src/zero_core_cuda.cu: cuda_backend instantiations) for CUDA parameters.
+# The engine itself needs no CUDA headers: it reaches torch's streams through c10.
 set(_mpzero_torch_fp_default OFF)
 option(MPZERO_TORCH_FIND_PACKAGE "Find LibTorch with find_package(Torch) (needs CUDA for CUDA builds of LibTorch)"
        ${_mpzero_torch_fp_default})
@@ -33,15 +36,21 @@ else()
 endif()
 
 set(_mpzero_torch_libs "")
+set(_mpzero_torch_has_cuda OFF)
 if(MPZERO_TORCH_FIND_PACKAGE)
   # GLOBAL: the imported targets must be visible to tests/ and examples/ too.
   find_package(Torch QUIET GLOBAL)
   if(Torch_FOUND)
     set(_mpzero_torch_libs torch)
+    if(MPZERO_HAS_CUDA AND TARGET torch_cuda)
+      set(_mpzero_torch_has_cuda ON)
+    endif()
   endif()
 elseif(_mpzero_torch_prefix)
   find_library(MPZERO_LIBTORCH_CPU torch_cpu PATHS "${_mpzero_torch_prefix}/lib" NO_DEFAULT_PATH)
   find_library(MPZERO_LIBC10 c10 PATHS "${_mpzero_torch_prefix}/lib" NO_DEFAULT_PATH)
+  find_library(MPZERO_LIBTORCH_CUDA torch_cuda PATHS "${_mpzero_torch_prefix}/lib" NO_DEFAULT_PATH)
+  find_library(MPZERO_LIBC10_CUDA c10_cuda PATHS "${_mpzero_torch_prefix}/lib" NO_DEFAULT_PATH)
   if(MPZERO_LIBTORCH_CPU AND MPZERO_LIBC10 AND EXISTS "${_mpzero_torch_prefix}/include/torch/csrc/api/include")
     # GLOBAL: bench/ links it too (mpzero_bench_torch).
     add_library(mpzero_libtorch_cpu INTERFACE IMPORTED GLOBAL)
@@ -50,11 +59,18 @@ elseif(_mpzero_torch_prefix)
     # ships its own libgomp.so.1, which would make CMake warn that the rpath it computes
     # for full paths may hide the compiler's libgomp (one OpenMP runtime is loaded either way).
     get_filename_component(_mpzero_torch_libdir "${MPZERO_LIBTORCH_CPU}" DIRECTORY)
+    # libtorch_cuda registers CUDA with LibTorch when it is loaded (static initialisers),
+    # hence --no-as-needed: nothing references it by symbol.
+    set(_mpzero_torch_link "-ltorch_cpu;-lc10")
+    if(MPZERO_HAS_CUDA AND MPZERO_LIBTORCH_CUDA AND MPZERO_LIBC10_CUDA)
+      set(_mpzero_torch_link "${_mpzero_torch_link};-ltorch_cuda;-lc10_cuda")
+      set(_mpzero_torch_has_cuda ON)
+    endif()
     set_target_properties(mpzero_libtorch_cpu PROPERTIES
       INTERFACE_INCLUDE_DIRECTORIES "${_mpzero_torch_prefix}/include;${_mpzero_torch_prefix}/include/torch/csrc/api/include"
       INTERFACE_COMPILE_DEFINITIONS "USE_DISTRIBUTED"
       INTERFACE_LINK_OPTIONS "-L${_mpzero_torch_libdir};-Wl,-rpath,${_mpzero_torch_libdir}"
-      INTERFACE_LINK_LIBRARIES "-Wl,--no-as-needed;-ltorch_cpu;-lc10;-Wl,--as-needed")
+      INTERFACE_LINK_LIBRARIES "-Wl,--no-as-needed;${_mpzero_torch_link};-Wl,--as-needed")
     set(_mpzero_torch_libs mpzero_libtorch_cpu)
   endif()
 endif()
@@ -64,8 +80,15 @@ if(NOT _mpzero_torch_libs)
                  "the LibTorch engine (mpzero::torch) is not built")
   return()
 endif()
+option(MPZERO_TORCH_CUDA "Build the LibTorch engine's CUDA cores (needs CUDA and a CUDA build of LibTorch)"
+       ${_mpzero_torch_has_cuda})
+if(MPZERO_TORCH_CUDA AND NOT _mpzero_torch_has_cuda)
+  message(FATAL_ERROR "mpzero: MPZERO_TORCH_CUDA=ON needs nvcc (MPZERO_ENABLE_CUDA) and a CUDA build of LibTorch "
+                      "(libtorch_cuda, libc10_cuda under ${_mpzero_torch_prefix}/lib); set MPZERO_TORCH_CUDA=OFF "
+                      "for CPU tensors only")
+endif()
 message(STATUS "mpzero: LibTorch engine against ${_mpzero_torch_prefix} "
-               "(find_package: ${MPZERO_TORCH_FIND_PACKAGE})")
+               "(find_package: ${MPZERO_TORCH_FIND_PACKAGE}, CUDA cores: ${MPZERO_TORCH_CUDA})")
 
 # zero_core.cpp holds the ZeroOptimizer instantiations and needs no torch headers;
 # engine.cpp and process_group.cpp are the only translation units that include them.
@@ -76,5 +99,12 @@ add_library(mpzero_torch STATIC
 add_library(mpzero::torch ALIAS mpzero_torch)
 target_link_libraries(mpzero_torch PUBLIC mpzero::torch_config ${_mpzero_torch_libs})
 target_compile_features(mpzero_torch PUBLIC cxx_std_20)
-target_compile_options(mpzero_torch PRIVATE -Wall -Wextra)
+target_compile_options(mpzero_torch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
 set_target_properties(mpzero_torch PROPERTIES POSITION_INDEPENDENT_CODE ON)
+if(MPZERO_TORCH_CUDA)
+  # nvcc sees only this torch-free file (the core's cuda_backend rows).
+  target_sources(mpzero_torch PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src/zero_core_cuda.cu)
+  target_compile_definitions(mpzero_torch PUBLIC MPZERO_TORCH_CUDA)
+  mpzero_cuda_target(mpzero_torch)
+  # LibTorch's include directories are not for nvcc (it never includes them).
+endif()

@@ -3,6 +3,7 @@
 #include <mpzero/torch/engine.hpp>
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -115,11 +116,13 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
       : cfg_(std::move(cfg)), comm_(std::move(comm)), module_(std::move(module)) {}
 
   ~engine_state() {
-    // Leave the model usable: give each parameter its own storage again (the flat
-    // buffer dies with the core). The hooks stay installed but find no engine.
+    // Leave the model usable: give each parameter that became a view of the core's
+    // buffer its own storage again (the buffer dies with the core); a failed init
+    // leaves the others untouched. The hooks stay installed but find no engine.
     try {
       ::torch::NoGradGuard ng;
-      for (auto& p : params_) p.set_data(p.detach().clone());
+      if (core_) join_core();  // the copies below read what the core's stream wrote
+      for (std::size_t i = 0; i < bound_; ++i) params_[i].set_data(params_[i].detach().clone());
     } catch (...) {
     }
   }
@@ -135,6 +138,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   void on_scale_root() { (void)acquire(event::scale_root); }
   void on_callback(const std::shared_ptr<pass>& p);
   void epilogue() {
+    core_waits();
     core_->end_backward();
     ++epilogues_;
   }
@@ -184,7 +188,25 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   }
   ::torch::Tensor full_grad(std::size_t i) {
     std::vector<float> g = core_->full_grad(i);
-    return ::torch::tensor(at::ArrayRef<float>(g), ::torch::kFloat).reshape(params_[i].sizes());
+    return ::torch::tensor(at::ArrayRef<float>(g), ::torch::kFloat).reshape(params_[i].sizes()).to(device_);
+  }
+
+  // ---- streams (CUDA parameters) ------------------------------------------------------
+  // The core queues its work on torch's current stream of the parameters' device as it
+  // was at initialize (core_stream_). Work torch queues on another stream (a backward
+  // or step under a stream guard) is ordered with events, both ways; no host waits.
+  c10::Stream current_stream() const { return c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_); }
+  // The core's next work starts after what torch's current stream has queued.
+  void core_waits() {
+    if (!core_stream_) return;
+    const c10::Stream s = current_stream();
+    if (s != *core_stream_) core_->wait_stream(s.native_handle());
+  }
+  // What torch's current stream queues next starts after the core's work.
+  void join_core() {
+    if (!core_stream_) return;
+    const c10::Stream s = current_stream();
+    if (s != *core_stream_) core_->join_stream(s.native_handle());
   }
 
   mpzero::torch::config cfg_;
@@ -192,9 +214,12 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::shared_ptr<::torch::nn::Module> module_;
   std::unique_ptr<zero_core> core_;
   std::vector<::torch::Tensor> params_;
+  std::size_t bound_ = 0;  // params_[0, bound_) are views of the core's buffer
   std::vector<std::string> names_;
   std::unordered_map<const c10::TensorImpl*, std::size_t> index_;
   std::vector<dtype> comm_dtypes_;  // per managed parameter: the dtype its gradient is reduced in
+  c10::Device device_ = c10::Device(c10::kCPU);  // where the managed parameters live
+  std::optional<c10::Stream> core_stream_;       // a CUDA core's stream
   bool needs_scaling_ = false;
   float inv_gas_ = 1.0f;
   at::ScalarType param_type_ = at::kFloat;
@@ -247,6 +272,7 @@ void engine_state::init() {
   // The trainable parameters, once each (tied weights appear under several names).
   std::unordered_set<const c10::TensorImpl*> seen;
   std::vector<::torch::Tensor> frozen;
+  std::string first_name;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     const ::torch::Tensor& p = item.value();
     if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
@@ -254,9 +280,16 @@ void engine_state::init() {
       frozen.push_back(p);
       continue;
     }
-    if (!p.device().is_cpu()) {
+    if (!p.device().is_cpu() && !p.device().is_cuda()) {
       fail("parameter '" + item.key() + "' is on " + p.device().str() +
-           "; this build of the engine manages CPU parameters only (host backend): move the model to the CPU");
+           "; the engine manages CPU or CUDA parameters: move the model with model->to(torch::kCUDA) or to the CPU");
+    }
+    if (params_.empty()) {
+      device_ = p.device();
+      first_name = item.key();
+    } else if (p.device() != device_) {
+      fail("parameter '" + item.key() + "' is on " + p.device().str() + " but '" + first_name + "' is on " +
+           device_.str() + "; one engine manages parameters on one device: move the whole model with model->to(device)");
     }
     if (!dtype_of(p.scalar_type())) {
       fail("parameter '" + item.key() + "' has dtype " + std::string(c10::toString(p.scalar_type())) +
@@ -276,7 +309,18 @@ void engine_state::init() {
   spec.optimizer = cfg_.optimizer.type;
   spec.stage = cfg_.zero.stage;
   spec.offload = cfg_.zero.offload_optimizer == offload_device::cpu;
+  spec.device = device_.is_cuda() ? core_device::cuda : core_device::cpu;
   param_type_ = scalar_type_of(spec.param);
+  core_place place;
+  if (device_.is_cuda()) {
+    // The core runs on torch's current stream of the device: what the model computes
+    // there (gradients, then reading the parameters) is ordered with it for free.
+    const auto* guard = c10::impl::getDeviceGuardImpl(c10::kCUDA);
+    if (!device_.has_index()) device_ = c10::Device(c10::kCUDA, guard->getDevice().index());
+    core_stream_ = guard->getStream(device_);
+    place.device = device_.index();
+    place.stream = core_stream_->native_handle();
+  }
 
   zero_options zo;
   zo.reduce_bucket_numel = std::max<std::uint64_t>(1, cfg_.zero.reduce_bucket_size);
@@ -312,7 +356,7 @@ void engine_state::init() {
 
   std::vector<std::uint64_t> numels;
   for (const auto& p : params_) numels.push_back(static_cast<std::uint64_t>(p.numel()));
-  core_ = make_zero_core(spec, comm_, numels, cfg_.optimizer, zo);
+  core_ = make_zero_core(spec, comm_, numels, cfg_.optimizer, zo, place);
 
   ::torch::NoGradGuard no_grad;
   // Every rank starts from rank 0's values, as DeepSpeed broadcasts the model.
@@ -328,12 +372,12 @@ void engine_state::init() {
   {
     std::int64_t off = 0;
     for (const auto& t : all) {
-      auto c = t.detach().to(at::kFloat).contiguous();
+      auto c = t.detach().to(at::kCPU, at::kFloat).contiguous();
       std::copy_n(c.data_ptr<float>(), c.numel(), flat.data() + off);
       off += c.numel();
     }
   }
-  if (world > 1 && total > 0) comm_.broadcast(flat.data(), flat.size(), 0);
+  if (world > 1 && total > 0) core_->broadcast(flat.data(), flat.size(), 0);
 
   std::int64_t off = 0;
   for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -341,7 +385,9 @@ void engine_state::init() {
     core_->load_param(i, flat.data() + off, dtype::fp32);
     off += p.numel();
     // The parameter becomes a view of the core's buffer: forward reads it, step() writes it.
-    p.set_data(::torch::from_blob(core_->param_data(i), p.sizes(), ::torch::TensorOptions().dtype(param_type_)));
+    p.set_data(::torch::from_blob(core_->param_data(i), p.sizes(),
+                                  ::torch::TensorOptions().dtype(param_type_).device(device_)));
+    bound_ = i + 1;
     p.mutable_grad().reset();
     auto hook = std::make_unique<grad_hook>();
     hook->st = weak_from_this();
@@ -355,8 +401,9 @@ void engine_state::init() {
     auto& t = all[k];
     auto v = ::torch::from_blob(flat.data() + off, t.sizes(), ::torch::kFloat).clone();
     off += t.numel();
-    t.set_data(v.to(param_type_));
+    t.set_data(v.to(t.device(), param_type_));
   }
+  join_core();  // the forward reads what load_param wrote on the core's stream
 }
 
 pass& engine_state::acquire(event e) {
@@ -450,6 +497,13 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
     t = dtype::fp32;
   }
   g = g.contiguous();
+  if (core_stream_) {
+    const c10::Stream s = current_stream();
+    if (s != *core_stream_) {
+      core_->wait_stream(s.native_handle());
+      g.record_stream(*core_stream_);  // the caching allocator must not reuse g before the core has read it
+    }
+  }
   core_->accumulate_grad(i, g.data_ptr(), *t, p.scale_wrt_gas ? inv_gas_ : 1.0f);
   // The core holds the gradient now; release autograd's copy.
   param.mutable_grad().reset();
@@ -504,7 +558,9 @@ void engine_state::step() {
   if (is_boundary()) {
     drop_stale_passes();
     core_->set_lr(next_lr());
+    core_waits();
     last_ = core_->step();
+    join_core();  // the next forward reads the updated parameters
     stepped_ = true;
     ++global_steps_;
     if (last_.skipped) {
@@ -540,10 +596,11 @@ engine_base::forward_scope::forward_scope(detail::engine_state& st) : st_(st) {
   const auto& ac = st_.cfg_.torch_autocast;
   if (ac.enabled) {
     autocast_ = true;
-    prev_enabled_ = at::autocast::is_autocast_enabled(at::kCPU);
-    prev_dtype_ = at::autocast::get_autocast_dtype(at::kCPU);
-    at::autocast::set_autocast_enabled(at::kCPU, true);
-    at::autocast::set_autocast_dtype(at::kCPU, scalar_type_of(ac.dtype_));
+    const c10::DeviceType d = st_.device_.type();
+    prev_enabled_ = at::autocast::is_autocast_enabled(d);
+    prev_dtype_ = at::autocast::get_autocast_dtype(d);
+    at::autocast::set_autocast_enabled(d, true);
+    at::autocast::set_autocast_dtype(d, scalar_type_of(ac.dtype_));
     at::autocast::increment_nesting();
   }
 }
@@ -551,8 +608,8 @@ engine_base::forward_scope::forward_scope(detail::engine_state& st) : st_(st) {
 engine_base::forward_scope::~forward_scope() {
   if (autocast_) {
     if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    at::autocast::set_autocast_enabled(at::kCPU, prev_enabled_);
-    at::autocast::set_autocast_dtype(at::kCPU, prev_dtype_);
+    at::autocast::set_autocast_enabled(st_.device_.type(), prev_enabled_);
+    at::autocast::set_autocast_dtype(st_.device_.type(), prev_dtype_);
   }
   --st_.forward_depth_;
 }
@@ -598,7 +655,8 @@ std::vector<::torch::Tensor> engine_base::master_weights() {
   auto all = st_->core_->full_master();
   std::vector<::torch::Tensor> out;
   for (std::size_t i = 0; i < all.size(); ++i) {
-    out.push_back(::torch::tensor(at::ArrayRef<float>(all[i]), ::torch::kFloat).reshape(st_->params_[i].sizes()));
+    out.push_back(
+        ::torch::tensor(at::ArrayRef<float>(all[i]), ::torch::kFloat).reshape(st_->params_[i].sizes()).to(st_->device_));
   }
   return out;
 }

@@ -2,10 +2,12 @@
 // their cost).
 #include <mpzero/torch/process_group.hpp>
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <functional>
 #include <numeric>
 #include <string>
@@ -33,15 +35,23 @@ c10d::ReduceOp to_c10d(comm::reduce_op op) {
   return op == comm::reduce_op::sum ? c10d::ReduceOp(c10d::ReduceOp::SUM) : c10d::ReduceOp(c10d::ReduceOp::MAX);
 }
 
-at::Tensor view(const void* p, std::uint64_t n, at::ScalarType t) {
-  return ::torch::from_blob(const_cast<void*>(p), {static_cast<std::int64_t>(n)}, ::torch::TensorOptions().dtype(t));
+// n elements at p (memory of `device`) as a tensor.
+at::Tensor view(const void* p, std::uint64_t n, at::ScalarType t, c10::Device device) {
+  return ::torch::from_blob(const_cast<void*>(p), {static_cast<std::int64_t>(n)},
+                            ::torch::TensorOptions().dtype(t).device(device));
 }
 
 // A posted ProcessGroup call plus the copies that finish it.
 class pg_request final : public request_base {
  public:
-  pg_request(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish, std::string what, int rank, int size)
-      : work_(std::move(work)), finish_(std::move(finish)), what_(std::move(what)), rank_(rank), size_(size) {}
+  pg_request(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish, std::string what, int rank, int size,
+             c10::Device device)
+      : work_(std::move(work)),
+        finish_(std::move(finish)),
+        what_(std::move(what)),
+        rank_(rank),
+        size_(size),
+        device_(device) {}
   ~pg_request() override {
     // The backend may still read or write our temporaries: wait, never throw.
     if (!done_ && work_) {
@@ -62,6 +72,12 @@ class pg_request final : public request_base {
     }
     done_ = true;
     if (finish_) finish_();
+    // mpzero's contract: after wait() the result is in place. For device tensors c10d's
+    // wait() (and the copies above) only order torch's current stream; wait for it.
+    if (device_.is_cuda()) {
+      const auto* g = c10::impl::getDeviceGuardImpl(c10::kCUDA);
+      g->synchronizeStream(g->getStream(device_));
+    }
   }
   bool test() override {
     if (done_) return true;
@@ -75,17 +91,30 @@ class pg_request final : public request_base {
   std::function<void()> finish_;
   std::string what_;
   int rank_, size_;
+  c10::Device device_;
   bool done_ = false;
 };
 
 class pg_communicator final : public communicator_base {
  public:
-  explicit pg_communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg) : pg_(std::move(pg)) {
+  pg_communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::optional<c10::Device> device)
+      : pg_(std::move(pg)), device_(c10::kCPU) {
     if (!pg_) throw mpzero::invalid_argument("mpzero::torch::process_group_communicator: the ProcessGroup is null");
+    if (device) {
+      device_ = *device;
+    } else if (pg_->getBackendName() == "nccl") {  // NCCL reads device memory: the current CUDA device's
+      device_ = c10::Device(c10::kCUDA, c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index());
+    }
+    if (!device_.is_cpu() && !device_.is_cuda()) {
+      throw mpzero::invalid_argument("mpzero::torch::process_group_communicator: device " + device_.str() +
+                                     " is neither the CPU nor a CUDA device; pass torch::kCPU or a CUDA device");
+    }
   }
   int rank() const override { return pg_->getRank(); }
   int size() const override { return pg_->getSize(); }
-  std::string name() const override { return "c10d::ProcessGroup(" + pg_->getBackendName() + ")"; }
+  std::string name() const override {
+    return "c10d::ProcessGroup(" + pg_->getBackendName() + ", " + device_.str() + ")";
+  }
 
   std::unique_ptr<request_base> iall_reduce(const void* in, void* out, std::uint64_t n, wire_dtype t,
                                             comm::reduce_op op) override {
@@ -93,12 +122,13 @@ class pg_communicator final : public communicator_base {
     const at::ScalarType st = scalar_type_of(t);
     at::Tensor buf;
     std::function<void()> finish;
+    const c10::Device dev = device_;
     if (is_half(t)) {
-      buf = view(in, n, st).to(at::kFloat);  // a copy: the reduction runs in fp32
-      finish = [buf, out, n, st] { view(out, n, st).copy_(buf); };
+      buf = view(in, n, st, dev).to(at::kFloat);  // a copy: the reduction runs in fp32
+      finish = [buf, out, n, st, dev] { view(out, n, st, dev).copy_(buf); };
     } else {
-      if (in != out) std::memmove(out, in, n * wire_size(t));
-      buf = view(out, n, st);
+      buf = view(out, n, st, dev);
+      if (in != out) buf.copy_(view(in, n, st, dev));  // the core never passes overlapping distinct ranges
     }
     std::vector<at::Tensor> ts{buf};
     c10d::AllreduceOptions o;
@@ -114,12 +144,15 @@ class pg_communicator final : public communicator_base {
     const std::uint64_t off = comm::detail::offset_of(counts, rank());
     const std::uint64_t mine = counts[static_cast<std::size_t>(rank())];
     // The whole input, reduced everywhere; this rank keeps its block.
-    at::Tensor buf = is_half(t) ? view(in, total, st).to(at::kFloat) : view(in, total, st).clone();
+    const c10::Device dev = device_;
+    at::Tensor buf = is_half(t) ? view(in, total, st, dev).to(at::kFloat) : view(in, total, st, dev).clone();
     std::vector<at::Tensor> ts{buf};
     c10d::AllreduceOptions o;
     o.reduceOp = to_c10d(op);
-    auto finish = [buf, out, off, mine, st] {
-      if (mine > 0) view(out, mine, st).copy_(buf.narrow(0, static_cast<std::int64_t>(off), static_cast<std::int64_t>(mine)));
+    auto finish = [buf, out, off, mine, st, dev] {
+      if (mine > 0) {
+        view(out, mine, st, dev).copy_(buf.narrow(0, static_cast<std::int64_t>(off), static_cast<std::int64_t>(mine)));
+      }
     };
     return post(pg_->allreduce(ts, o), std::move(finish), "reduce_scatter_v (allreduce)");
   }
@@ -133,18 +166,23 @@ class pg_communicator final : public communicator_base {
     const std::size_t esz = wire_size(t);
     // Bytes travel as they are: exact for every type, and every backend gathers bytes.
     const auto bytes = static_cast<std::int64_t>(maxc * esz);
-    at::Tensor input = ::torch::zeros({bytes}, at::kByte);
-    if (n_in > 0) std::memcpy(input.data_ptr(), in, n_in * esz);
+    const c10::Device dev = device_;
+    const auto opts = ::torch::TensorOptions().dtype(at::kByte).device(dev);
+    at::Tensor input = ::torch::zeros({bytes}, opts);
+    if (n_in > 0) input.narrow(0, 0, static_cast<std::int64_t>(n_in * esz)).copy_(view(in, n_in * esz, at::kByte, dev));
     std::vector<at::Tensor> outs;
-    for (int r = 0; r < size(); ++r) outs.push_back(::torch::empty({bytes}, at::kByte));
+    for (int r = 0; r < size(); ++r) outs.push_back(::torch::empty({bytes}, opts));
     std::vector<std::vector<at::Tensor>> outputs{outs};
     std::vector<at::Tensor> inputs{input};
     std::vector<std::uint64_t> cs(counts.begin(), counts.end());
     auto work = pg_->allgather(outputs, inputs);
-    auto finish = [outs, cs, out, esz, input] {
+    auto finish = [outs, cs, out, esz, input, dev] {
       std::uint64_t off = 0;
       for (std::size_t r = 0; r < cs.size(); ++r) {
-        if (cs[r] > 0) std::memcpy(static_cast<char*>(out) + off * esz, outs[r].data_ptr(), cs[r] * esz);
+        if (cs[r] > 0) {
+          const auto n = static_cast<std::int64_t>(cs[r] * esz);
+          view(static_cast<char*>(out) + off * esz, cs[r] * esz, at::kByte, dev).copy_(outs[r].narrow(0, 0, n));
+        }
         off += cs[r];
       }
     };
@@ -154,7 +192,7 @@ class pg_communicator final : public communicator_base {
   std::unique_ptr<request_base> ibroadcast(void* data, std::uint64_t n, wire_dtype t, int root) override {
     comm::detail::check_root(root, size(), "broadcast");
     if (n == 0) return ready();
-    std::vector<at::Tensor> ts{view(data, n * wire_size(t), at::kByte)};
+    std::vector<at::Tensor> ts{view(data, n * wire_size(t), at::kByte, device_)};
     c10d::BroadcastOptions o;
     o.rootRank = root;
     return post(pg_->broadcast(ts, o), {}, "broadcast");
@@ -164,20 +202,23 @@ class pg_communicator final : public communicator_base {
 
  private:
   std::unique_ptr<request_base> ready() const {
-    return std::make_unique<pg_request>(c10::intrusive_ptr<c10d::Work>(), std::function<void()>{}, "", rank(), size());
+    return std::make_unique<pg_request>(c10::intrusive_ptr<c10d::Work>(), std::function<void()>{}, "", rank(), size(),
+                                        c10::Device(c10::kCPU));
   }
   std::unique_ptr<request_base> post(c10::intrusive_ptr<c10d::Work> w, std::function<void()> finish,
                                      const char* what) const {
-    return std::make_unique<pg_request>(std::move(w), std::move(finish), what, rank(), size());
+    return std::make_unique<pg_request>(std::move(w), std::move(finish), what, rank(), size(), device_);
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  c10::Device device_;  // where the buffers the core passes live
 };
 
 }  // namespace
 
-std::shared_ptr<communicator_base> make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-  return std::make_shared<pg_communicator>(std::move(pg));
+std::shared_ptr<communicator_base> make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg,
+                                                                   std::optional<c10::Device> device) {
+  return std::make_shared<pg_communicator>(std::move(pg), device);
 }
 
 }  // namespace mpzero::torch

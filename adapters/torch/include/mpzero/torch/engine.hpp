@@ -27,7 +27,13 @@
 //   rank, before any collective (no hang), for dynamic and static loss scales.
 //
 // Threads: one backward at a time per engine, run from the thread that owns the
-// communicator (MPI: the main thread). CPU parameters only in this build (host backend).
+// communicator (MPI: the main thread).
+//
+// Devices: the trainable parameters are all on the CPU (host backend) or all on one CUDA
+// device (cuda_backend, when the adapter is built with MPZERO_TORCH_CUDA). On CUDA the
+// core runs on torch's current stream of the device as it was at initialize; backward
+// or step() under another stream is ordered with it by events (docs/torch.md, "CUDA
+// parameters"). The communicator must then read device memory (NCCL).
 //
 // Nested backward detection reads the current autograd GraphTask's reentrant depth
 // through LibTorch's exported get_current_graph_task_exec_info() (LibTorch has no
@@ -48,8 +54,7 @@
 // autocast dtype, the others in communication_data_type, else in their own dtype; the
 // core takes them as zero_options::wire_dtypes (comm_dtype(param) reports each).
 //
-// Not yet: ZeRO stage 3 (refused with a message), CUDA parameters
-// (the device variant: cuda_backend + NCCL).
+// Not yet: ZeRO stage 3 (refused with a message).
 #pragma once
 
 #include <cstdint>
@@ -113,12 +118,13 @@ class engine_base {
   const std::vector<::torch::Tensor>& parameters() const;
   const std::vector<std::string>& parameter_names() const;
   // A parameter's gradient as the step will use it: reduced, averaged over ranks,
-  // unscaled, before clipping, fp32, shaped like the parameter. Collective; call it at
+  // unscaled, before clipping, fp32, shaped like the parameter, on its device. Collective; call it at
   // the accumulation boundary before step() (no backward may follow until step() or
   // zero_grad()). DeepSpeed's safe_get_full_grad.
   ::torch::Tensor full_grad(const ::torch::Tensor& param);
   std::vector<::torch::Tensor> full_grads();
-  // Every managed parameter's master weights, fp32, whole, on every rank. Collective.
+  // Every managed parameter's master weights, fp32, whole, on every rank, on the
+  // parameters' device. Collective.
   std::vector<::torch::Tensor> master_weights();
   // The dtype a managed parameter's gradient is reduced in (DeepSpeed's get_comm_dtype):
   // torch_autocast.dtype for the parameters of lower_precision_safe_modules when autocast

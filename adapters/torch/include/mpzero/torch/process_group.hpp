@@ -13,10 +13,17 @@
 //  - bf16/fp16 reductions run in fp32 (converted in and out: twice the bytes; one
 //    rounding per element, so the result does not depend on the reduction order).
 // Operations run asynchronously on the backend; wait() finishes the copies.
-// Buffers are host memory (CPU tensors); NCCL groups need the device build (not yet).
+// Buffers: the core's memory, as tensors on `device`: by default the CPU, or, for a
+// group whose backend is "nccl", the current CUDA device (an engine on CUDA parameters
+// needs a group that takes device tensors: NCCL, or Gloo given the device explicitly).
+// With NCCL, c10d orders each collective after torch's current stream and wait() makes
+// that stream wait for it: the engine's core runs on that stream (see engine.hpp).
 #pragma once
 
 #include <memory>
+#include <optional>
+
+#include <c10/core/Device.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -25,10 +32,13 @@
 namespace mpzero::torch {
 
 // The communicator_base over a ProcessGroup; the group is kept alive.
-std::shared_ptr<communicator_base> make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg);
+// device: where the buffers live (default: see above).
+std::shared_ptr<communicator_base> make_process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg,
+                                                                   std::optional<c10::Device> device = std::nullopt);
 
-inline any_communicator process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg) {
-  return any_communicator(make_process_group_communicator(std::move(pg)));
+inline any_communicator process_group_communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg,
+                                                   std::optional<c10::Device> device = std::nullopt) {
+  return any_communicator(make_process_group_communicator(std::move(pg), device));
 }
 
 }  // namespace mpzero::torch

@@ -2,13 +2,15 @@
 //
 // The engine reads precision, optimizer and ZeRO stage from the JSON config, so it
 // cannot name the ZeroOptimizer type at compile time. zero_core is the virtual face of
-// one ZeroOptimizer<Policy, Optimizer, stage<N>, any_communicator, host_backend>;
-// make_zero_core() picks the instantiation from a finite table compiled into
-// src/zero_core.cpp (compiled_cores() lists it). A combination that is not in the
-// table is a clear error that names it and lists what is compiled.
+// one ZeroOptimizer<Policy, Optimizer, stage<N>, any_communicator, Backend>;
+// make_zero_core() picks the instantiation from a finite table: host_backend rows in
+// src/zero_core.cpp, cuda_backend rows in src/zero_core_cuda.cu (built when the adapter
+// is built with CUDA: MPZERO_TORCH_CUDA). compiled_cores() lists them. A combination
+// that is not in the table is a clear error that names it and lists what is compiled.
 //
-// Pointers are in the backend's memory (host memory: only the host backend is
-// compiled in for now). Element types are passed as mpzero::dtype values.
+// Pointers are in the core's memory (host memory for a CPU core, device memory of its
+// CUDA device otherwise) unless a member says "host". Element types are passed as
+// mpzero::dtype values.
 //
 // Torch-free: this header and zero_core.cpp need only the core and the config struct.
 #pragma once
@@ -26,6 +28,9 @@
 
 namespace mpzero::torch {
 
+// Where a core's parameters, gradients and (without offload) optimizer states live.
+enum class core_device : std::uint8_t { cpu, cuda };
+
 // What selects an instantiation.
 struct core_spec {
   dtype param = dtype::fp32, master = dtype::fp32, grad = dtype::fp32, state = dtype::fp32;
@@ -33,8 +38,9 @@ struct core_spec {
   optimizer_type optimizer = optimizer_type::adamw;
   int stage = 0;
   bool offload = false;  // zero_optimization.offload_optimizer.device = "cpu"
+  core_device device = core_device::cpu;
 
-  // e.g. "param bf16, master fp32, grad bf16, state fp32, nearest rounding, AdamW, ZeRO stage 2, CPU offload"
+  // e.g. "param bf16, master fp32, grad bf16, state fp32, nearest rounding, AdamW, ZeRO stage 2, CPU offload, CUDA"
   std::string describe() const;
   friend bool operator==(const core_spec&, const core_spec&) = default;
 };
@@ -48,8 +54,12 @@ class zero_core {
   // Parameter i's storage (spec().param elements), which forward reads and step()
   // updates in place. Stages 0-2 only.
   virtual void* param_data(std::size_t i) = 0;
-  // Sets parameter i (and its master copy) from numel(i) elements of type `t`.
+  // Sets parameter i (and its master copy) from numel(i) elements of type `t` in host
+  // memory. Every rank passes the same values.
   virtual void load_param(std::size_t i, const void* values, dtype t) = 0;
+  // Broadcasts n floats in host memory from rank `root` through the core's communicator
+  // (staged through device memory for a CUDA core: NCCL reads device memory). Collective.
+  virtual void broadcast(float* host_values, std::uint64_t n, int root) = 0;
 
   // ZeroOptimizer::accumulate_grad / end_backward / zero_grad.
   virtual void accumulate_grad(std::size_t i, const void* src, dtype t, float scale) = 0;
@@ -64,12 +74,30 @@ class zero_core {
   virtual void set_lr(double lr) = 0;
   virtual double loss_scale() const = 0;
   virtual memory_report memory() const = 0;
+
+  // Stream ordering of a CUDA core (no-ops for a CPU core). The core queues its work on
+  // the stream it was made with (core_place::stream). wait_stream(s): the core's later
+  // work starts after what stream `s` (a cudaStream_t) has queued so far. join_stream(s):
+  // what `s` queues later starts after the core's work so far. Neither blocks the host.
+  virtual void wait_stream(void* /*stream*/) {}
+  virtual void join_stream(void* /*stream*/) {}
+};
+
+// Where a CUDA core runs: its device and the stream its work is ordered on (a
+// cudaStream_t; nullptr is the legacy default stream). Ignored for a CPU core.
+struct core_place {
+  int device = 0;
+  void* stream = nullptr;
 };
 
 // The instantiation for `spec`, or config_error naming it and listing compiled_cores().
+// spec.device picks the table; a CUDA core allocates on place.device.
 std::unique_ptr<zero_core> make_zero_core(const core_spec& spec, any_communicator comm,
                                           std::span<const std::uint64_t> numels, const optimizer_config& opt,
-                                          const zero_options& zo);
+                                          const zero_options& zo, const core_place& place = {});
+
+// Whether this build has the CUDA table (the adapter was built with MPZERO_TORCH_CUDA).
+bool cuda_cores_compiled() noexcept;
 
 // The specs compiled into this build.
 std::vector<core_spec> compiled_cores();

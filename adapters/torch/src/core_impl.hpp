@@ -1,0 +1,207 @@
+// The ZeroOptimizer behind mpzero::torch::zero_core, for any backend: shared by the host
+// table (zero_core.cpp, g++) and the CUDA table (zero_core_cuda.cu, nvcc). Private to the
+// adapter. Torch-free.
+//
+// Context: what the backend needs beyond the optimizer. It provides
+//   Context::backend_type backend() const     the backend the optimizer runs on
+//   Context::scope (constructible from const Context&)  held by every call (e.g. selects
+//                                             the core's CUDA device)
+//   void wait_stream(void*), join_stream(void*)  zero_core's stream ordering
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <mpzero/optim/optimizer.hpp>
+#include <mpzero/policy/precision.hpp>
+#include <mpzero/torch/zero_core.hpp>
+
+namespace mpzero::torch::detail {
+
+template <class Opt>
+constexpr optimizer_type optimizer_of() {
+  if constexpr (std::is_same_v<Opt, optim::adam>) return optimizer_type::adam;
+  else if constexpr (std::is_same_v<Opt, optim::adamw>) return optimizer_type::adamw;
+  else if constexpr (std::is_same_v<Opt, optim::sgd>) return optimizer_type::sgd;
+  else return optimizer_type::lion;
+}
+
+template <class Opt>
+typename Opt::options options_of(const optimizer_config& c) {
+  typename Opt::options o;
+  if constexpr (std::is_same_v<Opt, optim::adam> || std::is_same_v<Opt, optim::adamw>) {
+    o.lr = c.lr, o.beta1 = c.beta1, o.beta2 = c.beta2, o.eps = c.eps, o.weight_decay = c.weight_decay;
+    o.bias_correction = c.bias_correction;
+  } else if constexpr (std::is_same_v<Opt, optim::sgd>) {
+    o.lr = c.lr, o.momentum = c.momentum, o.dampening = c.dampening, o.weight_decay = c.weight_decay;
+    o.nesterov = c.nesterov;
+  } else {
+    o.lr = c.lr, o.beta1 = c.beta1, o.beta2 = c.beta2, o.weight_decay = c.weight_decay;
+  }
+  return o;
+}
+
+template <class Policy, class Opt, int N, class Offload>
+core_spec spec_of(core_device device) {
+  return core_spec{Policy::param_dtype,         Policy::master_dtype, Policy::grad_dtype, Policy::state_dtype,
+                   Policy::stochastic_rounding, optimizer_of<Opt>(),  N,
+                   Offload::value == offload_kind::cpu, device};
+}
+
+// Calls f(static_cast<const T*>(p)) with T the storage type named by t.
+template <class F>
+void with_storage(dtype t, const void* p, F&& f) {
+  switch (t) {
+    case dtype::fp32: f(static_cast<const float*>(p)); return;
+    case dtype::bf16: f(static_cast<const bf16*>(p)); return;
+    case dtype::fp16: f(static_cast<const fp16*>(p)); return;
+  }
+  throw config_error("mpzero::torch: unknown dtype " + std::to_string(static_cast<int>(t)));
+}
+
+template <class Policy, class Opt, int N, class Offload, class Context>
+class core_impl final : public zero_core {
+  using backend_type = typename Context::backend_type;
+  static constexpr bool device_memory = backend_type::device_memory;
+
+ public:
+  core_impl(core_device device, Context ctx, any_communicator comm, std::span<const std::uint64_t> numels,
+            const optimizer_config& opt, const zero_options& zo)
+      : ctx_(std::move(ctx)), comm_(std::move(comm)), spec_(spec_of<Policy, Opt, N, Offload>(device)) {
+    typename Context::scope s(ctx_);
+    backend_ = ctx_.backend();
+    z_.emplace(comm_, numels, options_of<Opt>(opt), zo, backend_);
+  }
+  ~core_impl() override {
+    typename Context::scope s(ctx_);
+    z_.reset();  // frees device memory with the core's device current
+  }
+
+  const core_spec& spec() const noexcept override { return spec_; }
+
+  void* param_data(std::size_t i) override {
+    if constexpr (N < 3) {
+      return z_->param(i).data();
+    } else {
+      throw config_error("mpzero::torch: ZeRO stage 3 parameters are partitioned; the engine does not support "
+                         "stage 3 yet (use zero_optimization.stage 0, 1 or 2)");
+    }
+  }
+  void load_param(std::size_t i, const void* values, dtype t) override {
+    typename Context::scope s(ctx_);
+    with_storage(t, values, [&]<class T>(const T* p) {
+      if constexpr (device_memory) {
+        auto staged = backend_.template allocate<T>(z_->numel(i));
+        backend_.upload(staged.data(), p, z_->numel(i));
+        z_->load_param(i, staged.data());
+        backend_.synchronize();  // `staged` is freed next
+      } else {
+        z_->load_param(i, p);
+      }
+    });
+  }
+  void broadcast(float* values, std::uint64_t n, int root) override {
+    if (comm_.size() == 1 || n == 0) return;
+    typename Context::scope s(ctx_);
+    if constexpr (device_memory) {  // device communicators (NCCL) read device memory
+      auto staged = backend_.template allocate<float>(n);
+      backend_.upload(staged.data(), values, n);
+      backend_.before_comm(comm_);
+      comm_.broadcast(staged.data(), n, root);
+      backend_.download(values, staged.data(), n);
+    } else {
+      comm_.broadcast(values, n, root);
+    }
+  }
+  void accumulate_grad(std::size_t i, const void* src, dtype t, float scale) override {
+    typename Context::scope s(ctx_);
+    with_storage(t, src, [&](auto* p) { z_->accumulate_grad(i, p, scale); });
+  }
+  void end_backward() override {
+    typename Context::scope s(ctx_);
+    z_->end_backward();
+  }
+  void zero_grad() override {
+    typename Context::scope s(ctx_);
+    z_->zero_grad();
+  }
+  std::vector<float> full_grad(std::size_t i) override {
+    typename Context::scope s(ctx_);
+    return z_->full_grad(i);
+  }
+
+  std::vector<std::vector<float>> full_master() override {
+    typename Context::scope s(ctx_);
+    std::vector<float> flat(static_cast<std::size_t>(z_->layout().padded_numel()), 0.0f);
+    z_->read_master_shard([&](std::uint64_t k, float v) { flat[static_cast<std::size_t>(k)] = v; });
+    // Each element has one owner above stage 0 (the others hold +0): the sum is exact.
+    if (N > 0 && comm_.size() > 1) backend_.all_reduce_host(comm_, flat.data(), flat.size(), comm::reduce_op::sum);
+    std::vector<std::vector<float>> out(z_->num_params());
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      const auto off = static_cast<std::ptrdiff_t>(z_->flat_offset(i));
+      out[i].assign(flat.begin() + off, flat.begin() + off + static_cast<std::ptrdiff_t>(z_->numel(i)));
+    }
+    return out;
+  }
+
+  step_report step() override {
+    typename Context::scope s(ctx_);
+    return z_->step();
+  }
+  void set_lr(double lr) override {
+    auto o = z_->options();
+    o.lr = lr;
+    z_->set_options(o);
+  }
+  double loss_scale() const override { return z_->loss_scale(); }
+  memory_report memory() const override { return z_->memory(); }
+  void wait_stream(void* stream) override { ctx_.wait_stream(stream); }
+  void join_stream(void* stream) override { ctx_.join_stream(stream); }
+
+ private:
+  Context ctx_;
+  any_communicator comm_;  // before z_, which keeps a reference to it
+  core_spec spec_;
+  backend_type backend_{};
+  std::optional<ZeroOptimizer<Policy, Opt, stage<N>, any_communicator, backend_type, Offload>> z_;
+};
+
+using core_factory = std::unique_ptr<zero_core> (*)(const core_place&, any_communicator, std::span<const std::uint64_t>,
+                                                    const optimizer_config&, const zero_options&);
+struct core_row {
+  core_spec spec;
+  core_factory make;
+};
+
+// A table's rows for one precision policy: AdamW (and Adam when WithAdam) at stages
+// 0-2, and, when WithOffload, CPU offload at stages 1 and 2 (offload needs a partition).
+// Row<Policy, Opt, Stage, Offload>::make() makes one row.
+template <class Policy, template <class, class, int, class> class Row, bool WithAdam, bool WithOffload>
+void add_policy(std::vector<core_row>& t) {
+  auto add = [&]<class Opt>() {
+    t.push_back(Row<Policy, Opt, 0, offload_none>::make());
+    t.push_back(Row<Policy, Opt, 1, offload_none>::make());
+    t.push_back(Row<Policy, Opt, 2, offload_none>::make());
+    if constexpr (WithOffload) {
+      t.push_back(Row<Policy, Opt, 1, offload_cpu>::make());
+      t.push_back(Row<Policy, Opt, 2, offload_cpu>::make());
+    }
+  };
+  if constexpr (WithAdam) add.template operator()<optim::adam>();
+  add.template operator()<optim::adamw>();
+}
+
+}  // namespace mpzero::torch::detail
+
+namespace mpzero::torch::detail {
+#ifdef MPZERO_TORCH_CUDA
+// The CUDA table (zero_core_cuda.cu).
+const std::vector<core_row>& cuda_table();
+#endif
+}  // namespace mpzero::torch::detail

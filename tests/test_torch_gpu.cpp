@@ -1,0 +1,378 @@
+// The LibTorch engine on CUDA parameters ([gpu]): the cuda_backend cores against the
+// host cores on the same gradients (bit for bit), a model trained on both devices,
+// stream ordering when torch works on another stream, fp16's scaling rule, NCCL (mpzero's
+// communicator and c10d's ProcessGroupNCCL) at world size 1 (one GPU: NCCL refuses two
+// ranks on one device). The [torch] cases run anywhere: what a build without a GPU can
+// say about the CUDA path (the compiled table, the errors).
+#include <ATen/autocast_mode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#include <torch/torch.h>
+// LibTorch's logging defines CHECK (glog style); the tests mean Catch's.
+#undef CHECK
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <mpzero/comm/nccl.cuh>
+#include <mpzero/torch/engine.hpp>
+#include <mpzero/torch/process_group.hpp>
+#include <mpzero/torch/zero_core.hpp>
+
+namespace mt = mpzero::torch;
+using json = nlohmann::json;
+using torch::Tensor;
+
+namespace {
+
+void require_gpu() {
+  if (!torch::cuda::is_available()) FAIL("no CUDA device visible to LibTorch: [gpu] tests need one (ctest -L gpu)");
+  REQUIRE(mt::cuda_cores_compiled());
+}
+
+// DeepSpeed config of a precision configuration (the names of examples/gpt).
+json config(const std::string& prec, int stage, bool offload, json extra = json::object()) {
+  json zero = {{"stage", stage}, {"reduce_bucket_size", 3000}};
+  if (offload) zero["offload_optimizer"] = {{"device", "cpu"}, {"pin_memory", true}, {"sub_group_size", 5000}};
+  json j = {{"train_micro_batch_size_per_gpu", 4},
+            {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"betas", {0.9, 0.95}}, {"weight_decay", 0.01}}}}},
+            {"zero_optimization", zero},
+            {"seed", 1234}};
+  if (prec == "bf16") j["bf16"] = {{"enabled", true}};
+  if (prec == "bf16-master") j["bf16"] = {{"enabled", true}, {"bf16_master_weights_and_grads", true}};
+  if (prec == "bf16-all" || prec == "bf16-all-sr")
+    j["bf16"] = {{"enabled", true}, {"bf16_master_weights_and_grads", true}, {"bf16_optimizer_states", true}};
+  if (prec == "bf16-all-sr") j["rounding"] = "stochastic";
+  if (prec == "fp16") j["fp16"] = {{"enabled", true}, {"initial_scale_power", 8}};
+  j.merge_patch(extra);
+  return j;
+}
+
+// Parameters of awkward sizes whose gradients torch computes exactly on any device:
+// loss = sum_k (w_k * c_k).sum() has d loss / d w_k = c_k (times the loss scale, a
+// power of two), with no reduction whose order could differ between devices.
+struct LinearFormImpl : torch::nn::Module {
+  std::vector<Tensor> ws;
+  LinearFormImpl() {
+    torch::manual_seed(7);
+    const std::int64_t sizes[] = {1, 7, 300, 4099, 65537};
+    for (std::size_t k = 0; k < std::size(sizes); ++k) {
+      ws.push_back(register_parameter("w" + std::to_string(k), torch::randn({sizes[k]}) * 0.5));
+    }
+  }
+  Tensor forward(const std::vector<Tensor>& cs) {
+    Tensor loss = torch::zeros({}, ws[0].options().dtype(torch::kFloat));
+    for (std::size_t k = 0; k < ws.size(); ++k) loss = loss + (ws[k] * cs[k]).sum().to(torch::kFloat);
+    return loss;
+  }
+};
+TORCH_MODULE(LinearForm);
+
+std::vector<Tensor> coefficients(const LinearForm& m, int step, torch::Device device) {
+  auto gen = at::detail::createCPUGenerator(1000 + static_cast<std::uint64_t>(step));
+  std::vector<Tensor> cs;
+  for (const auto& w : m->ws) {
+    cs.push_back((torch::randn(w.sizes(), gen) * 0.25).to(device, w.scalar_type()));
+  }
+  return cs;
+}
+
+// Bitwise equality of two tensors (moved to the CPU).
+void check_bits(const Tensor& a, const Tensor& b, const std::string& what) {
+  INFO(what);
+  REQUIRE(a.sizes() == b.sizes());
+  REQUIRE(a.scalar_type() == b.scalar_type());
+  const Tensor x = a.detach().cpu().contiguous(), y = b.detach().cpu().contiguous();
+  const auto n = static_cast<std::size_t>(x.numel() * x.element_size());
+  const bool same = std::memcmp(x.data_ptr(), y.data_ptr(), n) == 0;
+  if (!same) {
+    const Tensor d = (x.to(torch::kDouble) - y.to(torch::kDouble)).abs();
+    INFO("max |difference| " << d.max().item<double>() << " at " << d.argmax().item<std::int64_t>());
+    CHECK(same);
+  }
+}
+
+using run = std::tuple<std::string, int, bool>;
+
+// A c10d ProcessGroup with a NCCL backend at world size 1 (as init_process_group("nccl")
+// builds it: the NCCL Backend registered for CUDA tensors and made the default).
+c10::intrusive_ptr<c10d::ProcessGroup> nccl_group() {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, 0, 1);
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, 0, 1);
+  pg->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, backend);
+  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
+  return pg;
+}
+
+}  // namespace
+
+TEST_CASE("gpu: the engine on CUDA parameters updates them bit for bit as on the CPU", "[gpu][torch]") {
+  require_gpu();
+  const auto [prec, stage, offload] = GENERATE(values<run>({{"fp32", 0, false},
+                                                            {"fp32", 1, false},
+                                                            {"fp32", 2, false},
+                                                            {"fp32", 2, true},
+                                                            {"bf16", 0, false},
+                                                            {"bf16", 2, false},
+                                                            {"bf16", 1, true},
+                                                            {"bf16-master", 2, false},
+                                                            {"bf16-all", 1, false},
+                                                            {"bf16-all", 2, true},
+                                                            {"bf16-all-sr", 2, false},
+                                                            {"bf16-all-sr", 2, true},
+                                                            {"fp16", 0, false},
+                                                            {"fp16", 2, false}}));
+  INFO(prec << ", stage " << stage << (offload ? ", offload" : ""));
+  const json cfg = config(prec, stage, offload);
+  LinearForm host_model, dev_model;
+  dev_model->to(torch::kCUDA);
+  auto host = mt::initialize(host_model, cfg);
+  auto dev = mt::initialize(dev_model, cfg);
+  REQUIRE(dev.describe().find("CUDA") != std::string::npos);
+  for (const auto& p : dev.parameters()) REQUIRE(p.device().is_cuda());
+
+  for (int step = 0; step < 4; ++step) {
+    host.backward(host(coefficients(host_model, step, torch::kCPU)));
+    dev.backward(dev(coefficients(dev_model, step, torch::kCUDA)));
+    host.step();
+    dev.step();
+    INFO("step " << step);
+    CHECK(dev.last_step_report().skipped == host.last_step_report().skipped);
+    CHECK(dev.loss_scale() == host.loss_scale());
+    CHECK(dev.global_grad_norm() == Approx(host.global_grad_norm()).epsilon(1e-6));
+  }
+  const auto hm = host.master_weights(), dm = dev.master_weights();
+  for (std::size_t k = 0; k < hm.size(); ++k) {
+    CHECK(dm[k].device().is_cuda());
+    check_bits(dm[k], hm[k], "master weights of w" + std::to_string(k));
+    check_bits(dev.parameters()[k], host.parameters()[k], "parameter w" + std::to_string(k));
+  }
+  // Accounting: the same model states, on the device (the host part with offload).
+  CHECK(dev.memory().model_state_bytes() == host.memory().model_state_bytes());
+  CHECK(dev.memory().host_model_state_bytes() == host.memory().host_model_state_bytes());
+}
+
+namespace {
+
+struct MlpImpl : torch::nn::Module {
+  torch::nn::Linear a{nullptr}, b{nullptr};
+  MlpImpl() {
+    torch::manual_seed(11);
+    a = register_module("a", torch::nn::Linear(32, 64));
+    b = register_module("b", torch::nn::Linear(64, 4));
+  }
+  Tensor forward(const Tensor& x, const Tensor& y) {
+    return torch::mse_loss(b(torch::tanh(a(x))).to(torch::kFloat), y);
+  }
+};
+TORCH_MODULE(Mlp);
+
+std::pair<Tensor, Tensor> batch(int step, torch::Device device, torch::ScalarType dt) {
+  auto gen = at::detail::createCPUGenerator(500 + static_cast<std::uint64_t>(step));
+  Tensor x = torch::randn({16, 32}, gen), y = torch::randn({16, 4}, gen);
+  return {x.to(device, dt), y.to(device)};
+}
+
+}  // namespace
+
+TEST_CASE("gpu: a model trained through the engine on CUDA follows the CPU engine", "[gpu][torch]") {
+  require_gpu();
+  // Different matmul kernels: close, not equal. TF32 would loosen fp32 to ~1e-3.
+  at::globalContext().setAllowTF32CuBLAS(false);
+  const auto [prec, stage] = GENERATE(values<std::tuple<std::string, int>>({{"fp32", 0}, {"fp32", 2}, {"bf16", 2}}));
+  INFO(prec << ", stage " << stage);
+  const auto dt = prec == "fp32" ? torch::kFloat : torch::kBFloat16;
+  const json cfg = config(prec, stage, false, {{"gradient_clipping", 1.0}});
+  Mlp host_model, dev_model;
+  dev_model->to(torch::kCUDA);
+  auto host = mt::initialize(host_model, cfg);
+  auto dev = mt::initialize(dev_model, cfg);
+  double last_host = 0, last_dev = 0;
+  for (int step = 0; step < 10; ++step) {
+    auto [hx, hy] = batch(step, torch::kCPU, dt);
+    auto [dx, dy] = batch(step, torch::kCUDA, dt);
+    Tensor hl = host(hx, hy), dl = dev(dx, dy);
+    hl.backward();  // plain autograd: the hooks run ZeRO on the device
+    dl.backward();
+    host.step();
+    dev.step();
+    last_host = hl.item<double>();
+    last_dev = dl.item<double>();
+  }
+  CHECK(dev.global_steps() == 10);
+  CHECK(dev.epilogues() == 10);
+  // bf16 parameters: one bf16 ulp (2^-8 relative) per step at worst, a few steps deep.
+  const double tol = prec == "fp32" ? 1e-4 : 3e-2;
+  CHECK(last_dev == Approx(last_host).epsilon(tol));
+  for (std::size_t k = 0; k < host.parameters().size(); ++k) {
+    INFO(host.parameter_names()[k]);
+    const Tensor h = host.parameters()[k].to(torch::kFloat), d = dev.parameters()[k].cpu().to(torch::kFloat);
+    CHECK(torch::allclose(d, h, tol, tol));
+  }
+}
+
+TEST_CASE("gpu: backward and step on another stream are ordered with the engine's", "[gpu][torch][hooks]") {
+  require_gpu();
+  const int stage = GENERATE(0, 2);
+  const json cfg = config("fp32", stage, false);
+  LinearForm a, b;
+  a->to(torch::kCUDA);
+  b->to(torch::kCUDA);
+  auto ea = mt::initialize(a, cfg);  // made on the default stream: its core runs there
+  auto eb = mt::initialize(b, cfg);
+  const c10::Device dev(c10::kCUDA, c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index());
+  const c10::Stream side = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStreamFromGlobalPool(dev);
+  for (int step = 0; step < 3; ++step) {
+    {
+      // Big enough that a missing wait shows: the coefficients are made on the side
+      // stream just before backward reads them.
+      c10::StreamGuard guard(side);
+      ea.backward(ea(coefficients(a, step, torch::kCUDA)));
+      ea.step();
+    }
+    eb.backward(eb(coefficients(b, step, torch::kCUDA)));
+    eb.step();
+  }
+  for (std::size_t k = 0; k < ea.parameters().size(); ++k) {
+    check_bits(ea.parameters()[k], eb.parameters()[k], "w" + std::to_string(k) + ", stage " + std::to_string(stage));
+  }
+}
+
+TEST_CASE("gpu: fp16 on CUDA without loss scaling is an error, not garbage", "[gpu][torch]") {
+  require_gpu();
+  LinearForm m;
+  m->to(torch::kCUDA);
+  auto e = mt::initialize(m, config("fp16", 2, false));
+  Tensor loss = e(coefficients(m, 0, torch::kCUDA));
+  REQUIRE_THROWS_WITH(loss.backward(), Catch::Contains("Loss scaling is required"));
+  // The engine goes on: a scaled backward works afterwards.
+  e.zero_grad();
+  e.backward(e(coefficients(m, 0, torch::kCUDA)));
+  e.step();
+  CHECK(e.global_steps() == 1);
+}
+
+TEST_CASE("gpu: NCCL as the engine's communicator (mpzero's and c10d's), world size 1", "[gpu][torch]") {
+  require_gpu();
+  const int stage = GENERATE(1, 2);
+  const json cfg = config("bf16", stage, false);
+  LinearForm ref_model, nccl_model, pg_model;
+  for (auto* m : {&ref_model, &nccl_model, &pg_model}) (*m)->to(torch::kCUDA);
+  auto ref = mt::initialize(ref_model, cfg);  // local communicator
+
+  mpzero::comm::nccl_communicator nccl;  // standalone, world size 1
+  auto en = mt::initialize(nccl_model, cfg, nccl);
+
+  auto ep = mt::initialize(pg_model, cfg, mt::process_group_communicator(nccl_group()));
+  CHECK(ep.describe().find("CUDA") != std::string::npos);
+
+  for (int step = 0; step < 3; ++step) {
+    for (auto* e : {&ref, &en, &ep}) {
+      auto& m = e == &ref ? ref_model : e == &en ? nccl_model : pg_model;
+      e->backward((*e)(coefficients(m, step, torch::kCUDA)));
+      e->step();
+    }
+  }
+  for (std::size_t k = 0; k < ref.parameters().size(); ++k) {
+    check_bits(en.parameters()[k], ref.parameters()[k], "mpzero NCCL, w" + std::to_string(k));
+    check_bits(ep.parameters()[k], ref.parameters()[k], "ProcessGroupNCCL, w" + std::to_string(k));
+  }
+}
+
+TEST_CASE("gpu: the ProcessGroup communicator moves device buffers", "[gpu][torch]") {
+  require_gpu();
+  auto comm = mt::process_group_communicator(nccl_group());
+  CHECK(comm.name().find("cuda") != std::string::npos);
+  auto opts = torch::TensorOptions().device(torch::kCUDA);
+  const Tensor src = torch::arange(1, 11, opts.dtype(torch::kFloat));
+  // all_reduce out of place, bf16 (through fp32), reduce_scatter_v, all_gather_v, broadcast.
+  Tensor out = torch::zeros_like(src);
+  comm.all_reduce(src.data_ptr<float>(), out.data_ptr<float>(), 10, mpzero::comm::reduce_op::sum);
+  CHECK(torch::equal(out, src));
+  const Tensor hb = src.to(torch::kBFloat16);
+  Tensor ob = torch::zeros_like(hb);
+  comm.all_reduce(static_cast<const mpzero::bf16*>(hb.data_ptr()), static_cast<mpzero::bf16*>(ob.data_ptr()), 10,
+                  mpzero::comm::reduce_op::max);
+  CHECK(torch::equal(ob, hb));
+  const std::uint64_t counts[] = {10};
+  Tensor rs = torch::zeros_like(src);
+  comm.reduce_scatter_v(src.data_ptr<float>(), rs.data_ptr<float>(), counts, mpzero::comm::reduce_op::sum);
+  CHECK(torch::equal(rs, src));
+  Tensor ag = torch::zeros_like(src);
+  comm.all_gather_v(src.data_ptr<float>(), 10, ag.data_ptr<float>(), counts);
+  CHECK(torch::equal(ag, src));
+  Tensor bc = src.clone();
+  comm.broadcast(bc.data_ptr<float>(), 10, 0);
+  CHECK(torch::equal(bc, src));
+}
+
+// ---- what a build says about its CUDA path, with or without a GPU ------------------------
+
+TEST_CASE("torch: the compiled table lists CUDA cores exactly when they are built", "[torch]") {
+  const auto cores = mt::compiled_cores();
+  const auto n_cuda = std::count_if(cores.begin(), cores.end(), [](const mt::core_spec& s) {
+    return s.device == mt::core_device::cuda;
+  });
+  CHECK((n_cuda > 0) == mt::cuda_cores_compiled());
+  if (!mt::cuda_cores_compiled()) return;
+  // The precision configurations examples/gpt compares, AdamW, stages 0-2, offload at 1-2.
+  auto has = [&](mpzero::dtype p, mpzero::dtype m, mpzero::dtype g, mpzero::dtype st, bool sr, int stage, bool off) {
+    mt::core_spec s{p, m, g, st, sr, mt::optimizer_type::adamw, stage, off, mt::core_device::cuda};
+    return std::find(cores.begin(), cores.end(), s) != cores.end();
+  };
+  using mpzero::dtype;
+  for (int stage : {0, 1, 2}) {
+    INFO("stage " << stage);
+    CHECK(has(dtype::fp32, dtype::fp32, dtype::fp32, dtype::fp32, false, stage, false));
+    CHECK(has(dtype::bf16, dtype::fp32, dtype::bf16, dtype::fp32, false, stage, false));
+    CHECK(has(dtype::bf16, dtype::bf16, dtype::bf16, dtype::fp32, false, stage, false));
+    CHECK(has(dtype::bf16, dtype::bf16, dtype::bf16, dtype::bf16, false, stage, false));
+    CHECK(has(dtype::bf16, dtype::bf16, dtype::bf16, dtype::bf16, true, stage, false));
+    CHECK(has(dtype::fp16, dtype::fp32, dtype::fp16, dtype::fp32, false, stage, false));
+    CHECK(has(dtype::bf16, dtype::bf16, dtype::bf16, dtype::bf16, true, stage, stage > 0));
+  }
+}
+
+TEST_CASE("torch: a CUDA configuration that is not compiled names itself and the CUDA table", "[torch]") {
+  mt::core_spec s;
+  s.optimizer = mt::optimizer_type::lion;  // in no table
+  s.device = mt::core_device::cuda;
+  const std::uint64_t numels[] = {4};
+  try {
+    (void)mt::make_zero_core(s, {}, numels, {}, {});
+    FAIL("make_zero_core accepted a combination no table has");
+  } catch (const mt::config_error& e) {
+    const std::string what = e.what();
+    if (mt::cuda_cores_compiled()) {
+      CHECK_THAT(what, Catch::Contains("Lion, ZeRO stage 0, CUDA") && Catch::Contains("zero_core_cuda.cu"));
+      // It lists the CUDA table, not the host one.
+      CHECK_THAT(what, Catch::Contains("AdamW, ZeRO stage 2, CUDA"));
+      CHECK_THAT(what, !Catch::Contains("stage 2\n"));
+    } else {
+      CHECK_THAT(what, Catch::Contains("no CUDA cores") && Catch::Contains("MPZERO_TORCH_CUDA"));
+    }
+  }
+}
+
+TEST_CASE("torch: parameters on a device the engine cannot manage are refused by name", "[torch]") {
+  struct TwoImpl : torch::nn::Module {
+    Tensor a, b;
+    TwoImpl() {
+      a = register_parameter("a", torch::ones({3}));
+      b = register_parameter("b", torch::empty({2}, torch::TensorOptions().device(torch::kMeta)));
+    }
+  };
+  auto m = std::make_shared<TwoImpl>();
+  const json cfg = config("fp32", 0, false);
+  REQUIRE_THROWS_WITH(mt::initialize(m, cfg), Catch::Contains("parameter 'b' is on meta") &&
+                                                  Catch::Contains("CPU or CUDA parameters"));
+  // Nothing was re-pointed: the model is as it was.
+  CHECK(torch::equal(m->a, torch::ones({3})));
+  CHECK(m->a.device().is_cpu());
+}
