@@ -8,6 +8,7 @@
 // the gradients, so the reference needs no communication. Gradients are compared with
 // the tolerance of the compute dtype, master weights with fp32's.
 #include "support/torch_mpi.hpp"  // LibTorch, then Catch and MPI
+#include "support/torch_reference.hpp"
 
 #include <cmath>
 #include <cstdint>
@@ -22,26 +23,15 @@
 #include <mpzero/torch/process_group.hpp>
 #include <mpzero/torch/zero_core.hpp>
 
-namespace mt = mpzero::torch;
-using torch::Tensor;
-using json = nlohmann::json;
-
-using mpzero::testing::R;
-using mpzero::testing::W;
-using mpzero::testing::world;
+using namespace mpzero::testing;  // mt, Tensor, json, world(), W(), R(), the reference helpers
 
 namespace {
 
 // ---- models ------------------------------------------------------------------------
 
 // Two Linear(4, 4) layers. forward(x) gives logits, forward(x, y) the MSE loss (in fp32).
-struct NetImpl : torch::nn::Module {
-  torch::nn::Linear l1{nullptr}, l2{nullptr};
-  explicit NetImpl(std::uint64_t seed) {
-    torch::manual_seed(seed);
-    l1 = register_module("l1", torch::nn::Linear(4, 4));
-    l2 = register_module("l2", torch::nn::Linear(4, 4));
-  }
+struct NetImpl : two_linear {
+  explicit NetImpl(std::uint64_t seed) : two_linear(seed) {}
   Tensor forward(const Tensor& x) { return l2(l1(x)); }
   Tensor forward(const Tensor& x, const Tensor& y) { return torch::mse_loss(forward(x).to(torch::kFloat), y); }
 };
@@ -49,13 +39,9 @@ TORCH_MODULE(Net);
 
 // ---- data ----------------------------------------------------------------------------
 
-struct batch {
-  Tensor x, y;
-};
 // Micro-batch k of rank r (salt separates experiments).
 batch data(int k, int r, int salt = 0) {
-  auto g = at::detail::createCPUGenerator(static_cast<std::uint64_t>(100003 * salt + 1009 * k + r + 1));
-  return {torch::randn({8, 4}, g), torch::randn({8, 4}, g)};
+  return random_batch(static_cast<std::uint64_t>(100003 * salt + 1009 * k + r + 1));
 }
 
 // ---- the reference: plain LibTorch ---------------------------------------------------
@@ -76,10 +62,8 @@ struct reference {
 
   reference(M m, at::ScalarType dt_, int stage = 0, double lr = 1e-3)
       : model(std::move(m)), dt(dt_), reduce_each_pass(stage == 2) {
-    for (const auto& p : model->named_parameters()) {
-      names.push_back(p.key());
-      master.push_back(p.value().detach().to(torch::kFloat).clone().set_requires_grad(true));
-    }
+    for (const auto& p : model->named_parameters()) names.push_back(p.key());
+    master = fp32_masters(model->parameters());
     model->to(dt);
     acc.resize(static_cast<std::size_t>(W()));
     for (auto& a : acc)
@@ -125,18 +109,12 @@ struct reference {
     }
     return out;
   }
-  void set_lr(double lr) {
-    for (auto& g : opt->param_groups()) static_cast<torch::optim::AdamOptions&>(g.options()).lr(lr);
-  }
+  void set_lr(double lr) { set_learning_rate(*opt, lr); }
   // Adam on the master weights with `grads` (default: reduced()), then the model
   // parameters are the masters rounded to `dt`.
   void step(std::vector<Tensor> grads = {}) {
     if (grads.empty()) grads = reduced();
-    for (std::size_t i = 0; i < master.size(); ++i) master[i].mutable_grad() = grads[i];
-    opt->step();
-    torch::NoGradGuard ng;
-    auto ps = model->parameters();
-    for (std::size_t i = 0; i < ps.size(); ++i) ps[i].copy_(master[i]);
+    master_step(*opt, master, grads, model->parameters());
     for (auto& a : acc)
       for (auto& t : a) t.zero_();
     for (auto& t : global) t.zero_();
@@ -155,30 +133,6 @@ struct reference {
 };
 
 // ---- comparisons ------------------------------------------------------------------------
-
-struct tol {
-  double rtol, atol_rel;  // |got - want| <= atol_rel * max|want| + rtol * |want|
-};
-tol grad_tol(at::ScalarType dt) {
-  if (dt == torch::kBFloat16) return {2e-2, 2e-2};
-  if (dt == torch::kHalf) return {4e-3, 4e-3};
-  return {1e-5, 1e-6};
-}
-// "The parameter tolerance of fp32" (torch.testing's for float32: rtol 1.3e-6, atol 1e-5).
-constexpr tol param_tol{1.3e-6, 0.0};
-constexpr double param_atol = 1e-5;
-
-void check_close(const Tensor& got, const Tensor& want, tol t, double atol_abs, const std::string& what) {
-  REQUIRE(got.sizes() == want.sizes());
-  if (want.numel() == 0) return;
-  const Tensor g = got.to(torch::kDouble), w = want.to(torch::kDouble);
-  const double scale = w.abs().max().item<double>();
-  const double atol = atol_abs + t.atol_rel * scale;
-  const Tensor excess = (g - w).abs() - (atol + t.rtol * w.abs());
-  INFO(what << " on rank " << R() << ": max |got - want| = " << (g - w).abs().max().item<double>()
-            << ", max |want| = " << scale << "\n got  " << g.flatten() << "\n want " << w.flatten());
-  CHECK(excess.max().item<double>() <= 0.0);
-}
 
 void check_grads(mt::engine_base& e, const std::map<std::string, Tensor>& want, at::ScalarType dt,
                  const std::string& what) {
@@ -210,11 +164,7 @@ at::ScalarType dtype_of(const std::string& prec) {
 }
 
 json make_config(int stage, const std::string& prec, int gas = 1, json extra = json::object()) {
-  json j = {{"train_micro_batch_size_per_gpu", 8},
-            {"gradient_accumulation_steps", gas},
-            {"optimizer", {{"type", "Adam"}, {"params", {{"lr", 1e-3}}}}},
-            {"gradient_clipping", 0.0},
-            {"zero_optimization", {{"stage", stage}}}};
+  json j = engine_config(stage, gas, 1e-3);
   if (prec == "bf16") j["bf16"] = {{"enabled", true}};
   if (prec == "fp16") j["fp16"] = {{"enabled", true}, {"initial_scale_power", 8}};
   j.merge_patch(extra);
@@ -771,14 +721,48 @@ TEST_CASE("torch: WarmupLR sets each step's learning rate; gradient clipping use
 
 TEST_CASE("torch: a configuration that is not compiled in, or not supported, is refused by name", "[torch]") {
   Net model(1);
-  json sgd = make_config(1, "fp32", 1, {{"optimizer", {{"type", "SGD"}, {"params", {{"lr", 0.1}}}}}});
+  // What a failed initialize must leave as it was: each parameter's tensor, its storage,
+  // its dtype and its bits.
+  const std::vector<Tensor> params = model->parameters();
+  std::vector<const c10::TensorImpl*> impls;
+  std::vector<const void*> storage;
+  std::vector<Tensor> bits;  // int32 copies: a bit-for-bit comparison (signed zeros, NaNs included)
+  for (const auto& p : params) {
+    impls.push_back(p.unsafeGetTensorImpl());
+    storage.push_back(p.data_ptr());
+    bits.push_back(p.detach().view(torch::kInt32).clone());
+  }
+  // The SGD core is missing: initialize fails after it has collected the parameters.
+  json sgd = make_config(1, "bf16", 1, {{"optimizer", {{"type", "SGD"}, {"params", {{"lr", 0.1}}}}}});
   CHECK_THROWS_WITH(mt::initialize(model, sgd, world()),
                     Catch::Contains("not compiled") && Catch::Contains("SGD, ZeRO stage 1") && Catch::Contains("Compiled:"));
-  CHECK_THROWS_WITH(mt::initialize(Net(1), make_config(3, "bf16"), world()), Catch::Contains("stage = 3"));
-  // A failed initialize leaves the model alone.
-  CHECK(model->l1->weight.scalar_type() == torch::kFloat);
-  CHECK(model->l1->weight.data_ptr() != nullptr);
+  CHECK_THROWS_WITH(mt::initialize(model, make_config(3, "bf16"), world()), Catch::Contains("stage = 3"));
   CHECK_FALSE(mt::compiled_cores().empty());
+
+  // A failed initialize leaves the model alone: the same tensors, not re-pointed (to the
+  // core's flat buffer or to a copy), not cast to bf16, not a bit changed.
+  const std::vector<Tensor> after = model->parameters();
+  REQUIRE(after.size() == params.size());
+  for (std::size_t i = 0; i < after.size(); ++i) {
+    INFO("parameter " << i);
+    CHECK(after[i].unsafeGetTensorImpl() == impls[i]);
+    CHECK(after[i].data_ptr() == storage[i]);
+    REQUIRE(after[i].scalar_type() == torch::kFloat);
+    CHECK(torch::equal(after[i].detach().view(torch::kInt32), bits[i]));
+    CHECK(after[i].requires_grad());
+  }
+  // No hook of the engine's acts on them: a plain backward fills .grad() exactly as on an
+  // untouched copy of the model.
+  Net plain(1);
+  const batch b = data(0, R(), 19);
+  model->forward(b.x, b.y).backward();
+  plain->forward(b.x, b.y).backward();
+  const std::vector<Tensor> want = plain->parameters();
+  for (std::size_t i = 0; i < after.size(); ++i) {
+    INFO("parameter " << i);
+    REQUIRE(after[i].grad().defined());
+    CHECK(torch::equal(after[i].grad(), want[i].grad()));
+  }
 }
 
 TEST_CASE("torch: JSON text, a file path and a parsed config all initialize", "[torch]") {

@@ -13,6 +13,7 @@
 // Schedule references: the learning rates from DeepSpeed's formulas (docs/config.md),
 // written out here, and torch::optim::Adam / AdamW given that lr at each step.
 #include "support/torch_mpi.hpp"  // LibTorch, then Catch and MPI
+#include "support/torch_reference.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -23,13 +24,7 @@
 #include <string>
 #include <vector>
 
-namespace mt = mpzero::torch;
-using torch::Tensor;
-using json = nlohmann::json;
-
-using mpzero::testing::R;
-using mpzero::testing::W;
-using mpzero::testing::world;
+using namespace mpzero::testing;  // mt, Tensor, json, world(), W(), R(), the reference helpers
 
 namespace {
 
@@ -52,23 +47,14 @@ struct MixedImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mixed);
 
-struct NetImpl : torch::nn::Module {
-  torch::nn::Linear l1{nullptr}, l2{nullptr};
-  explicit NetImpl(std::uint64_t seed) {
-    torch::manual_seed(seed);
-    l1 = register_module("l1", torch::nn::Linear(4, 4));
-    l2 = register_module("l2", torch::nn::Linear(4, 4));
-  }
+struct NetImpl : two_linear {
+  explicit NetImpl(std::uint64_t seed) : two_linear(seed) {}
   Tensor forward(const Tensor& x) { return l2(torch::tanh(l1(x))); }
 };
 TORCH_MODULE(Net);
 
-struct batch {
-  Tensor x, y;
-};
 batch data(int k, int r, int salt, std::int64_t out_features) {
-  auto g = at::detail::createCPUGenerator(static_cast<std::uint64_t>(7919 * salt + 1009 * k + r + 1));
-  return {torch::randn({8, 4}, g), torch::randn({8, out_features}, g)};
+  return random_batch(static_cast<std::uint64_t>(7919 * salt + 1009 * k + r + 1), out_features);
 }
 
 // CPU autocast to bf16 for a scope, as torch.autocast("cpu", torch.bfloat16) would.
@@ -146,12 +132,8 @@ Tensor reduce_reference(const std::vector<std::vector<std::map<std::string, Tens
 }
 
 json base_config(int stage, json extra = json::object()) {
-  json j = {{"train_micro_batch_size_per_gpu", 8},
-            {"gradient_accumulation_steps", 2},
-            {"optimizer", {{"type", "Adam"}, {"params", {{"lr", 1e-2}}}}},
-            {"gradient_clipping", 0.0},
-            // Small buckets: one holds l1.bias (bf16 under autocast) and norm's (fp32).
-            {"zero_optimization", {{"stage", stage}, {"reduce_bucket_size", 20}}}};
+  // Small buckets: one holds l1.bias (bf16 under autocast) and norm's (fp32).
+  json j = engine_config(stage, 2, 1e-2, {{"zero_optimization", {{"reduce_bucket_size", 20}}}});
   j.merge_patch(extra);
   return j;
 }
@@ -303,13 +285,10 @@ TEST_CASE("torch: WarmupDecayLR and WarmupCosineLR through the engine match torc
   const int stage = GENERATE(0, 1, 2);
   const bool cosine = GENERATE(false, true);
   INFO("stage " << stage << ", world " << W() << (cosine ? ", WarmupCosineLR with AdamW" : ", WarmupDecayLR with Adam"));
-  json cfg = {{"train_micro_batch_size_per_gpu", 8},
-              {"gradient_clipping", 0.0},
-              {"zero_optimization", {{"stage", stage}}}};
+  json cfg = engine_config(stage, 1, 1e-3);  // the optimizer is set below
   std::unique_ptr<torch::optim::Optimizer> opt;
   Net ref(5);
-  std::vector<Tensor> master;
-  for (const auto& p : ref->parameters()) master.push_back(p.detach().clone().set_requires_grad(true));
+  const std::vector<Tensor> master = fp32_masters(ref->parameters());
   if (cosine) {
     cfg["optimizer"] = {{"type", "AdamW"}, {"params", {{"lr", 2e-3}, {"weight_decay", 0.01}}}};
     cfg["scheduler"] = {{"type", "WarmupCosineLR"},
@@ -346,14 +325,8 @@ TEST_CASE("torch: WarmupDecayLR and WarmupCosineLR through the engine match torc
         ++i;
       }
     }
-    for (std::size_t i = 0; i < master.size(); ++i) master[i].mutable_grad() = avg[i];
-    for (auto& group : opt->param_groups()) group.options().set_lr(lr_of(k));
-    opt->step();
-    {
-      torch::NoGradGuard ng;
-      auto ps = ref->parameters();
-      for (std::size_t i = 0; i < ps.size(); ++i) ps[i].copy_(master[i]);
-    }
+    set_learning_rate(*opt, lr_of(k));
+    master_step(*opt, master, avg, ref->parameters());
     engine.step();
     CHECK(engine.global_steps() == static_cast<std::uint64_t>(k + 1));
     CHECK(engine.get_lr() == Approx(lr_of(k + 1)).epsilon(1e-12).margin(1e-18));
@@ -362,11 +335,7 @@ TEST_CASE("torch: WarmupDecayLR and WarmupCosineLR through the engine match torc
     for (const auto& p : ref->named_parameters()) {
       const auto at = static_cast<std::size_t>(std::find(names.begin(), names.end(), p.key()) - names.begin());
       REQUIRE(at < names.size());
-      const Tensor g = got[at].to(torch::kDouble), w = master[i].detach().to(torch::kDouble);
-      // fp32's tolerance (torch.testing's: rtol 1.3e-6, atol 1e-5).
-      const double excess = ((g - w).abs() - (1e-5 + 1.3e-6 * w.abs())).max().item<double>();
-      INFO(p.key() << ": max |got - want| = " << (g - w).abs().max().item<double>());
-      CHECK(excess <= 0.0);
+      check_close(got[at], master[i].detach(), param_tol, param_atol, "master weight " + p.key());
       ++i;
     }
   }

@@ -7,9 +7,11 @@
 // ranks' values are combined as the communicators combine 16-bit types (an fp32 add,
 // then one rounding to the wire dtype per combine: comm/mpi.hpp, comm/local.hpp), the
 // sum is rounded back to the gradient dtype and averaged. MPI leaves the order of the
-// combines open, so above two ranks the data keep every partial sum exact in the wire
-// dtype (the test checks that premise): the rounding that remains is each rank's own,
-// which no order changes. At one and two ranks arbitrary values are checked too.
+// combines open, so above two ranks the data either keep every partial sum exact in the
+// wire dtype (the rounding that remains is each rank's own, which no order changes) or
+// give each element a nonzero value on two ranks only (one combine rounds, adding a zero
+// is exact, whatever the order); the test checks that premise. Arbitrary values are
+// checked at every rank count that way.
 #include <catch2/catch.hpp>
 #include <mpi.h>
 
@@ -61,9 +63,18 @@ enum class values {
   bf16_wide,  // +-m * 2^(x-7), m in 128..255, x in -7..-5: exact in bf16, their sums need more bits
   grid,       // +-k * 2^-6: exact in every dtype, and so are sums of a few
   arbitrary,  // about [-1, 1] with every fp32 bit used
+  // `arbitrary` on two ranks per element, which two turning with the element, the step and
+  // the parameter; 0 on the others. At one and two ranks: `arbitrary` on every rank.
+  arbitrary_pairs,
 };
 
 float make_value(values kind, int rank, int step, std::size_t p, std::uint64_t e) {
+  if (kind == values::arbitrary_pairs) {
+    const auto n = static_cast<std::uint64_t>(world().size());
+    const auto first = (e + p + static_cast<std::uint64_t>(step)) % n;
+    const auto r = static_cast<std::uint64_t>(rank);
+    return r == first || r == (first + 1) % n ? make_value(values::arbitrary, rank, step, p, e) : 0.0f;
+  }
   const auto bits = element_random_bits(4242 + static_cast<std::uint64_t>(rank) * 7919 + p,
                                         static_cast<std::uint64_t>(step), e);
   const std::uint32_t b = bits.v[0];
@@ -76,6 +87,7 @@ float make_value(values kind, int rank, int step, std::size_t p, std::uint64_t e
     case values::grid:
       return sign * static_cast<float>(1 + b % 8u) * 0x1p-6f;
     case values::arbitrary:
+    case values::arbitrary_pairs:  // handled above
       return (static_cast<float>(b % 2000001u) - 1000000.0f) * 1.0e-6f + static_cast<float>(bits.v[1] % 1000u) * 1e-10f;
   }
   return 0.0f;
@@ -94,19 +106,39 @@ struct wire_case {
   int steps = 2;
 };
 
+// Every rank's value of an element rounded to its wire dtype and combined in rank order.
+struct wire_sum {
+  long double combined = 0;  // as the communicators combine (rounded)
+  long double exact = 0;     // the exact sum of the rounded values
+  int nonzero = 0;           // ranks whose rounded value is not 0
+  std::vector<bool> carries;  // [rank]: its rounded value is not 0
+};
+wire_sum sum_on_wire(const wire_case& wc, int step, std::size_t p, std::uint64_t e) {
+  const int W = world().size();
+  const dtype d = wc.wire[p];
+  wire_sum s;
+  s.carries.assign(static_cast<std::size_t>(W), false);
+  for (int r = 0; r < W; ++r) {
+    const long double v = round_to(make_value(wc.kinds[p], r, step, p, e), d);
+    s.combined = r == 0 ? v : combine(s.combined, v, d);
+    s.exact += v;
+    s.nonzero += v != 0;
+    s.carries[static_cast<std::size_t>(r)] = v != 0;
+  }
+  return s;
+}
+
 // The reduced, averaged gradient element the optimizer must hold, from every rank's value.
 float reference_grad(const wire_case& wc, dtype grad, int step, std::size_t p, std::uint64_t e) {
   const int W = world().size();
-  const dtype d = wc.wire[p];
-  long double acc = 0, exact = 0;
-  for (int r = 0; r < W; ++r) {
-    const long double v = round_to(make_value(wc.kinds[p], r, step, p, e), d);
-    acc = r == 0 ? v : combine(acc, v, d);
-    exact += v;
+  const wire_sum s = sum_on_wire(wc, step, p, e);
+  // Above two ranks the combines may come in any order: the data must keep them exact, or
+  // leave one combine that rounds (at most two nonzero values; adding a zero is exact).
+  if (W > 2 && s.combined != s.exact && s.nonzero > 2) {
+    FAIL("the premise broke: a partial sum of parameter " << p << " is not exact in " << name_of(wc.wire[p])
+                                                          << " and " << s.nonzero << " ranks contribute to it");
   }
-  // Above two ranks the combines may come in any order: the data must keep them exact.
-  if (W > 2 && acc != exact) FAIL("the premise broke: a partial sum of parameter " << p << " is not exact in " << name_of(d));
-  return static_cast<float>(round_to(acc, grad) / W);
+  return static_cast<float>(round_to(s.combined, grad) / W);
 }
 
 // ---- one run --------------------------------------------------------------------------------
@@ -258,12 +290,38 @@ TEST_CASE("ZeRO wire dtypes: bf16 gradients with fp32 on the wire for some param
   }
 }
 
-TEST_CASE("ZeRO wire dtypes: arbitrary values at one and two ranks", "[zero]") {
-  // With at most two ranks there is at most one combine, so no order question: any
-  // value works. Above two ranks the first test case covers the wire dtypes.
-  if (world().size() > 2) return;
+TEST_CASE("ZeRO wire dtypes: arbitrary values on two ranks per element, at every rank count", "[zero]") {
+  // Sums of arbitrary values round, and MPI leaves the order of the combines open: with
+  // two nonzero values per element there is one combine that rounds whatever the order.
+  // At one and two ranks that is every rank's value; above, each rank carries some
+  // elements and contributes zeros to the others.
   wire_case wc = mixed_case();
-  wc.kinds.assign(wc.wire.size(), values::arbitrary);
+  wc.kinds.assign(wc.wire.size(), values::arbitrary_pairs);
+  // The premises that keep this from passing on degenerate data: every rank carries
+  // values, and from two ranks on, in each wire dtype, some sum rounds (the test sees
+  // the combine's rounding and the order question is real).
+  const int n = world().size();
+  std::vector<bool> carries(static_cast<std::size_t>(n), false);
+  bool rounds_in[3] = {false, false, false};  // fp32, bf16, fp16
+  for (int step = 1; step <= wc.steps; ++step) {
+    for (std::size_t p = 0; p < wc.numels.size(); ++p) {
+      for (std::uint64_t e = 0; e < wc.numels[p]; ++e) {
+        const wire_sum s = sum_on_wire(wc, step, p, e);
+        for (std::size_t r = 0; r < carries.size(); ++r) carries[r] = carries[r] || s.carries[r];
+        bool& rounds = rounds_in[wc.wire[p] == dtype::fp32 ? 0 : wc.wire[p] == dtype::bf16 ? 1 : 2];
+        rounds = rounds || s.combined != s.exact;
+      }
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    INFO("rank " << r << " of " << n);
+    REQUIRE(carries[static_cast<std::size_t>(r)]);
+  }
+  if (n > 1) {
+    REQUIRE(rounds_in[0]);
+    REQUIRE(rounds_in[1]);
+    REQUIRE(rounds_in[2]);
+  }
   all_stages<policies::fp32>(wc);
 }
 
@@ -275,8 +333,8 @@ void require_same_reduction(const wire_case& wc, const zero_options& za, const z
   auto& c = world();
   A a(c, wc.numels, {}, za);
   B b(c, wc.numels, {}, zb);
-  // Above two ranks, values whose sums are exact in every dtype (no order question).
-  const values kind = c.size() > 2 ? values::perturbed : values::arbitrary;
+  // Two nonzero values per element at any rank count: no order question.
+  const values kind = values::arbitrary_pairs;
   for (std::size_t p = wc.numels.size(); p-- > 0;) {
     std::vector<float> g(wc.numels[p]);
     for (std::uint64_t e = 0; e < g.size(); ++e) g[e] = make_value(kind, c.rank(), 1, p, e);
