@@ -29,9 +29,18 @@ if ! python3 -c "import torch" 2>/dev/null; then
   exit 1
 fi
 
-# Only the trainer and the library it needs.
+# Only the trainer and the library it needs; with the engine's CUDA cores where there is
+# a GPU to run them (nvidia-smi sees one) and nvcc to build them, so that train_gpt's
+# --device auto trains there. Without a GPU they would only cost build time.
+cuda=(-DMPZERO_ENABLE_CUDA=OFF)
+nvcc_bin="$(command -v nvcc || true)"
+[ -n "$nvcc_bin" ] || { [ -x /usr/local/cuda/bin/nvcc ] && nvcc_bin=/usr/local/cuda/bin/nvcc; }
+if [ -n "$nvcc_bin" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "main_gpt: a GPU is present: building the engine's CUDA cores"
+  cuda=(-DMPZERO_ENABLE_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc_bin")
+fi
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMPZERO_BUILD_BENCH=OFF -DMPZERO_BUILD_TESTS=OFF \
-  -DMPZERO_ENABLE_CUDA=OFF >/dev/null
+  "${cuda[@]}" >/dev/null
 cmake --build "$build" --target train_gpt -j "$(nproc)"
 
 "$build/examples/train_gpt" --out "$out" "$@"

@@ -89,10 +89,16 @@ def main():
     ax.scatter(x, pred, marker="_", s=600, color="black", zorder=3, label="memory model prediction")
     for i, r in enumerate(runs):
         ax.text(i, dev[i] + host[i], f"{r['measured_bytes_per_param']:.1f} B/p", ha="center", va="bottom", fontsize=7)
-    ax.set_ylim(0, 1.3 * max(d + h for d, h in zip(dev, host)))  # room for the labels and the legend
+    top = max(d + h for d, h in zip(dev, host))
+    # On a GPU: the peak device memory (allocator peak + the core's device bytes).
+    peak = [r.get("peak_device_bytes", 0) / mib for r in runs]
+    if any(p > 0 for p in peak):
+        ax.scatter(x, peak, marker="D", s=30, color="tab:red", zorder=3, label="peak device memory (GPU)")
+        top = max(top, max(peak))
+    ax.set_ylim(0, 1.3 * top)  # room for the labels and the legend
     ax.set_xticks(list(x))
     ax.set_xticklabels(ids, rotation=45, ha="right", fontsize=8)
-    ax.set_ylabel("model states per rank, MiB")
+    ax.set_ylabel("MiB per rank")
     ax.set_title(f"{title}\n{runs[0]['model_numel']:,} parameters; labels: bytes per parameter", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")

@@ -12,7 +12,14 @@
 //   ./train_gpt                         defaults: a few minutes on 2 CPU cores
 //   ./train_gpt --configs bf16,fp16     every stage/offload variant of those precisions
 //   ./train_gpt --configs all --steps 500 --out results
-//   mpirun -n 2 ./train_gpt             data parallel (when built with MPI)
+//   mpirun -n 2 ./train_gpt             data parallel (when built with MPI; CPU)
+//   ./train_gpt --device cuda --big     on a GPU (the default --device auto picks one when
+//                                       LibTorch sees it and the adapter has CUDA cores)
+//
+// On a GPU the table adds the peak device memory: the CUDA caching allocator's peak
+// (activations, gradients until the hooks hand them over, temporaries) plus the device
+// bytes mpzero's core holds (model states and reduction buckets: allocated outside
+// LibTorch's allocator, so they are added, not seen).
 //
 // Precisions (--configs names; DeepSpeed keys in make_config):
 //   fp32         everything fp32 (no mixed precision)
@@ -23,6 +30,7 @@
 //   fp16         fp16 parameters, fp32 master and states, dynamic loss scaling
 // each at ZeRO stage 0, 1, 2 and with CPU offload at stages 1 and 2 (ids: bf16/z2,
 // bf16/z2+off, ...).
+#include <ATen/DeviceAccelerator.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -44,6 +52,7 @@
 
 #include <mpzero/policy/memory_model.hpp>
 #include <mpzero/torch/engine.hpp>
+#include <mpzero/torch/zero_core.hpp>  // cuda_cores_compiled()
 
 #ifdef MPZERO_GPT_MPI
 #include <mpi.h>
@@ -235,7 +244,34 @@ struct options {
   double lr = 3e-3;
   std::uint64_t seed = 1234;
   std::string configs = default_configs, out = "gpt_out", corpus = "/usr/share/games/fortunes";
+  std::string device = "auto";  // cpu, cuda, cuda:N or auto
 };
+
+// --device as a torch::Device: auto is the first CUDA device when LibTorch sees one and
+// the engine was built with CUDA cores, else the CPU.
+torch::Device resolve_device(const std::string& d) {
+  const bool gpu = torch::cuda::is_available(), cores = mt::cuda_cores_compiled();
+  if (d == "auto") return gpu && cores ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  torch::Device dev(torch::kCPU);
+  try {
+    dev = torch::Device(d);
+  } catch (const std::exception&) {
+    throw std::invalid_argument("--device " + d + ": not a device; use cpu, cuda, cuda:N or auto");
+  }
+  if (dev.is_cpu()) return dev;
+  if (!dev.is_cuda()) throw std::invalid_argument("--device " + d + ": the engine trains on the CPU or CUDA devices");
+  if (!gpu) throw std::invalid_argument("--device " + d + ": LibTorch sees no CUDA device here; use --device cpu");
+  if (!cores) {
+    throw std::invalid_argument("--device " + d + ": this build of the adapter has no CUDA cores (MPZERO_TORCH_CUDA=OFF); "
+                                "rebuild with CUDA (scripts/main_gpt.sh does when a GPU is present) or use --device cpu");
+  }
+  if (!dev.has_index()) dev = torch::Device(torch::kCUDA, 0);
+  if (dev.index() >= static_cast<int>(torch::cuda::device_count())) {
+    throw std::invalid_argument("--device " + d + ": there are " + std::to_string(torch::cuda::device_count()) +
+                                " CUDA device(s)");
+  }
+  return dev;
+}
 
 json make_config(const run_spec& s, const options& o) {
   json zero = {{"stage", s.stage}};
@@ -272,10 +308,13 @@ void usage() {
   std::printf(
       "usage: train_gpt [--steps N] [--layers N] [--dim N] [--heads N] [--seq N] [--batch N] [--lr X]\n"
       "                 [--eval-batches N] [--seed N] [--configs LIST] [--out DIR] [--corpus DIR] [--big]\n"
+      "                 [--device auto|cpu|cuda|cuda:N]\n"
       "  --configs: comma-separated ids (bf16/z2, fp16/z1+off), precisions (every variant: fp32, bf16,\n"
       "             bf16-master, bf16-all, bf16-all-sr, fp16) or 'all'. Default:\n             %s\n"
       "  --big:     6 layers, dim 384, 6 heads, seq 256, batch 32, 2000 steps, lr 1e-3 (later flags override);\n"
-      "             meant for a GPU, but the engine keeps parameters on the CPU in this build\n",
+      "             meant for a GPU\n"
+      "  --device:  where the model trains; auto (default): a CUDA device when there is one and the engine\n"
+      "             has CUDA cores, else the CPU\n",
       default_configs);
 }
 
@@ -322,6 +361,7 @@ options parse_args(int argc, char** argv) {
     else if (a == "--configs") o.configs = v;
     else if (a == "--out") o.out = v;
     else if (a == "--corpus") o.corpus = v;
+    else if (a == "--device") o.device = v;
     else throw std::invalid_argument("unknown flag " + a + " (see --help)");
   }
   if (o.dim % o.heads != 0)
@@ -336,6 +376,8 @@ struct result {
   std::vector<double> losses;
   double steps_per_s = 0, steps_per_s_mean = 0, final_loss = 0, mean_loss = 0, eval_loss = 0, loss_scale = 1;
   std::uint64_t skipped = 0, numel = 0, padding = 0, device_bytes = 0, host_bytes = 0;
+  // On a GPU: LibTorch's caching allocator peak, and that plus the core's device bytes.
+  std::uint64_t torch_peak_bytes = 0, peak_device_bytes = 0;
   mpzero::memory_footprint predicted;
   double measured_bpp() const { return static_cast<double>(device_bytes + host_bytes) / static_cast<double>(numel); }
 };
@@ -343,10 +385,16 @@ struct result {
 // nullopt when the engine refuses the configuration (e.g. a combination this build of the
 // adapter does not compile); `why` gets the message. Every rank refuses alike.
 std::optional<result> train_one(const run_spec& spec, const options& o, const corpus& data, mt::any_communicator comm,
-                                int index, int total, std::string& why) {
+                                torch::Device device, int index, int total, std::string& why) {
   const int rank = comm.rank(), world = comm.size();
+  if (device.is_cuda()) {
+    at::accelerator::synchronizeDevice(device.index());
+    at::accelerator::emptyCache();  // the previous configuration's blocks
+    at::accelerator::resetPeakStats(device.index());
+  }
   torch::manual_seed(o.seed);  // same initial weights for every configuration
   GPT model(o.layers, o.dim, o.heads, o.seq);
+  model->to(device);
   std::optional<mt::engine<GPT>> made;
   try {
     made.emplace(mt::initialize(model, make_config(spec, o), comm));
@@ -378,7 +426,7 @@ std::optional<result> train_one(const run_spec& spec, const options& o, const co
     const auto ts = clock::now();
     for (auto& s : starts) s = start(gen);
     auto [x, y] = windows(data.train, starts, o.seq);
-    auto loss = engine.forward(x, y);
+    auto loss = engine.forward(x.to(device), y.to(device));
     engine.backward(loss);  // applies the fp16 loss scale; plain loss.backward() elsewhere
     engine.step();
     r.losses.push_back(loss.item<double>());
@@ -418,7 +466,7 @@ std::optional<result> train_one(const run_spec& spec, const options& o, const co
     for (int b = 0; b < o.eval_batches; ++b) {
       for (int i = 0; i < o.batch; ++i) starts[i] = (static_cast<std::size_t>(b) * o.batch + i) * span / n;
       auto [x, y] = windows(data.eval, starts, o.seq);
-      sum += engine.module()->forward(x, y).item<double>();
+      sum += engine.module()->forward(x.to(device), y.to(device)).item<double>();
     }
     r.eval_loss = sum / o.eval_batches;
   }
@@ -428,6 +476,12 @@ std::optional<result> train_one(const run_spec& spec, const options& o, const co
   r.padding = m.padding_numel;
   r.device_bytes = m.model_state_bytes();
   r.host_bytes = m.host_model_state_bytes();
+  if (device.is_cuda()) {
+    const auto stats = at::accelerator::getDeviceStats(device.index());
+    const auto peak = stats.allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+    r.torch_peak_bytes = static_cast<std::uint64_t>(std::max<std::int64_t>(0, peak));
+    r.peak_device_bytes = r.torch_peak_bytes + r.device_bytes + m.buckets;
+  }
   if (rank == 0) {
     std::fprintf(stderr, "\r[%d/%d] %-18s done: %.1f steps/s, train %.3f, eval %.3f%*s\n", index + 1, total,
                  spec.id().c_str(), r.steps_per_s, r.final_loss, r.eval_loss, 20, "");
@@ -435,7 +489,7 @@ std::optional<result> train_one(const run_spec& spec, const options& o, const co
   return r;
 }
 
-void print_table(const std::vector<result>& rs) {
+void print_table(const std::vector<result>& rs, bool gpu) {
   const auto& b = rs.front();
   std::printf("\n%-18s %8s %6s %10s %10s %8s %9s %8s %8s %8s %8s %7s\n", "config", "steps/s", "speed", "states MiB",
               "host MiB", "B/param", "B/param", "final", "mean", "eval", "eval", "skipped");
@@ -447,6 +501,17 @@ void print_table(const std::vector<result>& rs) {
                 r.host_bytes / 1048576.0, r.measured_bpp(), r.predicted.total(), r.final_loss, r.mean_loss,
                 r.eval_loss, r.eval_loss - b.eval_loss, static_cast<unsigned long long>(r.skipped));
   }
+  if (gpu) {
+    std::printf("\n%-18s %12s %12s %10s\n", "config", "peak MiB", "torch peak", "peak");
+    std::printf("%-18s %12s %12s %10s\n", "", "(device)", "MiB", "vs base");
+    for (const auto& r : rs) {
+      std::printf("%-18s %12.1f %12.1f %+9.1f%%\n", r.spec.id().c_str(), r.peak_device_bytes / 1048576.0,
+                  r.torch_peak_bytes / 1048576.0,
+                  100.0 * (static_cast<double>(r.peak_device_bytes) / static_cast<double>(b.peak_device_bytes) - 1.0));
+    }
+    std::printf("peak (device): LibTorch's caching-allocator peak + the device bytes mpzero's core holds\n"
+                "(model states and buckets, allocated outside LibTorch's allocator).\n");
+  }
   std::printf("\nbase = %s. steps/s: 1 / median step time (steps 2..N); speed relative to base.\n"
               "B/param: bytes of model states (parameters, gradients, master weights, optimizer states) per\n"
               "trainable parameter on this rank, device + host (states MiB includes the offloaded host part);\n"
@@ -456,7 +521,7 @@ void print_table(const std::vector<result>& rs) {
 }
 
 void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<std::string, std::string>>& refused,
-                   const options& o, const corpus& data, int world) {
+                   const options& o, const corpus& data, int world, const std::string& device) {
   fs::create_directories(o.out);
   json runs = json::array();
   for (const auto& r : rs) {
@@ -471,6 +536,8 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
                     {"padding_numel", r.padding},
                     {"measured_device_bytes", r.device_bytes},
                     {"measured_host_bytes", r.host_bytes},
+                    {"torch_peak_bytes", r.torch_peak_bytes},
+                    {"peak_device_bytes", r.peak_device_bytes},
                     {"measured_bytes_per_param", r.measured_bpp()},
                     {"predicted_device_bytes_per_param", r.predicted.device_bytes},
                     {"predicted_host_bytes_per_param", r.predicted.host_bytes},
@@ -487,7 +554,7 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
                {"lr", o.lr},         {"seed", o.seed},             {"world_size", world},
                {"threads", torch::get_num_threads()},              {"corpus", o.corpus},
                {"train_bytes", data.train.size()},                 {"eval_bytes", data.eval.size()},
-               {"fortunes", data.fortunes}};
+               {"fortunes", data.fortunes},                        {"device", device}};
   json not_run = json::array();
   for (const auto& [id, msg] : refused) not_run.push_back({{"id", id}, {"reason", msg}});
   std::ofstream(fs::path(o.out) / "results.json") << json{{"meta", meta}, {"runs", runs}, {"not_run", not_run}}.dump(1)
@@ -496,13 +563,13 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
   std::ofstream csv(fs::path(o.out) / "summary.csv");
   csv << "id,precision,stage,offload,steps_per_s,model_numel,measured_device_bytes,measured_host_bytes,"
          "measured_bytes_per_param,predicted_bytes_per_param,final_train_loss,mean_train_loss,eval_loss,"
-         "skipped_steps,describe\n";
+         "skipped_steps,peak_device_bytes,describe\n";
   for (const auto& r : rs) {
     csv << r.spec.id() << "," << r.spec.precision << "," << r.spec.stage << "," << (r.spec.offload ? 1 : 0) << ","
         << fmt("%.3f", r.steps_per_s) << "," << r.numel << "," << r.device_bytes << "," << r.host_bytes << ","
         << fmt("%.4f", r.measured_bpp()) << "," << fmt("%.4f", r.predicted.total()) << ","
         << fmt("%.5f", r.final_loss) << "," << fmt("%.5f", r.mean_loss) << "," << fmt("%.5f", r.eval_loss) << ","
-        << r.skipped << ",\"" << r.describe << "\"\n";
+        << r.skipped << "," << r.peak_device_bytes << ",\"" << r.describe << "\"\n";
   }
 }
 
@@ -513,8 +580,15 @@ int run(int argc, char** argv, mt::any_communicator comm) {
   if (static_cast<std::size_t>(o.seq) + 2 >= data.eval.size())
     throw std::invalid_argument("--seq " + std::to_string(o.seq) + " is longer than the held-out text (" +
                                 std::to_string(data.eval.size()) + " bytes); use a shorter --seq or a larger corpus");
+  const torch::Device device = resolve_device(o.device);
+  if (device.is_cuda() && comm.size() > 1) {
+    // The engine would need a communicator that reads device memory (NCCL): not set up here.
+    throw std::invalid_argument("data parallel training on GPUs is not set up in train_gpt (it would need NCCL); run "
+                                "one process, or --device cpu under mpirun");
+  }
   const bool root = comm.rank() == 0;
   if (root) {
+    std::printf("device: %s\n", device.str().c_str());
     std::printf("GPT: %d layers, dim %d, %d heads, seq %d, batch %d x %d rank(s), %d steps, AdamW lr %g\n", o.layers,
                 o.dim, o.heads, o.seq, o.batch, comm.size(), o.steps, o.lr);
     std::printf("corpus: %zu fortunes from %zu files in %s: %zu training bytes, %zu held-out bytes\n", data.fortunes,
@@ -526,7 +600,7 @@ int run(int argc, char** argv, mt::any_communicator comm) {
   std::vector<std::pair<std::string, std::string>> refused;  // (id, the engine's message)
   for (std::size_t i = 0; i < specs.size(); ++i) {
     std::string why;
-    auto r = train_one(specs[i], o, data, comm, static_cast<int>(i), static_cast<int>(specs.size()), why);
+    auto r = train_one(specs[i], o, data, comm, device, static_cast<int>(i), static_cast<int>(specs.size()), why);
     if (r) {
       rs.push_back(std::move(*r));
       continue;
@@ -539,12 +613,12 @@ int run(int argc, char** argv, mt::any_communicator comm) {
   }
   if (rs.empty()) throw std::runtime_error("the engine refused every selected configuration (see above)");
   if (root) {
-    print_table(rs);
+    print_table(rs, device.is_cuda());
     if (!refused.empty()) {
       std::printf("\nnot run (the engine refused them):\n");
       for (const auto& [id, msg] : refused) std::printf("  %-18s %s\n", id.c_str(), msg.c_str());
     }
-    write_outputs(rs, refused, o, data, comm.size());
+    write_outputs(rs, refused, o, data, comm.size(), device.str());
     std::printf("wrote %s and %s\n", (fs::path(o.out) / "summary.csv").c_str(), (fs::path(o.out) / "results.json").c_str());
   }
   return 0;
