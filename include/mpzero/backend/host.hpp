@@ -17,16 +17,18 @@
 #include "../step/grad_stats.hpp"
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__SSE2__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(__CUDACC__) && !defined(MPZERO_NO_RUNTIME_SIMD)
-// x86 GCC: the host step picks AVX2 or AVX-512 at run time (detail::simd_level).
+    (!defined(__CUDACC__) || __CUDACC_VER_MAJOR__ >= 13) && !defined(MPZERO_NO_RUNTIME_SIMD)
+// x86 GCC: the host step picks AVX2 or AVX-512 at run time (detail::simd_level). Also in
+// nvcc's host pass from CUDA 13 (checked: tests/test_simd_nvcc.cu), so that CPU offload
+// on the CUDA backend gets the vectorized host step; older nvcc takes the portable loops.
 #define MPZERO_RUNTIME_SIMD 1
 #include <immintrin.h>
 #endif
 
 namespace mpzero::host {
 
-// The code below differs with MPZERO_RUNTIME_SIMD (on for g++, off in nvcc's host pass
-// and elsewhere). Each variant lives in its own inline namespace, so a program that
+// The code below differs with MPZERO_RUNTIME_SIMD (on for g++ and nvcc 13's host pass on
+// x86, off elsewhere). Each variant lives in its own inline namespace, so a program that
 // links translation units of both kinds gets two sets of functions, not two bodies
 // for one name (which would break the one-definition rule).
 #if defined(MPZERO_RUNTIME_SIMD)
