@@ -236,6 +236,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::optional<direct_backward> pending_;  // engine.backward is running
   std::shared_ptr<pass> manual_;            // the pass engine.backward started
   std::uint64_t epilogues_ = 0;
+  std::uint64_t lookups_ = 0;  // acquire() calls past the one-entry cache
 
   // Steps.
   std::uint64_t micro_steps_ = 0, global_steps_ = 0, skipped_steps_ = 0, scheduler_steps_ = 0;
@@ -412,6 +413,7 @@ pass& engine_state::acquire(event e) {
     if (e == event::scale_root) cache_->scaled = true;
     return *cache_;
   }
+  ++lookups_;
   if (auto it = passes_.find(task); it != passes_.end()) {
     cache_task_ = task;
     cache_ = it->second.get();
@@ -662,6 +664,7 @@ std::vector<::torch::Tensor> engine_base::master_weights() {
 }
 dtype engine_base::comm_dtype(const ::torch::Tensor& param) const { return st_->comm_dtypes_[st_->index_of(param, "comm_dtype")]; }
 std::uint64_t engine_base::epilogues() const { return st_->epilogues_; }
+std::uint64_t engine_base::bookkeeping_lookups() const { return st_->lookups_; }
 memory_report engine_base::memory() const { return st_->core_->memory(); }
 std::string engine_base::describe() const { return st_->core_->spec().describe(); }
 

@@ -132,6 +132,9 @@ class engine_base {
   dtype comm_dtype(const ::torch::Tensor& param) const;
   // How many backward epilogues have run (diagnostics and tests).
   std::uint64_t epilogues() const;
+  // How often a hook looked its backward up past the one-entry cache of the last graph
+  // task (diagnostics and tests): once per graph task, whatever the number of parameters.
+  std::uint64_t bookkeeping_lookups() const;
   memory_report memory() const;
   // The compiled instantiation, e.g. "param bf16, master fp32, ..., ZeRO stage 2".
   std::string describe() const;
