@@ -54,15 +54,11 @@ core_spec spec_of(core_device device) {
                    Offload::value == offload_kind::cpu, device};
 }
 
-// Calls f(static_cast<const T*>(p)) with T the storage type named by t.
+// Calls f(static_cast<const T*>(p)) with T the storage type named by t (the engine
+// passes only the three dtypes it maps from torch's).
 template <class F>
 void with_storage(dtype t, const void* p, F&& f) {
-  switch (t) {
-    case dtype::fp32: f(static_cast<const float*>(p)); return;
-    case dtype::bf16: f(static_cast<const bf16*>(p)); return;
-    case dtype::fp16: f(static_cast<const fp16*>(p)); return;
-  }
-  throw config_error("mpzero::torch: unknown dtype " + std::to_string(static_cast<int>(t)));
+  visit_dtype(t, [&]<class T>(T*) { f(static_cast<const T*>(p)); });
 }
 
 template <class Policy, class Opt, int N, class Offload, class Context>

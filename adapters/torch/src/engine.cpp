@@ -142,26 +142,27 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     core_->end_backward();
     ++epilogues_;
   }
-  void close(pass& p) {
-    p.done = true;
-    for (int t : p.tasks) passes_.erase(t);
-    open_.erase(std::remove_if(open_.begin(), open_.end(), [&](const auto& q) { return q.get() == &p; }), open_.end());
+  // Ends the open passes `pred` selects: done, their graph tasks forgotten. (Open and
+  // not done are the same thing: a pass leaves open_ only here.)
+  template <class Pred>
+  void retire_if(Pred pred) {
+    open_.erase(std::remove_if(open_.begin(), open_.end(),
+                               [&](const std::shared_ptr<pass>& q) {
+                                 if (!pred(*q)) return false;
+                                 q->done = true;
+                                 for (int t : q->tasks) passes_.erase(t);
+                                 return true;
+                               }),
+                open_.end());
     cache_task_ = std::numeric_limits<int>::min();
     cache_ = nullptr;
   }
-  // Passes without a callback (started in forward or nested only) end at the next step.
+  void close(pass& p) {
+    retire_if([&](const pass& q) { return &q == &p; });
+  }
+  // Passes without a live callback (started in forward or nested only) end at the next step.
   void drop_stale_passes() {
-    std::vector<std::shared_ptr<pass>> keep;
-    for (auto& p : open_)
-      if (p->has_callback && !p->alive.expired()) keep.push_back(p);
-    for (auto& p : open_)
-      if (!(p->has_callback && !p->alive.expired())) {
-        p->done = true;
-        for (int t : p->tasks) passes_.erase(t);
-      }
-    open_ = std::move(keep);
-    cache_task_ = std::numeric_limits<int>::min();
-    cache_ = nullptr;
+    retire_if([](const pass& q) { return !q.has_callback || q.alive.expired(); });
   }
 
   // ---- API ------------------------------------------------------------------------
@@ -196,11 +197,14 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   // was at initialize (core_stream_). Work torch queues on another stream (a backward
   // or step under a stream guard) is ordered with events, both ways; no host waits.
   c10::Stream current_stream() const { return c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_); }
-  // The core's next work starts after what torch's current stream has queued.
-  void core_waits() {
-    if (!core_stream_) return;
+  // The core's next work starts after what torch's current stream has queued. Returns
+  // whether that stream is another one than the core's.
+  bool core_waits() {
+    if (!core_stream_) return false;
     const c10::Stream s = current_stream();
-    if (s != *core_stream_) core_->wait_stream(s.native_handle());
+    if (s == *core_stream_) return false;
+    core_->wait_stream(s.native_handle());
+    return true;
   }
   // What torch's current stream queues next starts after the core's work.
   void join_core() {
@@ -316,9 +320,7 @@ void engine_state::init() {
   if (device_.is_cuda()) {
     // The core runs on torch's current stream of the device: what the model computes
     // there (gradients, then reading the parameters) is ordered with it for free.
-    const auto* guard = c10::impl::getDeviceGuardImpl(c10::kCUDA);
-    if (!device_.has_index()) device_ = c10::Device(c10::kCUDA, guard->getDevice().index());
-    core_stream_ = guard->getStream(device_);
+    core_stream_ = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device_);  // a tensor's device has an index
     place.device = device_.index();
     place.stream = core_stream_->native_handle();
   }
@@ -423,14 +425,7 @@ pass& engine_state::acquire(event e) {
 
   // A graph task this engine has not seen. Passes whose graph task died without running
   // its callbacks (an exception in backward) are over.
-  open_.erase(std::remove_if(open_.begin(), open_.end(),
-                             [&](const std::shared_ptr<pass>& p) {
-                               if (!p->has_callback || !p->alive.expired()) return false;
-                               p->done = true;
-                               for (int t : p->tasks) passes_.erase(t);
-                               return true;
-                             }),
-              open_.end());
+  retire_if([](const pass& q) { return q.has_callback && q.alive.expired(); });
   const int depth = current_reentrant_depth();
   // Nested: a backward started inside another backward (depth > 0), or, when the depth
   // cannot be read, any backward while one of ours is still open. It joins the open
@@ -499,13 +494,8 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
     t = dtype::fp32;
   }
   g = g.contiguous();
-  if (core_stream_) {
-    const c10::Stream s = current_stream();
-    if (s != *core_stream_) {
-      core_->wait_stream(s.native_handle());
-      g.record_stream(*core_stream_);  // the caching allocator must not reuse g before the core has read it
-    }
-  }
+  // Produced on another stream: the caching allocator must not reuse g before the core has read it.
+  if (core_waits()) g.record_stream(*core_stream_);
   core_->accumulate_grad(i, g.data_ptr(), *t, p.scale_wrt_gas ? inv_gas_ : 1.0f);
   // The core holds the gradient now; release autograd's copy.
   param.mutable_grad().reset();

@@ -39,6 +39,18 @@ concept storage_type = std::same_as<T, float> || std::same_as<T, bf16> || std::s
 
 constexpr std::size_t size_of(dtype d) noexcept { return d == dtype::fp32 ? 4 : 2; }
 
+// Calls f(static_cast<T*>(nullptr)) with T the storage type of d (float, bf16, fp16):
+// the one switch from a dtype value to its type.
+template <class F>
+constexpr decltype(auto) visit_dtype(dtype d, F&& f) {
+  switch (d) {
+    case dtype::bf16: return f(static_cast<bf16*>(nullptr));
+    case dtype::fp16: return f(static_cast<fp16*>(nullptr));
+    case dtype::fp32: break;
+  }
+  return f(static_cast<float*>(nullptr));  // fp32 (callers validate values from outside)
+}
+
 constexpr std::string_view name_of(dtype d) noexcept {
   switch (d) {
     case dtype::fp32: return "fp32";

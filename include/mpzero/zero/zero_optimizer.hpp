@@ -252,7 +252,7 @@ class ZeroOptimizer {
       const std::size_t b = buckets_.bucket_of(s);
       const bucket& bk = buckets_.buckets()[b];
       if (staging_of_[b] < 0) staging_of_[b] = acquire_staging();
-      backend_.accumulate(staging_[static_cast<std::size_t>(staging_of_[b])].data() + (r.begin - bk.range.begin), src,
+      backend_.accumulate(staging_.data(staging_of_[b]) + (r.begin - bk.range.begin), src,
                           r.size(), scale);
       if (!reported_[s]) {
         reported_[s] = 1;
@@ -322,7 +322,7 @@ class ZeroOptimizer {
       // through it at one rank too, so the bits do not depend on the world size or the
       // stage (stages 2 and 3 always send their buckets).
       for (const wire_run& run : runs_) {
-        with_wire_type(run.wire, [&]<class T>(T*) {
+        visit_dtype(run.wire, [&]<class T>(T*) {
           if constexpr (std::same_as<T, grad_type>) {
             if (world_ > 1) reduce_in_place(run.range);
           } else {
@@ -492,8 +492,7 @@ class ZeroOptimizer {
     m.grads = grads_.bytes();
     m.master = master_.bytes();
     for (const auto& s : states_) m.states += s.bytes();
-    for (const auto& b : staging_) m.buckets += b.bytes();
-    m.buckets += recv_pools_.bytes() + wire_pools_.bytes();
+    m.buckets += staging_.bytes() + recv_pools_.bytes() + wire_pools_.bytes();
     for (const auto& [k, g] : groups_) m.buckets += g.data.bytes();
     m.host_master = h_master_.bytes();
     m.host_grads = h_grads_.bytes();
@@ -679,6 +678,10 @@ class ZeroOptimizer {
       runs_.front().range.begin = 0;
       runs_.back().range.end = padded;
     }
+    for (const wire_run& x : runs_) {
+      std::uint64_t& l = longest_run_[dtype_index(x.wire)];
+      l = std::max(l, x.range.size());
+    }
   }
 
   void allocate() {
@@ -855,16 +858,10 @@ class ZeroOptimizer {
 
   // ---- stage 2/3 buckets ----------------------------------------------------------
   int acquire_staging() {
-    int idx;
-    if (!free_staging_.empty()) {
-      idx = free_staging_.back();
-      free_staging_.pop_back();
-    } else {
-      idx = static_cast<int>(staging_.size());
-      staging_.push_back(backend_.template allocate<grad_type>(max_bucket_numel()));
-      return idx;  // fresh buffers are zero
-    }
-    backend_.zero(staging_[static_cast<std::size_t>(idx)].data(), staging_[static_cast<std::size_t>(idx)].size());
+    const std::size_t allocated = staging_.bufs.size();
+    const int idx = staging_.acquire(backend_, max_bucket_numel());
+    // Fresh buffers are zero; a reused one is cleared.
+    if (static_cast<std::size_t>(idx) < allocated) backend_.zero(staging_.data(idx), max_bucket_numel());
     return idx;
   }
 
@@ -892,16 +889,6 @@ class ZeroOptimizer {
     }
   }
 
-  // Calls f(static_cast<T*>(nullptr)) with T the storage type of the wire dtype d.
-  template <class F>
-  static void with_wire_type(dtype d, F&& f) {
-    switch (d) {
-      case dtype::bf16: f(static_cast<bf16*>(nullptr)); return;
-      case dtype::fp16: f(static_cast<fp16*>(nullptr)); return;
-      case dtype::fp32: break;
-    }
-    f(static_cast<float*>(nullptr));
-  }
   static constexpr std::size_t dtype_index(dtype d) noexcept { return static_cast<std::size_t>(d); }
 
   // Reduce-scatters bucket b, one non-blocking collective per wire run, in flat order.
@@ -917,10 +904,10 @@ class ZeroOptimizer {
     f.staging = staging_of_[b];
     staging_of_[b] = -1;
     launched_[b] = 1;
-    const grad_type* staged = staging_[static_cast<std::size_t>(f.staging)].data();
+    const grad_type* staged = staging_.data(f.staging);
     bool sends_staging = false;
     for (const wire_run& run : bucket_runs_[b]) {
-      with_wire_type(run.wire, [&]<class T>(T*) {
+      visit_dtype(run.wire, [&]<class T>(T*) {
         if constexpr (std::same_as<T, grad_type>) {
           sends_staging = true;
         } else {
@@ -932,12 +919,12 @@ class ZeroOptimizer {
       });
     }
     if (!sends_staging) {
-      free_staging_.push_back(f.staging);
+      staging_.release(f.staging);
       f.staging = -1;
     }
     backend_.before_comm(comm_);
     for (const wire_run& run : bucket_runs_[b]) {
-      with_wire_type(run.wire, [&]<class T>(T*) {
+      visit_dtype(run.wire, [&]<class T>(T*) {
         const std::vector<std::uint64_t> counts = layout_.rank_counts(run.range);
         const std::uint64_t at = run.range.begin - bk.range.begin;
         const int recv = recv_pools_.template get<T>().acquire(backend_, counts[static_cast<std::size_t>(rank_)]);
@@ -960,7 +947,7 @@ class ZeroOptimizer {
     pending_.pop_front();
     for (auto& part : f.parts) {
       part.request.wait();
-      with_wire_type(part.run.wire, [&]<class T>(T*) {
+      visit_dtype(part.run.wire, [&]<class T>(T*) {
         const flat_range own = intersect(part.run.range, shard_);
         if (!own.empty()) {
           const T* got = recv_pools_.template get<T>().data(part.recv);
@@ -983,10 +970,10 @@ class ZeroOptimizer {
         recv_pools_.template get<T>().release(part.recv);
       });
     }
-    if (f.staging >= 0) free_staging_.push_back(f.staging);
+    if (f.staging >= 0) staging_.release(f.staging);
     for (const dtype d : {dtype::fp32, dtype::bf16, dtype::fp16}) {
       const int w = f.wire[dtype_index(d)];
-      if (w >= 0) with_wire_type(d, [&]<class T>(T*) { wire_pools_.template get<T>().release(w); });
+      if (w >= 0) visit_dtype(d, [&]<class T>(T*) { wire_pools_.template get<T>().release(w); });
     }
     // At most two blocks on their way to the host, like the reductions: each holds a
     // receive buffer and a staging buffer.
@@ -1012,10 +999,7 @@ class ZeroOptimizer {
   void reduce_on_wire(flat_range run) {
     const std::uint64_t piece = std::min<std::uint64_t>(zo_.reduce_bucket_numel, std::max<std::uint64_t>(run.size(), 1));
     // Sized for the longest run of this dtype, so that one pair serves every run.
-    std::uint64_t longest = 1;
-    for (const wire_run& x : runs_)
-      if (x.wire == dtype_of_v<T>) longest = std::max(longest, x.range.size());
-    const std::uint64_t n = std::min<std::uint64_t>(zo_.reduce_bucket_numel, longest);
+    const std::uint64_t n = std::min<std::uint64_t>(zo_.reduce_bucket_numel, longest_run_[dtype_index(dtype_of_v<T>)]);
     auto& wp = wire_pools_.template get<T>();
     const int send = wp.acquire(backend_, n);
     const int recv = zero_stage == 1 ? wp.acquire(backend_, n) : -1;
@@ -1055,7 +1039,7 @@ class ZeroOptimizer {
       download& d = downloads_.front();
       if (downloads_.size() <= keep && !d.transfer.done()) return;
       d.transfer.wait();
-      with_wire_type(d.wire, [&]<class T>(T*) {
+      visit_dtype(d.wire, [&]<class T>(T*) {
         host_.accumulate(h_grads_.data() + d.offset, host_pools_.template get<T>().data(d.host), d.n);
         host_pools_.template get<T>().release(d.host);
         recv_pools_.template get<T>().release(d.recv);
@@ -1079,6 +1063,7 @@ class ZeroOptimizer {
   std::uint64_t persistent_begin_ = 0;
   flat_range shard_{};
   std::vector<wire_run> runs_;  // [0, padded) in runs of equal wire dtype (one run by default)
+  std::uint64_t longest_run_[3] = {1, 1, 1};  // per wire dtype: its longest run (sizes reduce_on_wire's buffers)
   pools<> wire_pools_;            // wire-typed copies of gradients being reduced (when not in the gradient dtype)
 
   buffer<param_type> params_;      // stages 0-2: all parameters; stage 3: this rank's partitioned ones
@@ -1105,8 +1090,7 @@ class ZeroOptimizer {
   std::vector<std::uint8_t> launched_, reported_;
   std::vector<std::int32_t> dirty_;
   std::ptrdiff_t next_launch_ = -1;
-  std::vector<buffer<grad_type>> staging_;
-  std::vector<int> free_staging_;
+  pool<grad_type> staging_;  // gradient-typed buckets being filled or sent
   std::vector<std::vector<wire_run>> bucket_runs_;  // each bucket's runs of equal wire dtype
   pools<> recv_pools_;  // this rank's block of a reduction in flight
   std::deque<in_flight> pending_;
