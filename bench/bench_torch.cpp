@@ -6,6 +6,8 @@
 //   bf16_fp32_master  torch's way to train a bf16 model with fp32 master weights:
 //                     grad bf16 -> fp32 copy_, _fused_adamw_ on the fp32 master,
 //                     master -> bf16 param copy_          vs policies::bf16_fp32_master
+//   fp16_fp32_master  the same with fp16 (DeepSpeed's classic fp16 mode; torch's
+//                     fused AdamW takes no loss scale here)  vs policies::fp16_fp32_master
 //   bf16_all          torch all-bf16 _fused_adamw_        vs policies::bf16_all
 //   bf16_all_sr       the same torch run                  vs policies::bf16_all_sr
 // Both sides of a pair report the mpzero policy's bytes per element
@@ -104,7 +106,7 @@ class mpzero_side {
 
 template <class T>
 at::Tensor wrap(const buffer<T>& b) {
-  const auto type = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
+  const auto type = std::is_same_v<T, float> ? at::kFloat : std::is_same_v<T, fp16> ? at::kHalf : at::kBFloat16;
   return at::from_blob(b.data(), {static_cast<std::int64_t>(b.size())}, at::TensorOptions().dtype(type));
 }
 
@@ -137,13 +139,13 @@ class torch_side {
   at::Tensor step_ = at::scalar_tensor(static_cast<double>(kStep), at::kFloat);
 };
 
-// bf16 model, fp32 master: LibTorch's fused AdamW needs one dtype for params, grads
-// and states, so the bf16 gradient is converted into an fp32 buffer, the fp32 master
-// is stepped, and the bf16 parameter is copied from it.
-template <>
-class torch_side<policies::bf16_fp32_master> {
+// A 16-bit model with fp32 master weights: LibTorch's fused AdamW needs one dtype for
+// params, grads and states, so the 16-bit gradient is converted into an fp32 buffer,
+// the fp32 master is stepped, and the 16-bit parameter is copied from it.
+template <precision_policy Policy>
+class torch_side_fp32_master {
  public:
-  explicit torch_side(model_state<policies::bf16_fp32_master>& s)
+  explicit torch_side_fp32_master(model_state<Policy>& s)
       : grad32_(s.n),
         p_(wrap(s.param)),
         g_(wrap(s.grad)),
@@ -162,6 +164,14 @@ class torch_side<policies::bf16_fp32_master> {
   buffer<float> grad32_;
   at::Tensor p_, g_, w_, g32_, m_, v_;
   at::Tensor step_ = at::scalar_tensor(static_cast<double>(kStep), at::kFloat);
+};
+template <>
+class torch_side<policies::bf16_fp32_master> : public torch_side_fp32_master<policies::bf16_fp32_master> {
+  using torch_side_fp32_master::torch_side_fp32_master;
+};
+template <>
+class torch_side<policies::fp16_fp32_master> : public torch_side_fp32_master<policies::fp16_fp32_master> {
+  using torch_side_fp32_master::torch_side_fp32_master;
 };
 
 // ---- the benchmarks --------------------------------------------------------------------
@@ -205,7 +215,8 @@ struct pair_name {
   const char* torch;
 };
 const std::vector<pair_name> kPairs = {
-    {"fp32", "fp32"}, {"bf16_fp32_master", "bf16_fp32_master"}, {"bf16_all", "bf16_all"}, {"bf16_all_sr", "bf16_all"}};
+    {"fp32", "fp32"},         {"bf16_fp32_master", "bf16_fp32_master"}, {"fp16_fp32_master", "fp16_fp32_master"},
+    {"bf16_all", "bf16_all"}, {"bf16_all_sr", "bf16_all"}};
 
 std::string bench_name(const std::string& config, std::uint64_t n, const char* side) {
   return config + "/" + std::to_string(n) + "/" + side;
@@ -224,6 +235,8 @@ void register_benchmarks() {
     reg("fp32", "torch", BM_torch<policies::fp32>);
     reg("bf16_fp32_master", "mpzero", BM_mpzero<policies::bf16_fp32_master>);
     reg("bf16_fp32_master", "torch", BM_torch<policies::bf16_fp32_master>);
+    reg("fp16_fp32_master", "mpzero", BM_mpzero<policies::fp16_fp32_master>);
+    reg("fp16_fp32_master", "torch", BM_torch<policies::fp16_fp32_master>);
     reg("bf16_all", "mpzero", BM_mpzero<policies::bf16_all>);
     reg("bf16_all", "torch", BM_torch<policies::bf16_all>);
     reg("bf16_all_sr", "mpzero", BM_mpzero<policies::bf16_all_sr>);
@@ -312,9 +325,10 @@ double max_rel_diff(const buffer<float>& a, const buffer<float>& b, double floor
   return worst;
 }
 
-// Largest difference in units of the last place between two bf16 arrays (same signs
+// Largest difference in units of the last place between two 16-bit arrays (same signs
 // assumed: the values stay away from zero crossings in one step, or differ by more).
-std::uint32_t max_ulp_diff(const buffer<bf16>& a, const buffer<bf16>& b) {
+template <class T>
+std::uint32_t max_ulp_diff(const buffer<T>& a, const buffer<T>& b) {
   std::uint32_t worst = 0;
   for (std::uint64_t i = 0; i < a.size(); ++i) {
     const int d = static_cast<int>(a.data()[i].bits) - static_cast<int>(b.data()[i].bits);
@@ -364,6 +378,13 @@ bool sanity_check() {
     torch_side<policies::bf16_fp32_master>(b).run();
     report("bf16_fp32_master master, max rel diff", max_rel_diff(a.master, b.master, floor), tol);
     report("bf16_fp32_master param, max ulp diff", max_ulp_diff(a.param, b.param), 1);
+  }
+  {
+    model_state<policies::fp16_fp32_master> a(n), b(n);
+    mpzero_side<policies::fp16_fp32_master>(a).run();
+    torch_side<policies::fp16_fp32_master>(b).run();
+    report("fp16_fp32_master master, max rel diff", max_rel_diff(a.master, b.master, floor), tol);
+    report("fp16_fp32_master param, max ulp diff", max_ulp_diff(a.param, b.param), 1);
   }
   {
     model_state<policies::bf16_all> a(n), b(n);

@@ -8,8 +8,12 @@
 // first element is the odd half of a pair) and where the pair counter crosses 2^32.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <bit>
 #include <cstdint>
+#include <cmath>
 #include <cstring>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -175,6 +179,10 @@ TEST_CASE("host step: every loop variant gives the scalar reference's bits", "[m
   check_against_reference<policies::bf16_all_sr, optim::adamw>();
   check_against_reference<policies::fp16_fp32_master, optim::sgd>();
   check_against_reference<precision<fp16, fp16, fp16, float, round_stochastic>, optim::lion>();
+  // fp16 blocks converted with F16C / AVX-512: gradients in, parameter copy out; and
+  // an fp16 master in and out under nearest rounding.
+  check_against_reference<policies::fp16_fp32_master, optim::adamw>();
+  check_against_reference<precision<fp16, fp16, fp16, float, round_nearest>, optim::adamw>();
   check_against_reference<precision<bf16, float, bf16, bf16, round_stochastic>, optim::adam>();
 }
 
@@ -188,6 +196,89 @@ TEST_CASE("host step: the block generators write each element's pair bits", "[mu
     check_fill("avx512", host::detail::simd::pair_fill<host::detail::simd::u64x8>{});
 #endif
 }
+
+TEST_CASE("host step: every loop variant gives the reference's bits on fp16 NaN, infinities and subnormals",
+          "[multi_tensor]") {
+  // Every fp16 pattern as a gradient, and masters of every float exponent (NaN and
+  // infinities included): the parameter copies overflow, go subnormal and turn NaN.
+  using P = policies::fp16_fp32_master;
+  using Opt = optim::sgd;
+  const std::uint32_t n = 65536 + 37;
+  state<P, Opt> ref(n, 0);
+  for (std::uint32_t i = 0; i < n; ++i) {
+    ref.grad[i] = fp16::from_bits(static_cast<std::uint16_t>(i * 40503u));  // odd multiplier: a permutation
+    std::uint32_t bits = element_random_bits(5, 0, i).v[0];
+    if (i % 7 == 0) bits = (bits & 0x807fffffu) | ((100u + i % 40u) << 23);  // near fp16's range
+    ref.master[i] = std::bit_cast<float>(bits);
+  }
+  const state<P, Opt> start = ref;
+  typename Opt::options o{};
+  o.lr = 0.5;
+  ref.reference_step(make_step_args<Opt>(o, 1, 1.0f));
+  for (const auto& v : variants<P, Opt>()) {
+    INFO(v.name << " loop");
+    state<P, Opt> got = start;
+    const auto t = got.tensor();
+    v.run(t, 0, 5, make_step_args<Opt>(o, 1, 1.0f));
+    v.run(t, 5, n - 5, make_step_args<Opt>(o, 1, 1.0f));
+    // fp16 results bit for bit (NaN is canonical there); float results too, except that
+    // which NaN payload an x86 operation keeps depends on its operand order, which the
+    // compiler may swap: any NaN matches any NaN in the float master and momentum.
+    CHECK(same(got.param, ref.param));
+    long float_mismatches = 0;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      for (const auto& [a, b] : {std::pair{got.master[i], ref.master[i]}, std::pair{got.s0[i], ref.s0[i]}}) {
+        float_mismatches += std::isnan(a) ? !std::isnan(b) : std::bit_cast<std::uint32_t>(a) != std::bit_cast<std::uint32_t>(b);
+      }
+    }
+    CHECK(float_mismatches == 0);
+  }
+}
+
+#if defined(MPZERO_RUNTIME_SIMD)
+namespace {
+
+template <class Half>
+void check_half_blocks(const char* name) {
+  INFO(name);
+  // Every half, widened in blocks of awkward lengths (vector bodies and tails).
+  std::vector<fp16> halves(65536);
+  for (std::uint32_t h = 0; h < 65536; ++h) halves[h] = fp16::from_bits(static_cast<std::uint16_t>(h));
+  std::vector<float> wide(65536);
+  for (std::uint32_t i = 0; i < 65536;) {
+    const std::uint32_t len = std::min<std::uint32_t>(1 + i % 29, 65536 - i);
+    Half::widen(halves.data() + i, wide.data() + i, len);
+    i += len;
+  }
+  long mismatches = 0;
+  for (std::uint32_t h = 0; h < 65536; ++h)
+    mismatches += std::bit_cast<std::uint32_t>(wide[h]) != std::bit_cast<std::uint32_t>(to_float(halves[h]));
+  CHECK(mismatches == 0);
+  // Every float, narrowed with nearest rounding, 2^16 at a time (the last block of
+  // each batch 13 short, for the tails).
+  std::vector<float> in(65536);
+  std::vector<fp16> out(65536);
+  mismatches = 0;
+  for (std::uint64_t hi = 0; hi < 65536; ++hi) {
+    for (std::uint32_t lo = 0; lo < 65536; ++lo) in[lo] = std::bit_cast<float>(static_cast<std::uint32_t>(hi << 16 | lo));
+    Half::narrow(in.data(), out.data(), 65536 - 13);
+    Half::narrow(in.data() + 65536 - 13, out.data() + 65536 - 13, 13);
+    for (std::uint32_t lo = 0; lo < 65536; ++lo) mismatches += out[lo].bits != fp16_from_float_rn(in[lo]).bits;
+  }
+  CHECK(mismatches == 0);
+}
+
+}  // namespace
+
+TEST_CASE("host step: the fp16 block conversions give the shared conversions' bits (all halves, all floats)",
+          "[multi_tensor]") {
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+    check_half_blocks<host::detail::simd::half_avx2>("avx2 + f16c");
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    check_half_blocks<host::detail::simd::half_avx512>("avx512");
+}
+#endif
 
 #if !defined(MPZERO_RUNTIME_SIMD)
 TEST_CASE("host step: this build has no run-time SIMD variants (not x86 GCC)", "[multi_tensor]") {

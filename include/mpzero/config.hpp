@@ -24,6 +24,14 @@
 #define MPZERO_IS_DEVICE_CODE 0
 #endif
 
+// A lambda inlined into its caller (the host loops' element bodies), so that the loop
+// around the call vectorizes as if the body were written there.
+#if defined(__GNUC__) || defined(__clang__)
+#define MPZERO_FORCEINLINE_LAMBDA __attribute__((always_inline))
+#else
+#define MPZERO_FORCEINLINE_LAMBDA
+#endif
+
 #if defined(__GNUC__) || defined(__clang__)
 #define MPZERO_RESTRICT __restrict__
 #else

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <concepts>
 #include <cstdint>
 #include <cstdlib>
 #include <span>
@@ -84,6 +85,21 @@ struct pair_fill_scalar {
       }
     }
   }
+};
+
+// ---- fp16 blocks --------------------------------------------------------------------
+//
+// fp16 <-> float in integer arithmetic (numeric/fp16.hpp) is the price of bit-identical
+// host and device results, and costs more than the whole AdamW update: it held
+// fp16_fp32_master to 0.83 Gelem/s against 1.8 for bf16_fp32_master. x86's F16C
+// instructions (vcvtph2ps, vcvtps2ph) convert exactly as IEEE says, subnormals
+// included; only NaN differs (they keep a payload; CUDA and numeric/fp16.hpp give the
+// canonical NaN), and a blend fixes that. So the vector loops convert a block's fp16
+// inputs to float before the element loop and its fp16 outputs under nearest rounding
+// after it, with those instructions; `Half` says whether a loop does (half_scalar: no,
+// the element loop converts with the shared functions).
+struct half_scalar {
+  static constexpr bool enabled = false;
 };
 
 #if defined(MPZERO_RUNTIME_SIMD)
@@ -231,12 +247,80 @@ struct pair_fill {
   }
 };
 
+// fp16 blocks with F16C / AVX-512F, each element as numeric/fp16.hpp converts it
+// (tests/test_simd.cpp: all 65536 halves and all 2^32 floats). Not always_inline, for
+// the reason given at mul_low. The zero-masked intrinsics with every lane selected are
+// the unmasked instructions (see mul_low for GCC 12's warning on the others).
+struct half_avx512 {
+  static constexpr bool enabled = true;
+  static constexpr __mmask16 all = 0xffff;
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static void widen(const fp16* MPZERO_RESTRICT in,
+                                                                                   float* MPZERO_RESTRICT out,
+                                                                                   std::uint32_t n) {
+    const __m512i magnitude = _mm512_set1_epi32(0x7fff), inf = _mm512_set1_epi32(0x7c00);
+    const __m512 nan = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    for (std::uint32_t i = 0; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+      const __m256i h = _mm256_maskz_loadu_epi16(m, in + i);
+      const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(_mm512_maskz_cvtepu16_epi32(all, h), magnitude), inf);
+      _mm512_mask_storeu_ps(out + i, m, _mm512_mask_blend_ps(is_nan, _mm512_maskz_cvtph_ps(all, h), nan));
+    }
+  }
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) static void narrow(const float* MPZERO_RESTRICT in,
+                                                                                    fp16* MPZERO_RESTRICT out,
+                                                                                    std::uint32_t n) {
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    const __m256i nan = _mm256_set1_epi16(0x7fff);
+    for (std::uint32_t i = 0; i < n; i += 16) {
+      const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+      const __m512 f = _mm512_maskz_loadu_ps(m, in + i);
+      const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(f), magnitude), inf);
+      const __m256i h = _mm512_maskz_cvtps_ph(all, f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm256_mask_storeu_epi16(out + i, m, _mm256_mask_blend_epi16(is_nan, h, nan));
+    }
+  }
+};
+
+// The same with AVX2 + F16C, eight at a time; the last n % 8 through the scalar functions.
+struct half_avx2 {
+  static constexpr bool enabled = true;
+  __attribute__((target("avx2,f16c"))) static void widen(const fp16* MPZERO_RESTRICT in, float* MPZERO_RESTRICT out,
+                                                         std::uint32_t n) {
+    const __m256i magnitude = _mm256_set1_epi32(0x7fff), inf = _mm256_set1_epi32(0x7c00);
+    const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    std::uint32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+      const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_cvtepu16_epi32(h), magnitude), inf);
+      _mm256_storeu_ps(out + i, _mm256_blendv_ps(_mm256_cvtph_ps(h), nan, _mm256_castsi256_ps(is_nan)));
+    }
+    for (; i < n; ++i) out[i] = to_float(in[i]);
+  }
+  __attribute__((target("avx2,f16c"))) static void narrow(const float* MPZERO_RESTRICT in, fp16* MPZERO_RESTRICT out,
+                                                          std::uint32_t n) {
+    const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    std::uint32_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 f = _mm256_loadu_ps(in + i);
+      // Signed compare: magnitudes are below 2^31. Lanes of all ones where NaN, packed
+      // to 16 bits (saturating keeps -1 and 0) to select 0x7fff.
+      const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(f), magnitude), inf);
+      const __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(is_nan), _mm256_extracti128_si256(is_nan, 1));
+      const __m128i h = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                       _mm_blendv_epi8(h, _mm_set1_epi16(0x7fff), nan16));
+    }
+    for (; i < n; ++i) out[i] = fp16_from_float_rn(in[i]);
+  }
+};
+
 }  // namespace simd
 #endif
 
 // The step over elements [begin, begin + size) of one tensor. Fill generates the
-// stochastic-rounding bits (pair_fill_scalar or a simd::pair_fill).
-template <precision_policy Policy, optim::rule Optimizer, class Fill = pair_fill_scalar>
+// stochastic-rounding bits (pair_fill_scalar or a simd::pair_fill); Half converts fp16
+// blocks (half_scalar: the element loop converts, or a simd::half_*).
+template <precision_policy Policy, optim::rule Optimizer, class Fill = pair_fill_scalar, class Half = half_scalar>
 MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin,
                                         std::uint32_t size, const step_args<Optimizer>& a) {
   using param_t = typename Policy::param_type;
@@ -263,12 +347,23 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
   constexpr bool sr = Policy::rounding::stochastic;
   constexpr std::uint32_t pair_block = 1024;
   alignas(64) std::uint32_t lo[sr ? pair_block + pair_fill_slack : 1], hi[sr ? pair_block + pair_fill_slack : 1];
+  // fp16 blocks converted by Half: gradients and the master read, the master written
+  // under nearest rounding (stochastic rounding stays in the element loop), the
+  // parameter copy written (always nearest).
+  constexpr bool half_grad = Half::enabled && std::same_as<grad_t, fp16>;
+  constexpr bool half_master = Half::enabled && std::same_as<master_t, fp16>;
+  constexpr bool half_master_out = half_master && !sr;
+  constexpr bool half_param = Half::enabled && !Policy::master_is_param && std::same_as<param_t, fp16>;
+  alignas(64) float gbuf[half_grad ? pair_block : 1], mbuf[half_master ? pair_block : 1],
+      pbuf[half_param ? pair_block : 1];
   const std::uint64_t first = t.global_offset + begin;
   for (std::uint64_t b = 0; b < size; b += pair_block) {
     const std::uint32_t len = static_cast<std::uint32_t>(std::min<std::uint64_t>(pair_block, size - b));
     const std::uint32_t odd = static_cast<std::uint32_t>((first + b) & 1u);
     if constexpr (sr) Fill{}(a.seed, a.step, (first + b) >> 1, (odd + len + 1) / 2, lo, hi);
-    for (std::uint32_t j = 0; j < len; ++j) {
+    if constexpr (half_grad) Half::widen(grad + b, gbuf, len);
+    if constexpr (half_master) Half::widen(master + b, mbuf, len);
+    const auto element = [&](std::uint32_t j) MPZERO_FORCEINLINE_LAMBDA {
       const std::uint64_t i = b + j;
       element_bits bits{};
       if constexpr (sr) bits = element_bits{{lo[odd + j], hi[odd + j]}};
@@ -277,14 +372,46 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
       s[0] = s0[i];
       if constexpr (n > 1) s[1] = s1[i];
       if constexpr (n > 2) s[2] = s2[i];
-      param_t p{};
-      update_element_with_bits<Policy, Optimizer>(a, bits, w, grad[i], s, p);
-      master[i] = w;
-      if constexpr (!Policy::master_is_param) param[i] = p;
+      float wf = 0.0f, g = 0.0f;
+      if constexpr (half_master) {
+        wf = mbuf[j];
+      } else {
+        wf = to_float(w);
+      }
+      if constexpr (half_grad) {
+        g = gbuf[j];
+      } else {
+        g = to_float(grad[i]);
+      }
+      wf = update_element_float<Policy, Optimizer>(a, bits, wf, g, s, w);
+      if constexpr (half_master_out) {
+        mbuf[j] = wf;
+      } else {
+        master[i] = w;
+      }
+      if constexpr (half_param) {
+        pbuf[j] = wf;
+      } else if constexpr (!Policy::master_is_param) {
+        param[i] = from_float<param_t>(wf);
+      }
       s0[i] = s[0];
       if constexpr (n > 1) s1[i] = s[1];
       if constexpr (n > 2) s2[i] = s[2];
+    };
+    if constexpr (half_grad || half_master || half_param) {
+      // No iteration depends on another (the pointers are restrict, the block buffers
+      // are this function's). Said outright: with the fp16 buffers GCC would need more
+      // run-time alias checks than it makes (vect-max-version-for-alias-checks) and
+      // leave the loop scalar. The other loops keep the checks GCC chooses.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC ivdep
+#endif
+      for (std::uint32_t j = 0; j < len; ++j) element(j);
+    } else {
+      for (std::uint32_t j = 0; j < len; ++j) element(j);
     }
+    if constexpr (half_master_out) Half::narrow(mbuf, master + b, len);
+    if constexpr (half_param) Half::narrow(pbuf, param + b, len);
   }
 }
 
@@ -297,13 +424,14 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
 template <precision_policy Policy, optim::rule Optimizer>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512"))) void step_range_avx512(
     const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, std::uint32_t size, const step_args<Optimizer>& a) {
-  step_range_body<Policy, Optimizer, simd::pair_fill<simd::u64x8>>(t, begin, size, a);
+  step_range_body<Policy, Optimizer, simd::pair_fill<simd::u64x8>, simd::half_avx512>(t, begin, size, a);
 }
 
 template <precision_policy Policy, optim::rule Optimizer>
-__attribute__((target("avx2"))) void step_range_avx2(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin,
-                                                     std::uint32_t size, const step_args<Optimizer>& a) {
-  step_range_body<Policy, Optimizer, simd::pair_fill<simd::u64x4>>(t, begin, size, a);
+__attribute__((target("avx2,f16c"))) void step_range_avx2(const step_tensor<Policy, Optimizer>& t,
+                                                          std::uint64_t begin, std::uint32_t size,
+                                                          const step_args<Optimizer>& a) {
+  step_range_body<Policy, Optimizer, simd::pair_fill<simd::u64x4>, simd::half_avx2>(t, begin, size, a);
 }
 
 // The build's baseline (SSE2 on x86-64; whatever -m flags the build adds, which the
@@ -322,13 +450,13 @@ void step_range_baseline(const step_tensor<Policy, Optimizer>& t, std::uint64_t 
   step_range_body<Policy, Optimizer, baseline_pair_fill>(t, begin, size, a);
 }
 
-// 2: AVX-512 (F, BW, VL, DQ), 1: AVX2, 0: the build's baseline. MPZERO_HOST_SIMD=0/1/2
+// 2: AVX-512 (F, BW, VL, DQ), 1: AVX2 with F16C, 0: the build's baseline. MPZERO_HOST_SIMD=0/1/2
 // caps it (for comparisons and tests).
 inline int simd_level() {
   static const int level = [] {
     __builtin_cpu_init();
     int l = 0;
-    if (__builtin_cpu_supports("avx2")) l = 1;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) l = 1;
     if (l == 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
       l = 2;

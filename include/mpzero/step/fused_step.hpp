@@ -66,34 +66,49 @@ step_args<Optimizer> make_step_args(const typename Optimizer::options& o, std::u
   return step_args<Optimizer>{Optimizer::prepare(o, step), grad_scale, seed, step};
 }
 
-// The whole update of one element, in registers. `w` is the master value (the
-// parameter itself when Policy::master_is_param); `p` receives the parameter when
-// the master is separate. `bits` are the element's stochastic-rounding bits
-// (element_pair_bits of its pair's draw; ignored under nearest rounding): the master
-// rounds with half 0, optimizer state k with half 1 + k. Loops draw once per pair of
-// elements and pass each its share.
+// The whole update of one element, in registers, from float inputs: `wf` is the
+// master value, `g` the gradient before the multiplier. Writes the master rounded to
+// its dtype into `w` and the optimizer states into `s`, and returns the updated master
+// in float (what a separate parameter copy is rounded from). `bits` are the element's
+// stochastic-rounding bits (element_pair_bits of its pair's draw; ignored under
+// nearest rounding): the master rounds with half 0, optimizer state k with half 1 + k.
+// Loops draw once per pair of elements and pass each its share. The host loop calls
+// this directly where it converts whole blocks of 16-bit values with vector
+// instructions (backend/host.hpp); everything else goes through
+// update_element_with_bits.
+template <precision_policy Policy, optim::rule Optimizer>
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE float update_element_float(const step_args<Optimizer>& a, element_bits bits,
+                                                                 float wf, float g,
+                                                                 typename Policy::state_type (&s)[Optimizer::n_states],
+                                                                 typename Policy::master_type& w) {
+  using R = typename Policy::rounding;
+  constexpr int n = Optimizer::n_states;
+  static_assert(1 + n <= 4, "stochastic rounding gives each element four 16-bit random halves (master + 3 states); "
+                            "an optimizer with more than 3 states needs a wider draw per element");
+  const float gf = fp::mul(g, a.grad_scale);
+  float sf[n];
+  for (int k = 0; k < n; ++k) sf[k] = to_float(s[k]);
+  Optimizer::update(a.opt, wf, gf, sf);
+  w = round_as<typename Policy::master_type, R>(wf, bits.half(0));
+  for (int k = 0; k < n; ++k) s[k] = round_as<typename Policy::state_type, R>(sf[k], bits.half(1 + k));
+  return wf;
+}
+
+// The same in the storage dtypes. `w` is the master value (the parameter itself when
+// Policy::master_is_param); `p` receives the parameter when the master is separate.
 template <precision_policy Policy, optim::rule Optimizer>
 MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void update_element_with_bits(const step_args<Optimizer>& a, element_bits bits,
                                                                     typename Policy::master_type& w,
                                                                     typename Policy::grad_type g,
                                                                     typename Policy::state_type (&s)[Optimizer::n_states],
                                                                     typename Policy::param_type& p) {
-  using R = typename Policy::rounding;
-  constexpr int n = Optimizer::n_states;
-  static_assert(1 + n <= 4, "stochastic rounding gives each element four 16-bit random halves (master + 3 states); "
-                            "an optimizer with more than 3 states needs a wider draw per element");
-  float wf = to_float(w);
-  const float gf = fp::mul(to_float(g), a.grad_scale);
-  float sf[n];
-  for (int k = 0; k < n; ++k) sf[k] = to_float(s[k]);
-  Optimizer::update(a.opt, wf, gf, sf);
-  w = round_as<typename Policy::master_type, R>(wf, bits.half(0));
-  for (int k = 0; k < n; ++k) s[k] = round_as<typename Policy::state_type, R>(sf[k], bits.half(1 + k));
+  const float wf = update_element_float<Policy, Optimizer>(a, bits, to_float(w), to_float(g), s, w);
   if constexpr (!Policy::master_is_param) {
     // The parameter is a copy of a wider master: nearest rounding, the master keeps the precision.
     p = from_float<typename Policy::param_type>(wf);
   } else {
     (void)p;
+    (void)wf;
   }
 }
 
