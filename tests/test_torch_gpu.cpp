@@ -376,3 +376,29 @@ TEST_CASE("torch: parameters on a device the engine cannot manage are refused by
   CHECK(torch::equal(m->a, torch::ones({3})));
   CHECK(m->a.device().is_cpu());
 }
+
+TEST_CASE("torch: any_communicator hands a CUDA stream to a communicator that can wait for it", "[torch]") {
+  // The CUDA core orders each collective after its stream's queued work through
+  // any_communicator::wait_for_stream: on the device where the communicator has
+  // wait_for(cudaStream_t) (mpzero's NCCL), else by a host synchronization (false).
+  static_assert(requires(mpzero::comm::nccl_communicator& c, cudaStream_t s) { c.wait_for(s); },
+                "mpzero's NCCL communicator must keep wait_for(cudaStream_t), which the adapter forwards to");
+  struct recording : mpzero::comm::local_communicator {
+    std::vector<cudaStream_t> seen;
+    void wait_for(cudaStream_t s) { seen.push_back(s); }
+  };
+  const auto stream = reinterpret_cast<cudaStream_t>(std::uintptr_t{0x5eed});  // never dereferenced
+  recording r;
+  auto wrapped = mt::any_communicator::wrap(r, "recording");
+  CHECK(wrapped.wait_for_stream(stream));
+  REQUIRE(r.seen.size() == 1);
+  CHECK(r.seen[0] == stream);
+
+  mpzero::comm::local_communicator plain;
+  CHECK_FALSE(mt::any_communicator::wrap(plain, "local").wait_for_stream(stream));
+  CHECK_FALSE(mt::any_communicator{}.wait_for_stream(stream));
+  // A c10d group orders its own stream against torch's current one; the core's
+  // stream is synchronized instead.
+  auto group = c10::make_intrusive<c10d::ProcessGroup>(c10::make_intrusive<c10d::HashStore>(), 0, 1);
+  CHECK_FALSE(mt::process_group_communicator(group, torch::kCPU).wait_for_stream(stream));
+}

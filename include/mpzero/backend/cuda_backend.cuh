@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <concepts>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -283,11 +284,17 @@ struct cuda_backend {
     return stepper<Policy, Optimizer>(*this, std::move(tensors));
   }
 
-  // Orders a collective after the work queued so far.
+  // Orders a collective after the work queued so far: on the device where the
+  // communicator can (wait_for(stream), or a type-erased wait_for_stream(void*) that
+  // says whether it did), else by synchronizing the stream on the host.
   template <class Comm>
   void before_comm(Comm& c) const {
     if constexpr (requires { c.wait_for(stream); }) {
       c.wait_for(stream);
+    } else if constexpr (requires(void* s) {
+                           { c.wait_for_stream(s) } -> std::convertible_to<bool>;
+                         }) {
+      if (!c.wait_for_stream(static_cast<void*>(stream))) MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream));
     } else {
       MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream));
     }

@@ -26,6 +26,10 @@
 #include <mpzero/comm/local.hpp>
 #include <mpzero/error.hpp>
 
+// CUDA's stream type (cudaStream_t is CUstream_st*), declared so that this header can
+// forward a stream to a device communicator without including a CUDA header.
+struct CUstream_st;
+
 namespace mpzero::torch {
 
 // The element types that travel, as a value (comm::wire_type as a type).
@@ -79,6 +83,14 @@ class communicator_base {
                                                       std::span<const std::uint64_t> counts, wire_dtype t) = 0;
   virtual std::unique_ptr<request_base> ibroadcast(void* data, std::uint64_t n, wire_dtype t, int root) = 0;
   virtual void barrier() = 0;
+  // Orders this communicator's next collectives after the work queued so far on a CUDA
+  // stream (`stream` is a cudaStream_t), without blocking the host. Returns false
+  // where the communicator cannot (host memory, a c10d group): the caller then
+  // synchronizes the stream before the collective instead.
+  virtual bool wait_for_stream(void* stream) {
+    (void)stream;
+    return false;
+  }
 };
 
 namespace detail {
@@ -166,6 +178,16 @@ class communicator_adapter final : public communicator_base {
     });
   }
   void barrier() override { c_.barrier(); }
+  // Forwarded to C::wait_for(cudaStream_t) where C has it (mpzero's nccl_communicator).
+  bool wait_for_stream(void* stream) override {
+    if constexpr (requires(C& c, ::CUstream_st* s) { c.wait_for(s); }) {
+      c_.wait_for(static_cast<::CUstream_st*>(stream));
+      return true;
+    } else {
+      (void)stream;
+      return false;
+    }
+  }
 
  private:
   C& c_;
@@ -227,6 +249,9 @@ class any_communicator : public comm::blocking_collectives<any_communicator> {
 
   // all_reduce, reduce_scatter_v, all_gather_v and broadcast: from comm::blocking_collectives.
   void barrier() { impl_->barrier(); }
+  // See communicator_base::wait_for_stream. The CUDA backend calls it before each
+  // collective (cuda_backend::before_comm) and synchronizes the stream when it is false.
+  bool wait_for_stream(void* stream) { return impl_->wait_for_stream(stream); }
 
  private:
   // A local_communicator owned by the wrapper (the default, world size 1).
