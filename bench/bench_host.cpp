@@ -65,6 +65,27 @@ void BM_step(benchmark::State& state) {
                     static_cast<double>(step_footprint_per_element<Policy, Optimizer>() * n));
 }
 
+// The gradient check every ZeRO step runs before the update (global squared L2 norm
+// for clipping, non-finite flag for loss scaling): one read of the gradients, credited
+// with sizeof(G) bytes per element.
+template <storage_type G>
+void BM_grad_stats(benchmark::State& state) {
+  const auto n = static_cast<std::uint64_t>(state.range(0));
+  buffer<G> grad(n);
+  fill(grad, kChunk, kGradFill);
+  const std::uint64_t numel[1] = {n};
+  const multi_tensor_plan plan(numel);
+  const grad_view<G> view[1] = {{grad.data(), n}};
+  const host::options opt{bench_threads()};
+  grad_stats s = host::gradient_stats<G>(plan, view, opt);
+  for (auto _ : state) {
+    s = host::gradient_stats<G>(plan, view, opt);
+    benchmark::DoNotOptimize(s);
+  }
+  if (s.nonfinite) state.SkipWithError("the benchmark's gradients should be finite");
+  set_host_counters(state, n, static_cast<double>(sizeof(G)), static_cast<double>(sizeof(G) * n));
+}
+
 // memcpy of range(0) * range(1) / 2 bytes: read and write together move range(1)
 // bytes per element, the volume of a step that moves range(1) bytes per element.
 // Chunks hold the bytes of one 64K-element step chunk, so both run on the same
@@ -159,6 +180,9 @@ BENCHMARK_TEMPLATE(BM_step, policies::bf16_all_sr, optim::adamw)->Apply(step_siz
 BENCHMARK_TEMPLATE(BM_step, policies::fp16_fp32_master, optim::adamw)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_step, policies::fp32, optim::sgd)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_step, policies::fp32, optim::lion)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_grad_stats, float)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_grad_stats, bf16)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_grad_stats, fp16)->Apply(step_sizes);
 BENCHMARK(BM_copy)->Apply(copy_sizes);
 BENCHMARK(BM_rmw)->Apply(copy_sizes);
 BENCHMARK(BM_triad)->Apply(step_sizes);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <string>
 #include <vector>
@@ -233,6 +234,55 @@ TEST_CASE("host step: every loop variant gives the reference's bits on fp16 NaN,
     }
     CHECK(float_mismatches == 0);
   }
+}
+
+namespace {
+
+// chunk_stats in every variant this CPU runs: the same sum bit for bit (each of the 16
+// accumulators is one lane, whatever the vector width), the same non-finite verdict.
+template <class G>
+void check_chunk_stats_variants() {
+  using fn = grad_stats (*)(const G*, std::uint32_t);
+  std::vector<std::pair<std::string, fn>> runs = {{"portable", &host::detail::chunk_stats_body<G>}};
+#if defined(MPZERO_RUNTIME_SIMD)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+    runs.push_back({"avx2", &host::detail::chunk_stats_avx2<G>});
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    runs.push_back({"avx512", &host::detail::chunk_stats_avx512<G>});
+#endif
+  std::vector<G> x = filled<G>(70001, 9, -3.0f, 3.0f);  // blocks, 16-wide bodies and a tail of 1
+  for (const std::uint32_t n : {70001u, 1040u, 15u, 1u, 0u}) {
+    const grad_stats want = runs[0].second(x.data(), n);
+    CHECK_FALSE(want.nonfinite);
+    for (const auto& [name, run] : runs) {
+      INFO(name << ", n " << n);
+      const grad_stats got = run(x.data(), n);
+      CHECK(std::bit_cast<std::uint64_t>(got.norm_squared) == std::bit_cast<std::uint64_t>(want.norm_squared));
+      CHECK_FALSE(got.nonfinite);
+    }
+  }
+  // NaN and infinity found in a vector body and in the tail, by every variant.
+  for (const std::uint32_t at : {5u, 1030u, 70000u}) {
+    for (const float bad : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+      const G keep = x[at];
+      x[at] = from_float<G>(bad);
+      for (const auto& [name, run] : runs) {
+        INFO(name << ", bad value at " << at);
+        CHECK(run(x.data(), 70001).nonfinite);
+      }
+      x[at] = keep;
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("gradient statistics: every loop variant gives the same sum, bit for bit, and finds non-finite values",
+          "[multi_tensor]") {
+  check_chunk_stats_variants<float>();
+  check_chunk_stats_variants<bf16>();
+  check_chunk_stats_variants<fp16>();
 }
 
 #if defined(MPZERO_RUNTIME_SIMD)
