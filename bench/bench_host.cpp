@@ -13,6 +13,8 @@
 
 #include "bench_common.hpp"
 
+#include <mpzero/backend/host_backend.hpp>
+
 using namespace mpzero;
 using namespace mpzero_bench;
 
@@ -84,6 +86,26 @@ void BM_grad_stats(benchmark::State& state) {
   }
   if (s.nonfinite) state.SkipWithError("the benchmark's gradients should be finite");
   set_host_counters(state, n, static_cast<double>(sizeof(G)), static_cast<double>(sizeof(G) * n));
+}
+
+// host_backend::accumulate: dst = round(dst + src * scale), what the ZeRO core does with
+// every gradient of every backward on host memory (and offload's host partition).
+// Credited with sizeof(S) + 2 sizeof(D) bytes per element (src read, dst read and written).
+template <storage_type D, storage_type S>
+void BM_accumulate(benchmark::State& state) {
+  const auto n = static_cast<std::uint64_t>(state.range(0));
+  buffer<D> dst(n);
+  buffer<S> src(n);
+  fill(dst, kChunk, kGradFill);
+  fill(src, kChunk, kGradFill);
+  const host_backend be{host::options{bench_threads()}};
+  be.accumulate(dst.data(), src.data(), n, 0.5f);
+  for (auto _ : state) {
+    be.accumulate(dst.data(), src.data(), n, 0.5f);
+    benchmark::ClobberMemory();
+  }
+  set_host_counters(state, n, static_cast<double>(sizeof(S) + 2 * sizeof(D)),
+                    static_cast<double>((sizeof(S) + sizeof(D)) * n));
 }
 
 // memcpy of range(0) * range(1) / 2 bytes: read and write together move range(1)
@@ -183,6 +205,11 @@ BENCHMARK_TEMPLATE(BM_step, policies::fp32, optim::lion)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_grad_stats, float)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_grad_stats, bf16)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_grad_stats, fp16)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_accumulate, float, float)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_accumulate, float, bf16)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_accumulate, bf16, bf16)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_accumulate, fp16, fp16)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_accumulate, float, fp16)->Apply(step_sizes);
 BENCHMARK(BM_copy)->Apply(copy_sizes);
 BENCHMARK(BM_rmw)->Apply(copy_sizes);
 BENCHMARK(BM_triad)->Apply(step_sizes);

@@ -16,6 +16,7 @@
 #include <limits>
 #include <utility>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <mpzero/backend/host.hpp>
@@ -277,6 +278,81 @@ void check_chunk_stats_variants() {
 }
 
 }  // namespace
+
+namespace {
+
+// Values of every kind for D and S: ordinary ones, and every 16-bit pattern's float
+// (NaN, infinities, subnormals, the largest finite) so conversions overflow and underflow.
+template <class T>
+std::vector<T> elementwise_inputs(std::size_t n, std::uint64_t seed) {
+  std::vector<T> v = filled<T>(n, seed, -70000.0f, 70000.0f);
+  for (std::size_t i = 0; i < n; i += 3) {
+    const auto h = static_cast<std::uint16_t>((i * 40503u + seed) & 0xffffu);
+    const float f = (seed & 1) ? to_float(fp16::from_bits(h)) : to_float(bf16::from_bits(h));
+    v[i] = from_float<T>(f);
+  }
+  return v;
+}
+
+template <class T>
+bool same_or_both_nan(const std::vector<T>& a, const std::vector<T>& b) {
+  if constexpr (std::same_as<T, float>) {
+    // Which NaN payload an x86 float operation keeps depends on its operand order.
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      if (std::isnan(a[i]) ? !std::isnan(b[i]) : std::bit_cast<std::uint32_t>(a[i]) != std::bit_cast<std::uint32_t>(b[i]))
+        return false;
+    }
+    return a.size() == b.size();
+  } else {
+    return same(a, b);
+  }
+}
+
+// host_backend's accumulate / convert in every variant against the scalar expression.
+template <class D, class S>
+void check_elementwise() {
+  const std::size_t n = 5000 + 11;  // blocks of 1024 and a ragged tail
+  const std::vector<D> d0 = elementwise_inputs<D>(n, 3);
+  const std::vector<S> src = elementwise_inputs<S>(n, 8);
+  std::vector<D> acc_ref = d0, cvt_ref(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    acc_ref[i] = from_float<D>(fp::add(to_float(d0[i]), fp::mul(to_float(src[i]), 0.75f)));
+    cvt_ref[i] = from_float<D>(to_float(src[i]));
+  }
+  using fn = void (*)(D*, const S*, std::uint64_t, float);
+  std::vector<std::tuple<std::string, fn, fn>> runs = {
+      {"portable", &host::detail::elementwise_body<true, D, S>, &host::detail::elementwise_body<false, D, S>}};
+#if defined(MPZERO_RUNTIME_SIMD)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+    runs.push_back({"avx2", &host::detail::elementwise_avx2<true, D, S>, &host::detail::elementwise_avx2<false, D, S>});
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    runs.push_back(
+        {"avx512", &host::detail::elementwise_avx512<true, D, S>, &host::detail::elementwise_avx512<false, D, S>});
+#endif
+  for (const auto& [name, acc, cvt] : runs) {
+    INFO(name);
+    std::vector<D> a = d0, c(n);
+    acc(a.data(), src.data(), n, 0.75f);
+    cvt(c.data(), src.data(), n, 1.0f);
+    CHECK(same_or_both_nan(a, acc_ref));
+    CHECK(same_or_both_nan(c, cvt_ref));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("host elementwise accumulate and convert: every loop variant gives the scalar bits, specials included",
+          "[multi_tensor]") {
+  check_elementwise<float, float>();
+  check_elementwise<float, bf16>();
+  check_elementwise<float, fp16>();
+  check_elementwise<bf16, bf16>();
+  check_elementwise<bf16, float>();
+  check_elementwise<fp16, fp16>();
+  check_elementwise<fp16, float>();
+  check_elementwise<bf16, fp16>();
+}
 
 TEST_CASE("gradient statistics: every loop variant gives the same sum, bit for bit, and finds non-finite values",
           "[multi_tensor]") {

@@ -583,6 +583,81 @@ __attribute__((target("avx2,f16c"))) grad_stats chunk_stats_avx2(const G* x, std
 }
 #endif
 
+// Element-wise work of the ZeRO core on host memory (host_backend::accumulate and
+// ::convert): dst[i] = round(dst[i] + src[i] * scale) when Accumulate, else
+// dst[i] = round(src[i]), in fp32 with nearest rounding. It runs on every gradient of
+// every backward (accumulation into the partition), so it gets the step's treatment:
+// AVX2 / AVX-512 variants, fp16 through F16C a block at a time. Same bits as the
+// scalar expression in every variant (tests/test_simd.cpp).
+template <bool Accumulate, storage_type D, storage_type S, class Half = half_scalar>
+MPZERO_FORCEINLINE void elementwise_body(D* MPZERO_RESTRICT dst, const S* MPZERO_RESTRICT src, std::uint64_t n,
+                                         float scale) {
+  constexpr bool half_src = Half::enabled && std::same_as<S, fp16>;
+  constexpr bool half_dst = Half::enabled && std::same_as<D, fp16>;
+  if constexpr (!half_src && !half_dst) {
+    for (std::uint64_t i = 0; i < n; ++i) {
+      if constexpr (Accumulate) {
+        dst[i] = from_float<D>(fp::add(to_float(dst[i]), fp::mul(to_float(src[i]), scale)));
+      } else {
+        dst[i] = from_float<D>(to_float(src[i]));
+      }
+    }
+  } else {
+    constexpr std::uint32_t block = 1024;
+    alignas(64) float sb[block], db[block];
+    for (std::uint64_t b = 0; b < n; b += block) {
+      const std::uint32_t len = static_cast<std::uint32_t>(std::min<std::uint64_t>(block, n - b));
+      D* MPZERO_RESTRICT d = dst + b;
+      const S* MPZERO_RESTRICT s = src + b;
+      if constexpr (half_src) {
+        Half::widen(s, sb, len);
+      } else {
+        for (std::uint32_t j = 0; j < len; ++j) sb[j] = to_float(s[j]);
+      }
+      float* result = sb;
+      if constexpr (Accumulate) {
+        if constexpr (half_dst) {
+          Half::widen(d, db, len);
+        } else {
+          for (std::uint32_t j = 0; j < len; ++j) db[j] = to_float(d[j]);
+        }
+        for (std::uint32_t j = 0; j < len; ++j) db[j] = fp::add(db[j], fp::mul(sb[j], scale));
+        result = db;
+      }
+      if constexpr (half_dst) {
+        Half::narrow(result, d, len);
+      } else {
+        for (std::uint32_t j = 0; j < len; ++j) d[j] = from_float<D>(result[j]);
+      }
+    }
+  }
+}
+
+#if defined(MPZERO_RUNTIME_SIMD)
+template <bool Accumulate, storage_type D, storage_type S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512"))) void elementwise_avx512(
+    D* dst, const S* src, std::uint64_t n, float scale) {
+  elementwise_body<Accumulate, D, S, simd::half_avx512>(dst, src, n, scale);
+}
+template <bool Accumulate, storage_type D, storage_type S>
+__attribute__((target("avx2,f16c"))) void elementwise_avx2(D* dst, const S* src, std::uint64_t n, float scale) {
+  elementwise_body<Accumulate, D, S, simd::half_avx2>(dst, src, n, scale);
+}
+#endif
+
+template <bool Accumulate, storage_type D, storage_type S>
+void elementwise(D* dst, const S* src, std::uint64_t n, float scale) {
+#if defined(MPZERO_RUNTIME_SIMD)
+  switch (simd_level()) {
+    case 2: elementwise_avx512<Accumulate, D, S>(dst, src, n, scale); return;
+    case 1: elementwise_avx2<Accumulate, D, S>(dst, src, n, scale); return;
+    default: elementwise_body<Accumulate, D, S>(dst, src, n, scale); return;
+  }
+#else
+  elementwise_body<Accumulate, D, S>(dst, src, n, scale);
+#endif
+}
+
 template <storage_type G>
 grad_stats chunk_stats(const G* x, std::uint32_t n) {
 #if defined(MPZERO_RUNTIME_SIMD)

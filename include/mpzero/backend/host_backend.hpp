@@ -148,8 +148,7 @@ struct host_backend {
   template <storage_type D, storage_type S>
   void accumulate(D* MPZERO_RESTRICT dst, const S* MPZERO_RESTRICT src, std::uint64_t n, float scale = 1.0f) const {
     parallel_for(n, [&](std::uint64_t begin, std::uint64_t end) {
-      for (std::uint64_t i = begin; i < end; ++i)
-        dst[i] = from_float<D>(fp::add(to_float(dst[i]), fp::mul(to_float(src[i]), scale)));
+      host::detail::elementwise<true>(dst + begin, src + begin, end - begin, scale);
     });
   }
 
@@ -157,7 +156,7 @@ struct host_backend {
   template <storage_type D, storage_type S>
   void convert(D* MPZERO_RESTRICT dst, const S* MPZERO_RESTRICT src, std::uint64_t n) const {
     parallel_for(n, [&](std::uint64_t begin, std::uint64_t end) {
-      for (std::uint64_t i = begin; i < end; ++i) dst[i] = from_float<D>(to_float(src[i]));
+      host::detail::elementwise<false>(dst + begin, src + begin, end - begin, 1.0f);
     });
   }
 
