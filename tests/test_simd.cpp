@@ -13,10 +13,10 @@
 #include <cstdint>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <utility>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include <mpzero/backend/host.hpp>
@@ -93,33 +93,35 @@ struct state {
   }
 };
 
-template <class Policy, class Opt>
-using range_fn = void (*)(const step_tensor<Policy, Opt>&, std::uint64_t, std::uint32_t, const step_args<Opt>&);
-
-template <class Policy, class Opt>
+template <class Sig>
 struct variant {
   std::string name;
-  range_fn<Policy, Opt> run;
+  std::function<Sig> run;
 };
 
-template <class Policy, class Opt>
-void portable(const step_tensor<Policy, Opt>& t, std::uint64_t begin, std::uint32_t size, const step_args<Opt>& a) {
-  host::detail::step_range_body<Policy, Opt, host::detail::pair_fill_scalar>(t, begin, size, a);
-}
-
-// Every loop this CPU can run: the portable one (scalar draws, what non-x86 and Clang
-// builds use) and the run-time SIMD variants.
-template <class Policy, class Opt>
-std::vector<variant<Policy, Opt>> variants() {
-  std::vector<variant<Policy, Opt>> v = {{"portable", &portable<Policy, Opt>}};
+// Kernel::run in every variant this CPU runs: with the portable kit (scalar draws and
+// conversions, what non-x86 and Clang builds use) and in the run-time SIMD variants.
+template <class Kernel, class Sig>
+std::vector<variant<Sig>> kernel_variants() {
+  std::vector<variant<Sig>> v;
+  v.push_back({"portable", [](auto&&... a) {
+                 return Kernel::template run<host::detail::portable_kit>(std::forward<decltype(a)>(a)...);
+               }});
 #if defined(MPZERO_RUNTIME_SIMD)
-  v.push_back({"baseline", &host::detail::step_range_baseline<Policy, Opt>});
-  if (__builtin_cpu_supports("avx2")) v.push_back({"avx2", &host::detail::step_range_avx2<Policy, Opt>});
+  v.push_back({"baseline", [](auto&&... a) { return host::detail::run_baseline<Kernel>(std::forward<decltype(a)>(a)...); }});
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+    v.push_back({"avx2", [](auto&&... a) { return host::detail::run_avx2<Kernel>(std::forward<decltype(a)>(a)...); }});
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq"))
-    v.push_back({"avx512", &host::detail::step_range_avx512<Policy, Opt>});
+    v.push_back({"avx512", [](auto&&... a) { return host::detail::run_avx512<Kernel>(std::forward<decltype(a)>(a)...); }});
 #endif
   return v;
+}
+
+template <class Policy, class Opt>
+auto variants() {
+  return kernel_variants<host::detail::step_kernel<Policy, Opt>,
+                         void(const step_tensor<Policy, Opt>&, std::uint64_t, std::uint32_t, const step_args<Opt>&)>();
 }
 
 template <class Policy, class Opt>
@@ -243,18 +245,10 @@ namespace {
 // accumulators is one lane, whatever the vector width), the same non-finite verdict.
 template <class G>
 void check_chunk_stats_variants() {
-  using fn = grad_stats (*)(const G*, std::uint32_t);
-  std::vector<std::pair<std::string, fn>> runs = {{"portable", &host::detail::chunk_stats_body<G>}};
-#if defined(MPZERO_RUNTIME_SIMD)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
-    runs.push_back({"avx2", &host::detail::chunk_stats_avx2<G>});
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    runs.push_back({"avx512", &host::detail::chunk_stats_avx512<G>});
-#endif
+  const auto runs = kernel_variants<host::detail::stats_kernel<G>, grad_stats(const G*, std::uint32_t)>();
   std::vector<G> x = filled<G>(70001, 9, -3.0f, 3.0f);  // blocks, 16-wide bodies and a tail of 1
   for (const std::uint32_t n : {70001u, 1040u, 15u, 1u, 0u}) {
-    const grad_stats want = runs[0].second(x.data(), n);
+    const grad_stats want = runs[0].run(x.data(), n);
     CHECK_FALSE(want.nonfinite);
     for (const auto& [name, run] : runs) {
       INFO(name << ", n " << n);
@@ -319,22 +313,15 @@ void check_elementwise() {
     acc_ref[i] = from_float<D>(fp::add(to_float(d0[i]), fp::mul(to_float(src[i]), 0.75f)));
     cvt_ref[i] = from_float<D>(to_float(src[i]));
   }
-  using fn = void (*)(D*, const S*, std::uint64_t, float);
-  std::vector<std::tuple<std::string, fn, fn>> runs = {
-      {"portable", &host::detail::elementwise_body<true, D, S>, &host::detail::elementwise_body<false, D, S>}};
-#if defined(MPZERO_RUNTIME_SIMD)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
-    runs.push_back({"avx2", &host::detail::elementwise_avx2<true, D, S>, &host::detail::elementwise_avx2<false, D, S>});
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    runs.push_back(
-        {"avx512", &host::detail::elementwise_avx512<true, D, S>, &host::detail::elementwise_avx512<false, D, S>});
-#endif
-  for (const auto& [name, acc, cvt] : runs) {
-    INFO(name);
+  using sig = void(D*, const S*, std::uint64_t, float);
+  const auto accs = kernel_variants<host::detail::elementwise_kernel<true, D, S>, sig>();
+  const auto cvts = kernel_variants<host::detail::elementwise_kernel<false, D, S>, sig>();
+  REQUIRE(accs.size() == cvts.size());
+  for (std::size_t k = 0; k < accs.size(); ++k) {
+    INFO(accs[k].name);
     std::vector<D> a = d0, c(n);
-    acc(a.data(), src.data(), n, 0.75f);
-    cvt(c.data(), src.data(), n, 1.0f);
+    accs[k].run(a.data(), src.data(), n, 0.75f);
+    cvts[k].run(c.data(), src.data(), n, 1.0f);
     CHECK(same_or_both_nan(a, acc_ref));
     CHECK(same_or_both_nan(c, cvt_ref));
   }

@@ -24,6 +24,8 @@
 #include <mpzero/torch/process_group.hpp>
 #include <mpzero/torch/zero_core.hpp>
 
+#include "../examples/gpt/precision_config.hpp"
+
 namespace mt = mpzero::torch;
 using json = nlohmann::json;
 using torch::Tensor;
@@ -43,12 +45,7 @@ json config(const std::string& prec, int stage, bool offload, json extra = json:
             {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"betas", {0.9, 0.95}}, {"weight_decay", 0.01}}}}},
             {"zero_optimization", zero},
             {"seed", 1234}};
-  if (prec == "bf16") j["bf16"] = {{"enabled", true}};
-  if (prec == "bf16-master") j["bf16"] = {{"enabled", true}, {"bf16_master_weights_and_grads", true}};
-  if (prec == "bf16-all" || prec == "bf16-all-sr")
-    j["bf16"] = {{"enabled", true}, {"bf16_master_weights_and_grads", true}, {"bf16_optimizer_states", true}};
-  if (prec == "bf16-all-sr") j["rounding"] = "stochastic";
-  if (prec == "fp16") j["fp16"] = {{"enabled", true}, {"initial_scale_power", 8}};
+  mpzero_gpt::set_precision(j, prec, {{"enabled", true}, {"initial_scale_power", 8}});
   j.merge_patch(extra);
   return j;
 }

@@ -54,6 +54,8 @@
 #include <mpzero/torch/engine.hpp>
 #include <mpzero/torch/zero_core.hpp>  // cuda_cores_compiled()
 
+#include "precision_config.hpp"
+
 #ifdef MPZERO_GPT_MPI
 #include <mpi.h>
 
@@ -282,13 +284,7 @@ json make_config(const run_spec& s, const options& o) {
             {"gradient_clipping", 1.0},
             {"seed", o.seed},
             {"zero_optimization", zero}};
-  const auto& p = s.precision;
-  if (p == "bf16") j["bf16"] = {{"enabled", true}};
-  if (p == "bf16-master") j["bf16"] = {{"enabled", true}, {"bf16_master_weights_and_grads", true}};
-  if (p == "bf16-all" || p == "bf16-all-sr")
-    j["bf16"] = {{"enabled", true}, {"bf16_master_weights_and_grads", true}, {"bf16_optimizer_states", true}};
-  if (p == "bf16-all-sr") j["rounding"] = "stochastic";
-  if (p == "fp16") j["fp16"] = {{"enabled", true}, {"loss_scale", 0}};
+  mpzero_gpt::set_precision(j, s.precision, {{"enabled", true}, {"loss_scale", 0}});
   return j;
 }
 

@@ -415,39 +415,49 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
   }
 }
 
-// The loop compiled for the widest vectors the CPU has, chosen at run time, so a
-// binary built for baseline x86-64 still uses AVX2 or AVX-512. No FMA is enabled in
-// these targets (and -ffp-contract=off forbids contraction anyway): every variant
-// rounds alike, bit for bit.
+// Each host loop (the step, the gradient check, accumulate / convert) is a Kernel:
+// a struct whose `run<Kit>(args...)` is the loop, inlined into one function per variant
+// compiled for the widest vectors the CPU has and chosen at run time, so a binary built
+// for baseline x86-64 still uses AVX2 or AVX-512. A Kit is what a variant's loops use
+// besides the compiler's vectorization: its stochastic-rounding generator and its fp16
+// block converter. No FMA is enabled in these targets (and -ffp-contract=off forbids
+// contraction anyway): every variant rounds alike, bit for bit.
+template <class Fill, class Half>
+struct kit {
+  using fill = Fill;
+  using half = Half;
+};
+using portable_kit = kit<pair_fill_scalar, half_scalar>;  // non-x86, Clang: the shared scalar functions
+
 #if defined(MPZERO_RUNTIME_SIMD)
-
-template <precision_policy Policy, optim::rule Optimizer>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512"))) void step_range_avx512(
-    const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, std::uint32_t size, const step_args<Optimizer>& a) {
-  step_range_body<Policy, Optimizer, simd::pair_fill<simd::u64x8>, simd::half_avx512>(t, begin, size, a);
-}
-
-template <precision_policy Policy, optim::rule Optimizer>
-__attribute__((target("avx2,f16c"))) void step_range_avx2(const step_tensor<Policy, Optimizer>& t,
-                                                          std::uint64_t begin, std::uint32_t size,
-                                                          const step_args<Optimizer>& a) {
-  step_range_body<Policy, Optimizer, simd::pair_fill<simd::u64x4>, simd::half_avx2>(t, begin, size, a);
-}
 
 // The build's baseline (SSE2 on x86-64; whatever -m flags the build adds, which the
 // random bits use too).
 #if defined(__AVX512F__)
-using baseline_pair_fill = simd::pair_fill<simd::u64x8>;
+using baseline_kit = kit<simd::pair_fill<simd::u64x8>, half_scalar>;
 #elif defined(__AVX2__)
-using baseline_pair_fill = simd::pair_fill<simd::u64x4>;
+using baseline_kit = kit<simd::pair_fill<simd::u64x4>, half_scalar>;
 #else
-using baseline_pair_fill = simd::pair_fill<simd::u64x2>;
+using baseline_kit = kit<simd::pair_fill<simd::u64x2>, half_scalar>;
 #endif
+using avx2_kit = kit<simd::pair_fill<simd::u64x4>, simd::half_avx2>;
+using avx512_kit = kit<simd::pair_fill<simd::u64x8>, simd::half_avx512>;
 
-template <precision_policy Policy, optim::rule Optimizer>
-void step_range_baseline(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, std::uint32_t size,
-                         const step_args<Optimizer>& a) {
-  step_range_body<Policy, Optimizer, baseline_pair_fill>(t, begin, size, a);
+// noinline: in a build whose own flags already have the ISA (-march=native), GCC would
+// otherwise inline a variant into run_widest and compile its loop with the caller's
+// tuning (256-bit vectors on recent Intel), not the variant's.
+template <class Kernel, class... Args>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512"), noinline)) decltype(auto)
+run_avx512(Args&&... args) {
+  return Kernel::template run<avx512_kit>(std::forward<Args>(args)...);
+}
+template <class Kernel, class... Args>
+__attribute__((target("avx2,f16c"), noinline)) decltype(auto) run_avx2(Args&&... args) {
+  return Kernel::template run<avx2_kit>(std::forward<Args>(args)...);
+}
+template <class Kernel, class... Args>
+decltype(auto) run_baseline(Args&&... args) {
+  return Kernel::template run<baseline_kit>(std::forward<Args>(args)...);
 }
 
 // 2: AVX-512 (F, BW, VL, DQ), 1: AVX2 with F16C, 0: the build's baseline. MPZERO_HOST_SIMD=0/1/2
@@ -468,19 +478,28 @@ inline int simd_level() {
 }
 #endif
 
-template <precision_policy Policy, optim::rule Optimizer>
-void step_range(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, std::uint32_t size,
-                const step_args<Optimizer>& a) {
+// Kernel::run in the widest variant this CPU has.
+template <class Kernel, class... Args>
+decltype(auto) run_widest(Args&&... args) {
 #if defined(MPZERO_RUNTIME_SIMD)
   switch (simd_level()) {
-    case 2: step_range_avx512<Policy, Optimizer>(t, begin, size, a); return;
-    case 1: step_range_avx2<Policy, Optimizer>(t, begin, size, a); return;
-    default: step_range_baseline<Policy, Optimizer>(t, begin, size, a); return;
+    case 2: return run_avx512<Kernel>(std::forward<Args>(args)...);
+    case 1: return run_avx2<Kernel>(std::forward<Args>(args)...);
+    default: return run_baseline<Kernel>(std::forward<Args>(args)...);
   }
 #else
-  step_range_body<Policy, Optimizer>(t, begin, size, a);
+  return Kernel::template run<portable_kit>(std::forward<Args>(args)...);
 #endif
 }
+
+template <precision_policy Policy, optim::rule Optimizer>
+struct step_kernel {
+  template <class Kit>
+  MPZERO_FORCEINLINE static void run(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, std::uint32_t size,
+                                     const step_args<Optimizer>& a) {
+    step_range_body<Policy, Optimizer, typename Kit::fill, typename Kit::half>(t, begin, size, a);
+  }
+};
 
 }  // namespace detail
 
@@ -504,7 +523,7 @@ void run(const fused_step<Policy, Optimizer>& step, const step_args<Optimizer>& 
   const auto tensors = step.tensors();
   detail::for_each_chunk(chunks.size(), opt, [&](std::size_t c) {
     const chunk& ch = chunks[c];
-    detail::step_range<Policy, Optimizer>(tensors[ch.tensor], ch.begin, ch.size, args);
+    detail::run_widest<detail::step_kernel<Policy, Optimizer>>(tensors[ch.tensor], ch.begin, ch.size, args);
   });
 }
 
@@ -571,17 +590,13 @@ MPZERO_FORCEINLINE grad_stats chunk_stats_body(const G* MPZERO_RESTRICT x, std::
   return {((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])), bad != 0};
 }
 
-#if defined(MPZERO_RUNTIME_SIMD)
 template <storage_type G>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512"))) grad_stats chunk_stats_avx512(
-    const G* x, std::uint32_t n) {
-  return chunk_stats_body<G, simd::half_avx512>(x, n);
-}
-template <storage_type G>
-__attribute__((target("avx2,f16c"))) grad_stats chunk_stats_avx2(const G* x, std::uint32_t n) {
-  return chunk_stats_body<G, simd::half_avx2>(x, n);
-}
-#endif
+struct stats_kernel {
+  template <class Kit>
+  MPZERO_FORCEINLINE static grad_stats run(const G* x, std::uint32_t n) {
+    return chunk_stats_body<G, typename Kit::half>(x, n);
+  }
+};
 
 // Element-wise work of the ZeRO core on host memory (host_backend::accumulate and
 // ::convert): dst[i] = round(dst[i] + src[i] * scale) when Accumulate, else
@@ -633,42 +648,17 @@ MPZERO_FORCEINLINE void elementwise_body(D* MPZERO_RESTRICT dst, const S* MPZERO
   }
 }
 
-#if defined(MPZERO_RUNTIME_SIMD)
 template <bool Accumulate, storage_type D, storage_type S>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,prefer-vector-width=512"))) void elementwise_avx512(
-    D* dst, const S* src, std::uint64_t n, float scale) {
-  elementwise_body<Accumulate, D, S, simd::half_avx512>(dst, src, n, scale);
-}
-template <bool Accumulate, storage_type D, storage_type S>
-__attribute__((target("avx2,f16c"))) void elementwise_avx2(D* dst, const S* src, std::uint64_t n, float scale) {
-  elementwise_body<Accumulate, D, S, simd::half_avx2>(dst, src, n, scale);
-}
-#endif
+struct elementwise_kernel {
+  template <class Kit>
+  MPZERO_FORCEINLINE static void run(D* dst, const S* src, std::uint64_t n, float scale) {
+    elementwise_body<Accumulate, D, S, typename Kit::half>(dst, src, n, scale);
+  }
+};
 
 template <bool Accumulate, storage_type D, storage_type S>
 void elementwise(D* dst, const S* src, std::uint64_t n, float scale) {
-#if defined(MPZERO_RUNTIME_SIMD)
-  switch (simd_level()) {
-    case 2: elementwise_avx512<Accumulate, D, S>(dst, src, n, scale); return;
-    case 1: elementwise_avx2<Accumulate, D, S>(dst, src, n, scale); return;
-    default: elementwise_body<Accumulate, D, S>(dst, src, n, scale); return;
-  }
-#else
-  elementwise_body<Accumulate, D, S>(dst, src, n, scale);
-#endif
-}
-
-template <storage_type G>
-grad_stats chunk_stats(const G* x, std::uint32_t n) {
-#if defined(MPZERO_RUNTIME_SIMD)
-  switch (simd_level()) {
-    case 2: return chunk_stats_avx512<G>(x, n);
-    case 1: return chunk_stats_avx2<G>(x, n);
-    default: return chunk_stats_body<G>(x, n);
-  }
-#else
-  return chunk_stats_body<G>(x, n);
-#endif
+  run_widest<elementwise_kernel<Accumulate, D, S>>(dst, src, n, scale);
 }
 
 }  // namespace detail
@@ -682,7 +672,7 @@ grad_stats gradient_stats(const multi_tensor_plan& plan, std::span<const grad_vi
   std::vector<grad_stats> partial(chunks.size());
   detail::for_each_chunk(chunks.size(), opt, [&](std::size_t c) {
     const chunk& ch = chunks[c];
-    partial[c] = detail::chunk_stats(grads[ch.tensor].data + ch.begin, ch.size);
+    partial[c] = detail::run_widest<detail::stats_kernel<G>>(grads[ch.tensor].data + ch.begin, ch.size);
   });
   grad_stats total;
   for (const grad_stats& p : partial) {
