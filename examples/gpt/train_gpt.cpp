@@ -28,6 +28,10 @@
 //   bf16-all     bf16 master and bf16 states, round to nearest (ZeRO stage >= 1)
 //   bf16-all-sr  the same with stochastic rounding
 //   fp16         fp16 parameters, fp32 master and states, dynamic loss scaling
+//   fp32-ac      fp32 everything, the forward under bf16 autocast (PyTorch AMP)
+//   bf16-all-ac  bf16-all with the forward under bf16 autocast: the DeepSpeed blog's
+//                low-precision configuration (its baseline, "fp32 master", is bf16)
+//   bf16-all-sr-ac  the same with stochastic rounding
 // each at ZeRO stage 0, 1, 2 and with CPU offload at stages 1 and 2 (ids: bf16/z2,
 // bf16/z2+off, ...).
 #include <ATen/DeviceAccelerator.h>
@@ -193,7 +197,8 @@ struct run_spec {
   }
 };
 
-const std::vector<std::string> precisions = {"fp32", "bf16", "bf16-master", "bf16-all", "bf16-all-sr", "fp16"};
+const std::vector<std::string> precisions = {"fp32",  "bf16",    "bf16-master", "bf16-all",      "bf16-all-sr",
+                                             "fp16",  "fp32-ac", "bf16-all-ac", "bf16-all-sr-ac"};
 
 bool needs_zero(const std::string& p) { return p.rfind("bf16-", 0) == 0; }  // 16-bit master: stage >= 1
 
@@ -208,7 +213,8 @@ std::vector<run_spec> all_specs() {
 
 // The default: every precision once, plus the stages and offload for bf16 and fp16.
 const char* default_configs =
-    "fp32/z0,bf16/z0,bf16/z1,bf16/z2,bf16/z2+off,bf16-master/z2,bf16-all/z2,bf16-all-sr/z2,fp16/z0,fp16/z2";
+    "fp32/z0,bf16/z0,bf16/z1,bf16/z2,bf16/z2+off,bf16-master/z2,bf16-all/z2,bf16-all-sr/z2,fp16/z0,fp16/z2,"
+    "fp32-ac/z0,bf16-all-ac/z2";
 
 std::vector<run_spec> select_specs(const std::string& list) {
   const auto all = all_specs();
@@ -233,8 +239,10 @@ std::vector<run_spec> select_specs(const std::string& list) {
         ids += ' ';  // appended piecewise: " " + s.id() trips GCC 12's -Wrestrict false positive
         ids += s.id();
       }
-      throw std::invalid_argument("--configs: '" + tok + "' is not a configuration; use 'all', a precision (fp32, bf16, " +
-                                  "bf16-master, bf16-all, bf16-all-sr, fp16) or one of:" + ids);
+      std::string names;
+      for (const auto& p : precisions) names += (names.empty() ? "" : ", ") + p;
+      throw std::invalid_argument("--configs: '" + tok + "' is not a configuration; use 'all', a precision (" + names +
+                                  ") or one of:" + ids);
     }
   }
   if (out.empty()) throw std::invalid_argument("--configs selects nothing; e.g. --configs bf16/z2,fp16/z2");
@@ -306,7 +314,9 @@ void usage() {
       "                 [--eval-batches N] [--seed N] [--configs LIST] [--out DIR] [--corpus DIR] [--big]\n"
       "                 [--device auto|cpu|cuda|cuda:N]\n"
       "  --configs: comma-separated ids (bf16/z2, fp16/z1+off), precisions (every variant: fp32, bf16,\n"
-      "             bf16-master, bf16-all, bf16-all-sr, fp16) or 'all'. Default:\n             %s\n"
+      "             bf16-master, bf16-all, bf16-all-sr, fp16; with bf16 autocast: fp32-ac, bf16-all-ac,\n"
+      "             bf16-all-sr-ac) or 'all'. The first is the base the others are compared with.\n"
+      "             Default:\n             %s\n"
       "  --big:     6 layers, dim 384, 6 heads, seq 256, batch 32, 2000 steps, lr 1e-3 (later flags override);\n"
       "             meant for a GPU\n"
       "  --device:  where the model trains; auto (default): a CUDA device when there is one and the engine\n"
@@ -369,6 +379,7 @@ options parse_args(int argc, char** argv) {
 struct result {
   run_spec spec;
   std::string describe;
+  bool autocast = false;  // the forward ran under torch_autocast (the config says so)
   std::vector<double> losses;
   double steps_per_s = 0, steps_per_s_mean = 0, final_loss = 0, mean_loss = 0, eval_loss = 0, loss_scale = 1;
   std::uint64_t skipped = 0, numel = 0, padding = 0, device_bytes = 0, host_bytes = 0;
@@ -403,6 +414,7 @@ std::optional<result> train_one(const run_spec& spec, const options& o, const co
   result r;
   r.spec = spec;
   r.describe = engine.describe();
+  r.autocast = engine.config().torch_autocast.enabled;
   const auto& cfg = engine.config();
   const mpzero::state_layout layout{cfg.param_dtype(), cfg.master_dtype(), cfg.grad_dtype(), cfg.state_dtype(),
                                     n_states(cfg.optimizer.type)};
@@ -462,7 +474,8 @@ std::optional<result> train_one(const run_spec& spec, const options& o, const co
     for (int b = 0; b < o.eval_batches; ++b) {
       for (int i = 0; i < o.batch; ++i) starts[i] = (static_cast<std::size_t>(b) * o.batch + i) * span / n;
       auto [x, y] = windows(data.eval, starts, o.seq);
-      sum += engine.module()->forward(x.to(device), y.to(device)).item<double>();
+      // engine.forward: under autocast when the configuration trains with it.
+      sum += engine.forward(x.to(device), y.to(device)).item<double>();
     }
     r.eval_loss = sum / o.eval_batches;
   }
@@ -526,6 +539,7 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
                     {"stage", r.spec.stage},
                     {"offload", r.spec.offload},
                     {"describe", r.describe},
+                    {"autocast", r.autocast},
                     {"steps_per_s", r.steps_per_s},
                     {"steps_per_s_mean", r.steps_per_s_mean},
                     {"model_numel", r.numel},

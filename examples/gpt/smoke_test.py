@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""CTest's check of the main job (examples.main_job.np1/np2): runs train_gpt on a tiny
+model for a few configurations, draws the plots, and checks what it promises:
+
+- every selected configuration trained (none refused), the outputs exist and agree
+  (results.json, summary.csv, loss_curves.png, memory.png);
+- the measured bytes of model states per parameter equal the memory model's prediction;
+- the losses are finite and fall (the model learns);
+- the same precision at two ZeRO stages gives the same losses bit for bit (the core's
+  promise), while stochastic rounding and autocast change them (they are wired through);
+- the "-ac" configurations ran under autocast and the others did not.
+
+The corpus is the repository's own Markdown in fortune format, so no Debian package is
+needed.
+
+    smoke_test.py --train-gpt PATH --plot examples/gpt/plot.py --repo DIR --work DIR
+                  [--launcher "mpirun -n 2 ..."]
+"""
+import argparse
+import csv
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+CONFIGS = [
+    "fp32/z0",
+    "fp32-ac/z0",
+    "bf16/z2+off",
+    "bf16-all/z1",
+    "bf16-all/z2",
+    "bf16-all-sr/z2",
+    "bf16-all-ac/z2",
+    "fp16/z2",
+]
+TINY = ["--steps", "30", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "4",
+        "--eval-batches", "2", "--device", "cpu"]
+
+failures = []
+
+
+def check(ok, what):
+    print(("ok    " if ok else "FAIL  ") + what)
+    if not ok:
+        failures.append(what)
+
+
+def make_corpus(repo, dest):
+    """The repository's Markdown as fortune files: one paragraph per fortune."""
+    os.makedirs(dest, exist_ok=True)
+    sources = [os.path.join(repo, "README.md")]
+    docs = os.path.join(repo, "docs")
+    sources += sorted(os.path.join(docs, f) for f in os.listdir(docs) if f.endswith(".md"))
+    for i, src in enumerate(sources):
+        with open(src, encoding="utf-8") as f:
+            paragraphs = [p.strip() for p in f.read().split("\n\n") if p.strip()]
+        with open(os.path.join(dest, "doc%02d" % i), "w", encoding="utf-8") as f:
+            f.write("\n%\n".join(paragraphs) + "\n%\n")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--train-gpt", required=True)
+    ap.add_argument("--plot", required=True)
+    ap.add_argument("--repo", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--launcher", default="")
+    ap.add_argument("--world", type=int, default=1)
+    a = ap.parse_args()
+
+    shutil.rmtree(a.work, ignore_errors=True)
+    corpus, out = os.path.join(a.work, "corpus"), os.path.join(a.work, "out")
+    make_corpus(a.repo, corpus)
+    cmd = shlex.split(a.launcher) + [a.train_gpt, *TINY, "--configs", ",".join(CONFIGS), "--corpus", corpus,
+                                     "--out", out]
+    print("+", " ".join(cmd), flush=True)
+    rc = subprocess.call(cmd)
+    check(rc == 0, "train_gpt exits 0 (got %d)" % rc)
+    if rc != 0:
+        return 1
+    rc = subprocess.call([sys.executable, a.plot, os.path.join(out, "results.json")])
+    check(rc == 0, "plot.py exits 0 (got %d)" % rc)
+    for f in ("results.json", "summary.csv", "loss_curves.png", "memory.png"):
+        p = os.path.join(out, f)
+        check(os.path.isfile(p) and os.path.getsize(p) > 0, "%s written" % f)
+
+    with open(os.path.join(out, "results.json")) as f:
+        res = json.load(f)
+    runs = {r["id"]: r for r in res["runs"]}
+    check(res["meta"]["world_size"] == a.world, "world size %d (got %s)" % (a.world, res["meta"]["world_size"]))
+    check(list(runs) == CONFIGS, "every configuration trained, in order (got %s)" % list(runs))
+    check(res["not_run"] == [], "none refused (got %s)" % res["not_run"])
+    with open(os.path.join(out, "summary.csv")) as f:
+        rows = list(csv.DictReader(f))
+    check([r["id"] for r in rows] == list(runs), "summary.csv has one row per configuration")
+
+    for cid, r in runs.items():
+        measured, predicted = r["measured_bytes_per_param"], r["predicted_bytes_per_param"]
+        check(abs(measured - predicted) < 1e-9, "%s: %.4f B/param measured == %.4f predicted" % (cid, measured, predicted))
+        losses = r["train_loss"]
+        check(len(losses) == 30 and all(math.isfinite(x) for x in losses), "%s: 30 finite training losses" % cid)
+        check(math.isfinite(r["eval_loss"]), "%s: finite eval loss %.4f" % (cid, r["eval_loss"]))
+        late = sum(losses[-5:]) / 5
+        check(late < losses[0] - 0.5, "%s: the loss falls (%.3f -> %.3f)" % (cid, losses[0], late))
+        want_ac = cid.split("/")[0].endswith("-ac")
+        check(r["autocast"] == want_ac, "%s: autocast %s" % (cid, want_ac))
+
+    def same(x, y):
+        return runs[x]["train_loss"] == runs[y]["train_loss"] and runs[x]["eval_loss"] == runs[y]["eval_loss"]
+
+    check(same("bf16-all/z1", "bf16-all/z2"), "bf16-all: stages 1 and 2 give the same losses bit for bit")
+    check(not same("bf16-all/z2", "bf16-all-sr/z2"), "stochastic rounding changes the losses")
+    check(not same("fp32/z0", "fp32-ac/z0"), "autocast changes fp32's losses (bf16 matrix products)")
+    bf16_all, fp32 = runs["bf16-all/z2"], runs["fp32/z0"]
+    check(bf16_all["measured_bytes_per_param"] < fp32["measured_bytes_per_param"],
+          "bf16-all holds fewer bytes per parameter than fp32")
+
+    print("%d check(s) failed" % len(failures) if failures else "all checks passed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
