@@ -8,7 +8,9 @@ model for a few configurations, draws the plots, and checks what it promises:
 - the losses are finite and fall (the model learns);
 - the same precision at two ZeRO stages gives the same losses bit for bit (the core's
   promise), while stochastic rounding and autocast change them (they are wired through);
-- the "-ac" configurations ran under autocast and the others did not.
+- the "-ac" configurations ran under autocast and the others did not;
+- the engine in fp32 trains like LibTorch's own torch::optim::AdamW (the "torch" row:
+  same model, batches and hyperparameters, no mpzero) to within rounding.
 
 The corpus is the repository's own Markdown in fortune format, so no Debian package is
 needed.
@@ -35,6 +37,7 @@ CONFIGS = [
     "bf16-all-sr/z2",
     "bf16-all-ac/z2",
     "fp16/z2",
+    "torch",
 ]
 TINY = ["--steps", "30", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "4",
         "--eval-batches", "2", "--device", "cpu"]
@@ -114,6 +117,9 @@ def main():
     check(same("bf16-all/z1", "bf16-all/z2"), "bf16-all: stages 1 and 2 give the same losses bit for bit")
     check(not same("bf16-all/z2", "bf16-all-sr/z2"), "stochastic rounding changes the losses")
     check(not same("fp32/z0", "fp32-ac/z0"), "autocast changes fp32's losses (bf16 matrix products)")
+    gap = max(abs(x - y) for x, y in zip(runs["fp32/z0"]["train_loss"], runs["torch"]["train_loss"]))
+    gap = max(gap, abs(runs["fp32/z0"]["eval_loss"] - runs["torch"]["eval_loss"]))
+    check(gap < 1e-4, "fp32/z0 follows LibTorch's AdamW step for step (largest loss difference %.2g)" % gap)
     bf16_all, fp32 = runs["bf16-all/z2"], runs["fp32/z0"]
     check(bf16_all["measured_bytes_per_param"] < fp32["measured_bytes_per_param"],
           "bf16-all holds fewer bytes per parameter than fp32")

@@ -32,6 +32,8 @@
 //   bf16-all-ac  bf16-all with the forward under bf16 autocast: the DeepSpeed blog's
 //                low-precision configuration (its baseline, "fp32 master", is bf16)
 //   bf16-all-sr-ac  the same with stochastic rounding
+//   torch        no mpzero: LibTorch's torch::optim::AdamW in fp32, same hyperparameters
+//                and clipping (what the engine costs per step; id "torch")
 // each at ZeRO stage 0, 1, 2 and with CPU offload at stages 1 and 2 (ids: bf16/z2,
 // bf16/z2+off, ...).
 #include <ATen/DeviceAccelerator.h>
@@ -193,6 +195,7 @@ struct run_spec {
   int stage;
   bool offload;
   std::string id() const {
+    if (precision == "torch") return precision;  // the plain-LibTorch reference: no stage
     return precision + "/z" + std::to_string(stage) + (offload ? "+off" : "");
   }
 };
@@ -203,7 +206,7 @@ const std::vector<std::string> precisions = {"fp32",  "bf16",    "bf16-master", 
 bool needs_zero(const std::string& p) { return p.rfind("bf16-", 0) == 0; }  // 16-bit master: stage >= 1
 
 std::vector<run_spec> all_specs() {
-  std::vector<run_spec> v;
+  std::vector<run_spec> v{{"torch", 0, false}};
   for (const auto& p : precisions) {
     for (int s = needs_zero(p) ? 1 : 0; s <= 2; ++s) v.push_back({p, s, false});
     for (int s = 1; s <= 2; ++s) v.push_back({p, s, true});
@@ -214,7 +217,7 @@ std::vector<run_spec> all_specs() {
 // The default: every precision once, plus the stages and offload for bf16 and fp16.
 const char* default_configs =
     "fp32/z0,bf16/z0,bf16/z1,bf16/z2,bf16/z2+off,bf16-master/z2,bf16-all/z2,bf16-all-sr/z2,fp16/z0,fp16/z2,"
-    "fp32-ac/z0,bf16-all-ac/z2";
+    "fp32-ac/z0,bf16-all-ac/z2,torch";
 
 std::vector<run_spec> select_specs(const std::string& list) {
   const auto all = all_specs();
@@ -239,8 +242,8 @@ std::vector<run_spec> select_specs(const std::string& list) {
         ids += ' ';  // appended piecewise: " " + s.id() trips GCC 12's -Wrestrict false positive
         ids += s.id();
       }
-      std::string names;
-      for (const auto& p : precisions) names += (names.empty() ? "" : ", ") + p;
+      std::string names = "torch";
+      for (const auto& p : precisions) names += ", " + p;
       throw std::invalid_argument("--configs: '" + tok + "' is not a configuration; use 'all', a precision (" + names +
                                   ") or one of:" + ids);
     }
@@ -315,7 +318,8 @@ void usage() {
       "                 [--device auto|cpu|cuda|cuda:N]\n"
       "  --configs: comma-separated ids (bf16/z2, fp16/z1+off), precisions (every variant: fp32, bf16,\n"
       "             bf16-master, bf16-all, bf16-all-sr, fp16; with bf16 autocast: fp32-ac, bf16-all-ac,\n"
-      "             bf16-all-sr-ac) or 'all'. The first is the base the others are compared with.\n"
+      "             bf16-all-sr-ac), 'torch' (plain LibTorch AdamW, no mpzero) or 'all'. The first is\n"
+      "             the base the others are compared with.\n"
       "             Default:\n             %s\n"
       "  --big:     6 layers, dim 384, 6 heads, seq 256, batch 32, 2000 steps, lr 1e-3 (later flags override);\n"
       "             meant for a GPU\n"
@@ -389,38 +393,13 @@ struct result {
   double measured_bpp() const { return static_cast<double>(device_bytes + host_bytes) / static_cast<double>(numel); }
 };
 
-// nullopt when the engine refuses the configuration (e.g. a combination this build of the
-// adapter does not compile); `why` gets the message. Every rank refuses alike.
-std::optional<result> train_one(const run_spec& spec, const options& o, const corpus& data, mt::any_communicator comm,
-                                torch::Device device, int index, int total, std::string& why) {
+// The training loop and the held-out evaluation, the same for the engine and the
+// plain-LibTorch reference. `step(x, y)` runs one training step and returns its loss;
+// `eval(x, y)` the loss without gradients.
+template <class Step, class Eval>
+void train_and_evaluate(result& r, const options& o, const corpus& data, mt::any_communicator& comm,
+                        torch::Device device, int index, int total, Step&& step, Eval&& eval) {
   const int rank = comm.rank(), world = comm.size();
-  if (device.is_cuda()) {
-    at::accelerator::synchronizeDevice(device.index());
-    at::accelerator::emptyCache();  // the previous configuration's blocks
-    at::accelerator::resetPeakStats(device.index());
-  }
-  torch::manual_seed(o.seed);  // same initial weights for every configuration
-  GPT model(o.layers, o.dim, o.heads, o.seq);
-  model->to(device);
-  std::optional<mt::engine<GPT>> made;
-  try {
-    made.emplace(mt::initialize(model, make_config(spec, o), comm));
-  } catch (const std::exception& e) {
-    why = e.what();
-    return std::nullopt;
-  }
-  auto& engine = *made;
-
-  result r;
-  r.spec = spec;
-  r.describe = engine.describe();
-  r.autocast = engine.config().torch_autocast.enabled;
-  const auto& cfg = engine.config();
-  const mpzero::state_layout layout{cfg.param_dtype(), cfg.master_dtype(), cfg.grad_dtype(), cfg.state_dtype(),
-                                    n_states(cfg.optimizer.type)};
-  r.predicted = mpzero::bytes_per_param(layout, spec.stage, spec.offload ? mpzero::offload_kind::cpu : mpzero::offload_kind::none,
-                                        world);
-
   // The same batches for every configuration; each rank its own (data parallel).
   std::mt19937_64 gen(o.seed * 1000003ULL + static_cast<std::uint64_t>(rank));
   std::uniform_int_distribution<std::size_t> start(0, data.train.size() - static_cast<std::size_t>(o.seq) - 2);
@@ -430,19 +409,16 @@ std::optional<result> train_one(const run_spec& spec, const options& o, const co
   using clock = std::chrono::steady_clock;
   std::vector<double> step_s;  // each step's wall time
   const auto t0 = clock::now();
-  for (int step = 0; step < o.steps; ++step) {
+  for (int i = 0; i < o.steps; ++i) {
     const auto ts = clock::now();
     for (auto& s : starts) s = start(gen);
     auto [x, y] = windows(data.train, starts, o.seq);
-    auto loss = engine.forward(x.to(device), y.to(device));
-    engine.backward(loss);  // applies the fp16 loss scale; plain loss.backward() elsewhere
-    engine.step();
-    r.losses.push_back(loss.item<double>());
+    r.losses.push_back(step(x.to(device), y.to(device)).template item<double>());
     step_s.push_back(std::chrono::duration<double>(clock::now() - ts).count());
-    if (rank == 0 && ((step + 1) % report_every == 0 || step + 1 == o.steps)) {
+    if (rank == 0 && ((i + 1) % report_every == 0 || i + 1 == o.steps)) {
       const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       std::fprintf(stderr, "\r[%d/%d] %-18s step %5d/%d  loss %6.3f  %6.1f steps/s   ", index + 1, total,
-                   spec.id().c_str(), step + 1, o.steps, r.losses.back(), (step + 1) / el);
+                   r.spec.id().c_str(), i + 1, o.steps, r.losses.back(), (i + 1) / el);
       std::fflush(stderr);
     }
   }
@@ -462,39 +438,146 @@ std::optional<result> train_one(const run_spec& spec, const options& o, const co
   const auto tail = std::min<std::size_t>(10, r.losses.size());
   r.final_loss = std::accumulate(r.losses.end() - static_cast<std::ptrdiff_t>(tail), r.losses.end(), 0.0) / tail;
   r.mean_loss = std::accumulate(r.losses.begin(), r.losses.end(), 0.0) / r.losses.size();
-  r.skipped = engine.skipped_steps();
-  r.loss_scale = engine.loss_scale();
 
   // Held-out loss on fixed, evenly spaced windows of the eval text (the same on every rank).
-  {
-    torch::NoGradGuard ng;
-    const std::size_t span = data.eval.size() - static_cast<std::size_t>(o.seq) - 2;
-    const std::size_t n = static_cast<std::size_t>(o.eval_batches) * static_cast<std::size_t>(o.batch);
-    double sum = 0;
-    for (int b = 0; b < o.eval_batches; ++b) {
-      for (int i = 0; i < o.batch; ++i) starts[i] = (static_cast<std::size_t>(b) * o.batch + i) * span / n;
-      auto [x, y] = windows(data.eval, starts, o.seq);
-      // engine.forward: under autocast when the configuration trains with it.
-      sum += engine.forward(x.to(device), y.to(device)).item<double>();
-    }
-    r.eval_loss = sum / o.eval_batches;
+  torch::NoGradGuard ng;
+  const std::size_t span = data.eval.size() - static_cast<std::size_t>(o.seq) - 2;
+  const std::size_t n = static_cast<std::size_t>(o.eval_batches) * static_cast<std::size_t>(o.batch);
+  double sum = 0;
+  for (int b = 0; b < o.eval_batches; ++b) {
+    for (int i = 0; i < o.batch; ++i) starts[i] = (static_cast<std::size_t>(b) * o.batch + i) * span / n;
+    auto [x, y] = windows(data.eval, starts, o.seq);
+    sum += eval(x.to(device), y.to(device)).template item<double>();
   }
+  r.eval_loss = sum / o.eval_batches;
+}
+
+// A fresh model with the run's initial weights (the same for every configuration); on a
+// GPU the allocator's peak is reset first, so each configuration's peak is its own.
+GPT fresh_model(const options& o, torch::Device device) {
+  if (device.is_cuda()) {
+    at::accelerator::synchronizeDevice(device.index());
+    at::accelerator::emptyCache();  // the previous configuration's blocks
+    at::accelerator::resetPeakStats(device.index());
+  }
+  torch::manual_seed(o.seed);
+  GPT model(o.layers, o.dim, o.heads, o.seq);
+  model->to(device);
+  return model;
+}
+
+// On a GPU: the peak device memory (LibTorch's allocator peak + `outside` bytes it does
+// not see). Then the progress line's last word.
+void finish(result& r, torch::Device device, std::uint64_t outside, int rank, int index, int total) {
+  if (device.is_cuda()) {
+    const auto stats = at::accelerator::getDeviceStats(device.index());
+    const auto peak = stats.allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+    r.torch_peak_bytes = static_cast<std::uint64_t>(std::max<std::int64_t>(0, peak));
+    r.peak_device_bytes = r.torch_peak_bytes + outside;
+  }
+  if (rank == 0) {
+    std::fprintf(stderr, "\r[%d/%d] %-18s done: %.1f steps/s, train %.3f, eval %.3f%*s\n", index + 1, total,
+                 r.spec.id().c_str(), r.steps_per_s, r.final_loss, r.eval_loss, 20, "");
+  }
+}
+
+// The reference without mpzero: the same model, batches, AdamW hyperparameters and
+// gradient clipping with LibTorch's torch::optim::AdamW in fp32 (gradients averaged over
+// ranks by one all-reduce per step). What the engine costs, and whether its fp32 run
+// learns alike.
+result train_torch(const run_spec& spec, const options& o, const corpus& data, mt::any_communicator comm,
+                   torch::Device device, int index, int total) {
+  GPT model = fresh_model(o, device);
+  const auto params = model->parameters();
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(o.lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.01));
+  const int world = comm.size();
+  result r;
+  r.spec = spec;
+  r.describe = "LibTorch torch::optim::AdamW, fp32, no mpzero";
+  auto step = [&](const torch::Tensor& x, const torch::Tensor& y) {
+    opt.zero_grad();
+    auto loss = model->forward(x, y);
+    loss.backward();
+    if (world > 1) {  // average the gradients over the ranks (CPU: train_gpt refuses GPUs at world > 1)
+      std::vector<torch::Tensor> grads;
+      for (const auto& p : params) grads.push_back(p.grad().reshape({-1}));
+      auto flat = torch::cat(grads);
+      auto sum = torch::empty_like(flat);
+      comm.all_reduce(flat.data_ptr<float>(), sum.data_ptr<float>(), static_cast<std::size_t>(flat.numel()),
+                      mpzero::comm::reduce_op::sum);
+      sum.div_(world);
+      std::int64_t off = 0;
+      for (const auto& p : params) {
+        p.grad().copy_(sum.slice(0, off, off + p.numel()).view_as(p));
+        off += p.numel();
+      }
+    }
+    torch::nn::utils::clip_grad_norm_(params, 1.0);
+    opt.step();
+    return loss.detach();
+  };
+  auto eval = [&](const torch::Tensor& x, const torch::Tensor& y) { return model->forward(x, y); };
+  train_and_evaluate(r, o, data, comm, device, index, total, step, eval);
+
+  // Model states as LibTorch holds them: parameters, gradients, AdamW's two moments.
+  for (const auto& p : params) {
+    r.numel += static_cast<std::uint64_t>(p.numel());
+    r.device_bytes += static_cast<std::uint64_t>(p.nbytes() + (p.grad().defined() ? p.grad().nbytes() : 0));
+  }
+  for (const auto& [key, state] : opt.state()) {
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*state);
+    r.device_bytes += static_cast<std::uint64_t>(s.exp_avg().nbytes() + s.exp_avg_sq().nbytes() +
+                                                 (s.max_exp_avg_sq().defined() ? s.max_exp_avg_sq().nbytes() : 0));
+  }
+  const mpzero::state_layout fp32{mpzero::dtype::fp32, mpzero::dtype::fp32, mpzero::dtype::fp32, mpzero::dtype::fp32, 2};
+  r.predicted = mpzero::bytes_per_param(fp32, 0, mpzero::offload_kind::none, world);
+  finish(r, device, 0, comm.rank(), index, total);
+  return r;
+}
+
+// nullopt when the engine refuses the configuration (e.g. a combination this build of the
+// adapter does not compile); `why` gets the message. Every rank refuses alike.
+std::optional<result> train_one(const run_spec& spec, const options& o, const corpus& data, mt::any_communicator comm,
+                                torch::Device device, int index, int total, std::string& why) {
+  if (spec.precision == "torch") return train_torch(spec, o, data, comm, device, index, total);
+  GPT model = fresh_model(o, device);
+  std::optional<mt::engine<GPT>> made;
+  try {
+    made.emplace(mt::initialize(model, make_config(spec, o), comm));
+  } catch (const std::exception& e) {
+    why = e.what();
+    return std::nullopt;
+  }
+  auto& engine = *made;
+
+  result r;
+  r.spec = spec;
+  r.describe = engine.describe();
+  r.autocast = engine.config().torch_autocast.enabled;
+  const auto& cfg = engine.config();
+  const mpzero::state_layout layout{cfg.param_dtype(), cfg.master_dtype(), cfg.grad_dtype(), cfg.state_dtype(),
+                                    n_states(cfg.optimizer.type)};
+  r.predicted = mpzero::bytes_per_param(layout, spec.stage, spec.offload ? mpzero::offload_kind::cpu : mpzero::offload_kind::none,
+                                        comm.size());
+  auto step = [&](const torch::Tensor& x, const torch::Tensor& y) {
+    auto loss = engine.forward(x, y);
+    engine.backward(loss);  // applies the fp16 loss scale; plain loss.backward() elsewhere
+    engine.step();
+    return loss.detach();
+  };
+  // engine.forward: under autocast when the configuration trains with it.
+  auto eval = [&](const torch::Tensor& x, const torch::Tensor& y) { return engine.forward(x, y); };
+  train_and_evaluate(r, o, data, comm, device, index, total, step, eval);
+  r.skipped = engine.skipped_steps();
+  r.loss_scale = engine.loss_scale();
 
   const auto m = engine.memory();
   r.numel = m.model_numel;
   r.padding = m.padding_numel;
   r.device_bytes = m.model_state_bytes();
   r.host_bytes = m.host_model_state_bytes();
-  if (device.is_cuda()) {
-    const auto stats = at::accelerator::getDeviceStats(device.index());
-    const auto peak = stats.allocated_bytes[static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
-    r.torch_peak_bytes = static_cast<std::uint64_t>(std::max<std::int64_t>(0, peak));
-    r.peak_device_bytes = r.torch_peak_bytes + r.device_bytes + m.buckets;
-  }
-  if (rank == 0) {
-    std::fprintf(stderr, "\r[%d/%d] %-18s done: %.1f steps/s, train %.3f, eval %.3f%*s\n", index + 1, total,
-                 spec.id().c_str(), r.steps_per_s, r.final_loss, r.eval_loss, 20, "");
-  }
+  // The core's model states and buckets are allocated outside LibTorch's allocator.
+  finish(r, device, r.device_bytes + m.buckets, comm.rank(), index, total);
   return r;
 }
 
