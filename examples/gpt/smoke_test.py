@@ -9,6 +9,8 @@ model for a few configurations, draws the plots, and checks what it promises:
 - the same precision at two ZeRO stages gives the same losses bit for bit (the core's
   promise), while stochastic rounding and autocast change them (they are wired through);
 - the "-ac" configurations ran under autocast and the others did not;
+- the DeepSpeed blog's comparison in results.json covers every all-bf16 row against
+  bf16/z2 and agrees with the rows it summarises;
 - the engine in fp32 trains like LibTorch's own torch::optim::AdamW (the "torch" row:
   same model, batches and hyperparameters, no mpzero) to within rounding.
 
@@ -31,6 +33,7 @@ import sys
 CONFIGS = [
     "fp32/z0",
     "fp32-ac/z0",
+    "bf16/z2",
     "bf16/z2+off",
     "bf16-all/z1",
     "bf16-all/z2",
@@ -120,6 +123,21 @@ def main():
     gap = max(abs(x - y) for x, y in zip(runs["fp32/z0"]["train_loss"], runs["torch"]["train_loss"]))
     gap = max(gap, abs(runs["fp32/z0"]["eval_loss"] - runs["torch"]["eval_loss"]))
     check(gap < 1e-4, "fp32/z0 follows LibTorch's AdamW step for step (largest loss difference %.2g)" % gap)
+    blog = {e["id"]: e for e in res["blog_comparison"]}
+    check(sorted(blog) == ["bf16-all-ac/z2", "bf16-all-sr/z2", "bf16-all/z2"],
+          "blog comparison rows (got %s)" % sorted(blog))
+    base = runs["bf16/z2"]
+    for cid, e in blog.items():
+        r = runs[cid]
+        mem = (r["measured_device_bytes"] + r["measured_host_bytes"]) / (
+            base["measured_device_bytes"] + base["measured_host_bytes"]) - 1
+        ok = (e["baseline"] == "bf16/z2" and abs(e["memory_change"] - mem) < 1e-12
+              and e["memory_target_met"] == (mem <= -0.45)
+              and abs(e["step_time_change"] - (base["steps_per_s"] / r["steps_per_s"] - 1)) < 1e-12
+              and abs(e["eval_change_vs_baseline"] - (r["eval_loss"] / base["eval_loss"] - 1)) < 1e-12)
+        check(ok, "blog comparison of %s agrees with its rows (memory %+.1f%%)" % (cid, 100 * mem))
+        sr = "-sr" in cid
+        check(("eval_change_vs_fp32" in e) == sr, "%s: the fp32 loss criterion %s" % (cid, "present" if sr else "absent"))
     bf16_all, fp32 = runs["bf16-all/z2"], runs["fp32/z0"]
     check(bf16_all["measured_bytes_per_param"] < fp32["measured_bytes_per_param"],
           "bf16-all holds fewer bytes per parameter than fp32")

@@ -612,6 +612,72 @@ void print_table(const std::vector<result>& rs, bool gpu) {
               b.spec.id().c_str());
 }
 
+// The DeepSpeed blog's comparison and issue 6's targets, for whichever of its rows ran:
+// each all-bf16 configuration against the blog's baseline at the same stage ("fp32
+// master", i.e. bf16/zN: bf16 model, fp32 master weights and states). Memory is the
+// peak device memory on a GPU and the model states' bytes on the CPU. Targets: >= 45%
+// less memory at <= 3% more step time; with stochastic rounding, held-out loss within
+// 0.5% of the fp32 run (fp32/z0) after 1000 steps.
+json blog_comparison(const std::vector<result>& rs, bool gpu, int steps) {
+  auto find = [&](const std::string& id) -> const result* {
+    for (const auto& r : rs)
+      if (r.spec.id() == id) return &r;
+    return nullptr;
+  };
+  auto memory = [&](const result& r) {
+    return static_cast<double>(gpu ? r.peak_device_bytes : r.device_bytes + r.host_bytes);
+  };
+  const result* fp32 = find("fp32/z0");
+  json out = json::array();
+  for (int stage = 0; stage <= 2; ++stage) {
+    const std::string z = "/z" + std::to_string(stage);
+    const result* base = find("bf16" + z);
+    if (!base) continue;
+    for (const char* p : {"bf16-all-ac", "bf16-all-sr-ac", "bf16-all", "bf16-all-sr"}) {
+      const result* r = find(p + z);
+      if (!r) continue;
+      json e = {{"id", r->spec.id()},
+                {"baseline", base->spec.id()},
+                {"memory_change", memory(*r) / memory(*base) - 1.0},
+                {"step_time_change", base->steps_per_s / r->steps_per_s - 1.0},
+                {"eval_change_vs_baseline", r->eval_loss / base->eval_loss - 1.0}};
+      e["memory_target_met"] = e["memory_change"].get<double>() <= -0.45;
+      e["step_time_target_met"] = e["step_time_change"].get<double>() <= 0.03;
+      if (r->spec.precision.find("-sr") != std::string::npos && fp32) {
+        e["eval_change_vs_fp32"] = r->eval_loss / fp32->eval_loss - 1.0;
+        e["eval_target_met"] = e["eval_change_vs_fp32"].get<double>() <= 0.005;
+        e["eval_target_steps"] = steps;  // the target is stated for 1000
+      }
+      out.push_back(e);
+    }
+  }
+  return out;
+}
+
+void print_blog_comparison(const json& cmp, bool gpu) {
+  if (cmp.empty()) return;
+  auto met = [](bool b) { return b ? "met" : "NOT met"; };
+  std::printf("\nThe DeepSpeed blog's comparison (targets: %s <= -45%%, step time <= +3%%; with stochastic\n"
+              "rounding, held-out loss within +0.5%% of fp32/z0 after 1000 steps):\n",
+              gpu ? "peak device memory" : "model-state memory");
+  for (const auto& e : cmp) {
+    std::printf("  %-18s vs %-8s memory %+6.1f%% (%s), step time %+6.1f%% (%s), eval %+.2f%%", e["id"].get<std::string>().c_str(),
+                e["baseline"].get<std::string>().c_str(), 100 * e["memory_change"].get<double>(),
+                met(e["memory_target_met"]), 100 * e["step_time_change"].get<double>(), met(e["step_time_target_met"]),
+                100 * e["eval_change_vs_baseline"].get<double>());
+    if (e.contains("eval_change_vs_fp32")) {
+      const int steps = e["eval_target_steps"];
+      std::printf("; vs fp32/z0 %+.2f%% (%s%s)", 100 * e["eval_change_vs_fp32"].get<double>(), met(e["eval_target_met"]),
+                  steps == 1000 ? "" : (", at " + std::to_string(steps) + " steps").c_str());
+    }
+    std::printf("\n");
+  }
+  if (!gpu) {
+    std::printf("  (on the CPU memory is the model states' bytes; a GPU's peak adds activations, the same\n"
+                "  in both, so its change is smaller: the blog measured -40%%)\n");
+  }
+}
+
 void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<std::string, std::string>>& refused,
                    const options& o, const corpus& data, int world, const std::string& device) {
   fs::create_directories(o.out);
@@ -650,8 +716,9 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
                {"fortunes", data.fortunes},                        {"device", device}};
   json not_run = json::array();
   for (const auto& [id, msg] : refused) not_run.push_back({{"id", id}, {"reason", msg}});
-  std::ofstream(fs::path(o.out) / "results.json") << json{{"meta", meta}, {"runs", runs}, {"not_run", not_run}}.dump(1)
-                                                  << "\n";
+  const json blog = blog_comparison(rs, device.starts_with("cuda"), o.steps);
+  std::ofstream(fs::path(o.out) / "results.json")
+      << json{{"meta", meta}, {"runs", runs}, {"not_run", not_run}, {"blog_comparison", blog}}.dump(1) << "\n";
 
   std::ofstream csv(fs::path(o.out) / "summary.csv");
   csv << "id,precision,stage,offload,steps_per_s,model_numel,measured_device_bytes,measured_host_bytes,"
@@ -707,6 +774,7 @@ int run(int argc, char** argv, mt::any_communicator comm) {
   if (rs.empty()) throw std::runtime_error("the engine refused every selected configuration (see above)");
   if (root) {
     print_table(rs, device.is_cuda());
+    print_blog_comparison(blog_comparison(rs, device.is_cuda(), o.steps), device.is_cuda());
     if (!refused.empty()) {
       std::printf("\nnot run (the engine refused them):\n");
       for (const auto& [id, msg] : refused) std::printf("  %-18s %s\n", id.c_str(), msg.c_str());
