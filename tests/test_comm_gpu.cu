@@ -31,7 +31,17 @@ struct device_buffer {
   ~device_buffer() { cudaFree(p); }
   device_buffer(const device_buffer&) = delete;
   device_buffer& operator=(const device_buffer&) = delete;
-  void upload(const std::vector<T>& v) { MPZERO_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice)); }
+  // Setup runs on the legacy default stream, which the communicator's non-blocking
+  // stream does not wait for (and a pageable cudaMemcpy may return before its DMA
+  // lands): both finish on the device before the buffer is handed to NCCL.
+  void upload(const std::vector<T>& v) {
+    MPZERO_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    MPZERO_CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  void clear() {
+    MPZERO_CUDA_CHECK(cudaMemset(p, 0, (n ? n : 1) * sizeof(T)));
+    MPZERO_CUDA_CHECK(cudaDeviceSynchronize());
+  }
   std::vector<T> download() const {
     std::vector<T> v(n);
     MPZERO_CUDA_CHECK(cudaMemcpy(v.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
@@ -67,19 +77,19 @@ void check_type(nccl_communicator& c) {
   device_buffer<T> in(n), out(n);
   in.upload(host);
   for (const reduce_op op : {reduce_op::sum, reduce_op::max}) {
-    MPZERO_CUDA_CHECK(cudaMemset(out.p, 0, n * sizeof(T)));
+    out.clear();
     c.all_reduce(in.p, out.p, n, op);
     CHECK(same_bytes(out.download(), host, n));
     c.all_reduce(in.p, in.p, n, op);  // in place
     CHECK(same_bytes(in.download(), host, n));
   }
   const std::vector<u64> counts{n - 3};
-  MPZERO_CUDA_CHECK(cudaMemset(out.p, 0, n * sizeof(T)));
+  out.clear();
   c.reduce_scatter_v(in.p, out.p, counts, reduce_op::sum);
   auto got = out.download();
   CHECK(same_bytes(got, host, n - 3));
   CHECK(std::memcmp(&got[n - 3], std::vector<T>(3).data(), 3 * sizeof(T)) == 0);  // nothing past the block
-  MPZERO_CUDA_CHECK(cudaMemset(out.p, 0, n * sizeof(T)));
+  out.clear();
   c.all_gather_v(in.p, n - 3, out.p, counts);
   CHECK(same_bytes(out.download(), host, n - 3));
   c.all_gather_v(out.p, n - 3, out.p, counts);  // in place
@@ -160,7 +170,9 @@ TEST_CASE("nccl_communicator: bootstrapped from a communicator; wait_for and req
 TEST_CASE("nccl_communicator: a request that cannot finish times out and aborts", "[gpu]") {
   // The communicator's stream waits on a kernel that spins on a host flag; an empty
   // all_reduce (no NCCL kernel queued behind it) must time out after 0.3 s with
-  // comm_error, after which the communicator refuses work. Then the flag is released.
+  // comm_error, after which the communicator refuses work. Construction has its own
+  // deadline (NCCL's setup may take longer than 0.3 s). A thread releases the flag after
+  // 2 s, in case ncclCommAbort waits for the device.
   int* flag = nullptr;
   MPZERO_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&flag), sizeof(int), cudaHostAllocMapped));
   *flag = 0;
@@ -171,9 +183,14 @@ TEST_CASE("nccl_communicator: a request that cannot finish times out and aborts"
   {
     nccl_options opt;
     opt.timeout_s = 0.3;
+    opt.init_timeout_s = 120;
     nccl_communicator c(opt);
     spin_until<<<1, 1, 0, producer>>>(dflag, 20'000'000'000LL);  // ~10 s at 2 GHz at most
     MPZERO_CUDA_CHECK(cudaGetLastError());
+    std::jthread release([flag] {  // joined on every way out
+      std::this_thread::sleep_for(std::chrono::seconds(2));
+      *reinterpret_cast<volatile int*>(flag) = 1;
+    });
     c.wait_for(producer);
     device_buffer<float> b(4);
     auto r = c.iall_reduce(b.p, b.p, 0, reduce_op::sum);
@@ -185,7 +202,7 @@ TEST_CASE("nccl_communicator: a request that cannot finish times out and aborts"
       msg = e.what();
     }
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    *reinterpret_cast<volatile int*>(flag) = 1;
+    release.join();
     INFO(msg);
     CHECK(msg.find("NCCL all_reduce<float, sum> timed out on rank 0 of 1") != std::string::npos);
     CHECK(msg.find("aborted") != std::string::npos);

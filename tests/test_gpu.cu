@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -130,16 +131,30 @@ __global__ void from_float_kernel(std::uint32_t first, std::uint32_t n, mismatch
   record(hf, checked, hf_count, hf_first);
 }
 
-// Every 16-bit pattern: to_float against __bfloat162float and __half2float.
-__global__ void to_float_kernel(mismatch_counter* bf, mismatch_counter* hf) {
+// Every 16-bit pattern: to_float against __bfloat162float and __half2float. For a NaN
+// input both must give a NaN; whether the payload matches too is counted apart
+// (`*_payload`): sm_90 widens with cvt.f32.bf16/f16, which may return the canonical
+// NaN where CUDA's host conversion (and mpzero, on host and device alike) keeps the
+// payload. `ours` gets mpzero's device results, which the host compares with its own.
+__global__ void to_float_kernel(mismatch_counter* bf, mismatch_counter* hf, mismatch_counter* bf_payload,
+                                mismatch_counter* hf_payload, std::uint32_t* ours_bf, std::uint32_t* ours_hf) {
   const std::uint32_t h = blockIdx.x * blockDim.x + threadIdx.x;
   if (h > 0xffffu) return;
   const auto s = static_cast<std::uint16_t>(h);
-  const bool bf_differs =
-      __float_as_uint(to_float(bf16{s})) != __float_as_uint(__bfloat162float(__ushort_as_bfloat16(s)));
-  const bool hf_differs = __float_as_uint(to_float(fp16{s})) != __float_as_uint(__half2float(__ushort_as_half(s)));
+  const float our_bf = to_float(bf16{s}), cuda_bf = __bfloat162float(__ushort_as_bfloat16(s));
+  const float our_hf = to_float(fp16{s}), cuda_hf = __half2float(__ushort_as_half(s));
+  ours_bf[h] = __float_as_uint(our_bf);
+  ours_hf[h] = __float_as_uint(our_hf);
+  const bool bf_nan = (s & 0x7f80u) == 0x7f80u && (s & 0x007fu) != 0;
+  const bool hf_nan = (s & 0x7c00u) == 0x7c00u && (s & 0x03ffu) != 0;
+  const bool bf_bits = __float_as_uint(our_bf) != __float_as_uint(cuda_bf);
+  const bool hf_bits = __float_as_uint(our_hf) != __float_as_uint(cuda_hf);
+  const bool bf_differs = bf_nan ? !(isnan(our_bf) && isnan(cuda_bf)) : bf_bits;
+  const bool hf_differs = hf_nan ? !(isnan(our_hf) && isnan(cuda_hf)) : hf_bits;
   record(bf, 1, bf_differs ? 1 : 0, bf_differs ? h : ~0ull);
   record(hf, 1, hf_differs ? 1 : 0, hf_differs ? h : ~0ull);
+  record(bf_payload, bf_nan ? 1 : 0, bf_nan && bf_bits ? 1 : 0, bf_nan && bf_bits ? h : ~0ull);
+  record(hf_payload, hf_nan ? 1 : 0, hf_nan && hf_bits ? 1 : 0, hf_nan && hf_bits ? h : ~0ull);
 }
 
 // Both sides' results for one input, to report a mismatch: {mpzero bf16, CUDA bf16,
@@ -521,10 +536,38 @@ TEST_CASE("bf16 and fp16 conversions on the device equal CUDA's intrinsics for e
   }
 
   SECTION("bf16 and fp16 -> float: all 65536 inputs") {
+    auto payload = device_alloc<mismatch_counter>(2);
+    auto ours = device_alloc<std::uint32_t>(2 * 65536);
     MPZERO_CUDA_CHECK(cudaMemcpyAsync(counters.get(), clear, sizeof(clear), cudaMemcpyHostToDevice, stream));
-    to_float_kernel<<<65536 / 256, 256, 0, stream>>>(counters.get(), counters.get() + 1);
+    MPZERO_CUDA_CHECK(cudaMemcpyAsync(payload.get(), clear, sizeof(clear), cudaMemcpyHostToDevice, stream));
+    to_float_kernel<<<65536 / 256, 256, 0, stream>>>(counters.get(), counters.get() + 1, payload.get(),
+                                                     payload.get() + 1, ours.get(), ours.get() + 65536);
     MPZERO_CUDA_CHECK(cudaGetLastError());
     check_counters(counters.get(), false, 1ull << 16, "65536 16-bit", stream);
+
+    // NaN payloads: reported, not required (see to_float_kernel).
+    mismatch_counter p[2];
+    MPZERO_CUDA_CHECK(cudaMemcpyAsync(p, payload.get(), sizeof(p), cudaMemcpyDeviceToHost, stream));
+    std::vector<std::uint32_t> got(2 * 65536);
+    MPZERO_CUDA_CHECK(cudaMemcpyAsync(got.data(), ours.get(), got.size() * 4, cudaMemcpyDeviceToHost, stream));
+    stream.sync();
+    CHECK(p[0].checked == 2 * 127);   // bf16 NaNs: 2 signs x 127 nonzero 7-bit mantissas
+    CHECK(p[1].checked == 2 * 1023);  // fp16 NaNs: 2 signs x 1023 nonzero 10-bit mantissas
+    if (p[0].count != 0 || p[1].count != 0) {
+      WARN("CUDA's device widening gives other NaN payloads than its host conversion (and mpzero): bf16 "
+           << p[0].count << " of " << p[0].checked << " NaN inputs (first " << hex(p[0].first) << "), fp16 "
+           << p[1].count << " of " << p[1].checked << " (first " << hex(p[1].first) << ")");
+    }
+    // mpzero's own conversion: the device gives the host's bits for every input (this is
+    // what keeps the CUDA step and the host backend identical).
+    std::uint64_t bf_bad = 0, hf_bad = 0;
+    for (std::uint32_t h = 0; h < 65536; ++h) {
+      const auto s = static_cast<std::uint16_t>(h);
+      bf_bad += got[h] != std::bit_cast<std::uint32_t>(to_float(bf16{s}));
+      hf_bad += got[65536 + h] != std::bit_cast<std::uint32_t>(to_float(fp16{s}));
+    }
+    CHECK(bf_bad == 0);
+    CHECK(hf_bad == 0);
   }
 }
 
@@ -726,6 +769,17 @@ TEST_CASE("CUDA launchers refuse a bad workspace and a run before upload", "[gpu
 
     REQUIRE_NOTHROW(launcher.upload(ws.get(), need, stream));
     REQUIRE_NOTHROW(launcher.run(args, stream));
+    stream.sync();
+  }
+
+  SECTION("an empty step needs no workspace") {
+    // No tensors (a rank whose shard is empty): nothing to upload, nothing to run; the
+    // backend's stepper passes the null data() of a zero-byte buffer.
+    const fused_step<Policy, Opt> step(std::vector<step_tensor<Policy, Opt>>{});
+    mpzero::cuda::fused_step_launcher<Policy, Opt> launcher(step);
+    REQUIRE(launcher.workspace_bytes() == 0);
+    REQUIRE_NOTHROW(launcher.upload(nullptr, 0, stream));
+    REQUIRE_NOTHROW(launcher.run(make_step_args<Opt>(optim::adam_options{}, 1), stream));
     stream.sync();
   }
 

@@ -265,6 +265,9 @@ TEST_CASE("invalid plan options throw with the option's name", "[multi_tensor]")
   REQUIRE_THROWS_AS(multi_tensor_plan(numels, {.chunk_size = 0}), mpzero::invalid_argument);
   REQUIRE_THROWS_WITH(multi_tensor_plan(numels, {.chunk_size = 0}), Contains("chunk_size"));
   REQUIRE_THROWS_WITH(multi_tensor_plan(numels, {.max_chunks_per_launch = 0}), Contains("max_chunks_per_launch"));
+  REQUIRE_THROWS_WITH(multi_tensor_plan(numels, {.max_chunks_per_launch = 0x80000000u}),
+                      Contains("max_chunks_per_launch = 2147483648") && Contains("2147483647"));
+  REQUIRE_NOTHROW(multi_tensor_plan(numels, {.max_chunks_per_launch = 0x7fffffffu}));
   REQUIRE_THROWS_WITH(multi_tensor_plan(numels, {.max_tensors_per_launch = 0}), Contains("max_tensors_per_launch"));
   REQUIRE_THROWS_AS(multi_tensor_plan(numels, {.max_tensors_per_launch = 0}), mpzero::invalid_argument);
   // An invalid option is refused even when there is nothing to plan.

@@ -43,6 +43,10 @@ namespace mpzero::comm {
 struct nccl_options {
   // Deadline of every wait, in seconds. Unset: MPZERO_COMM_TIMEOUT_S, else 300.
   std::optional<double> timeout_s;
+  // Deadline of construction (every rank arriving, NCCL's topology and buffer setup,
+  // which takes seconds at scale), so that a short timeout_s for collectives does not
+  // fail the start. Unset: the same as timeout_s.
+  std::optional<double> init_timeout_s;
   // CUDA device of this rank; -1: the current device.
   int device = -1;
 };
@@ -113,7 +117,7 @@ struct nccl_state {
     cudaGetDevice(&previous);
     cudaSetDevice(device);
     if (comm != nullptr) {
-      bool clean = false;
+      bool destroyed = false;  // the handle is gone after ncclCommDestroy, whatever it returns
       if (broken.empty()) {
         // Finalize flushes outstanding work; bounded by the deadline like everything else.
         ncclResult_t rc = ncclCommFinalize(comm);
@@ -126,10 +130,13 @@ struct nccl_state {
                  clock::now() < deadline) {
             b.pause();
           }
-          clean = state == ncclSuccess && ncclCommDestroy(comm) == ncclSuccess;
+          if (state == ncclSuccess) {
+            ncclCommDestroy(comm);
+            destroyed = true;
+          }
         }
       }
-      if (!clean) ncclCommAbort(comm);
+      if (!destroyed) ncclCommAbort(comm);
       comm = nullptr;
     }
     if (scratch != nullptr) cudaFree(scratch);
@@ -446,7 +453,8 @@ class nccl_communicator : public blocking_collectives<nccl_communicator> {
     st->rank = rank;
     st->size = size;
     st->device = device;
-    st->timeout_s = timeout;
+    // Construction waits under its own deadline; every later wait under `timeout`.
+    st->timeout_s = opt.init_timeout_s ? detail::checked_timeout(*opt.init_timeout_s) : timeout;
     const char* op = "communicator construction";
     st->check_cuda(cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", op);
     st->check_cuda(cudaEventCreateWithFlags(&st->producer_event, cudaEventDisableTiming), "cudaEventCreateWithFlags",
@@ -457,6 +465,7 @@ class nccl_communicator : public blocking_collectives<nccl_communicator> {
     config.blocking = 0;  // so that no NCCL call can block the host without our deadline
     st->check_nccl(ncclCommInitRankConfig(&st->comm, size, id, rank, &config), "ncclCommInitRankConfig", op);
     st->wait_ready(op);
+    st->timeout_s = timeout;
     st_ = std::move(st);
   }
 

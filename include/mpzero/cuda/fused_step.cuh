@@ -141,6 +141,7 @@ __global__ void __launch_bounds__(Threads) sum_partials_kernel(const double* par
 inline std::size_t align_up(std::size_t x, std::size_t a) { return (x + a - 1) / a * a; }
 
 inline void require_workspace(const void* ws, std::size_t given, std::size_t needed, const char* who) {
+  if (needed == 0) return;  // nothing to upload (no tensors): any pointer, null included
   if (ws == nullptr) {
     mpzero::detail::throw_invalid(std::string(who) + ": workspace is null; pass device memory of workspace_bytes() = " +
                                   std::to_string(needed) + " bytes");

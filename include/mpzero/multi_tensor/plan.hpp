@@ -40,6 +40,11 @@ class multi_tensor_plan {
   multi_tensor_plan(std::span<const std::uint64_t> numels, plan_options opt = {}) : options_(opt) {
     if (opt.chunk_size == 0) detail::throw_invalid("plan_options: chunk_size = 0; use a positive chunk size (65536 is the default)");
     if (opt.max_chunks_per_launch == 0) detail::throw_invalid("plan_options: max_chunks_per_launch = 0; it must be at least 1");
+    // One launch is one grid of num_chunks blocks in x: CUDA allows at most 2^31 - 1.
+    if (opt.max_chunks_per_launch > 0x7fffffffu) {
+      detail::throw_invalid("plan_options: max_chunks_per_launch = " + std::to_string(opt.max_chunks_per_launch) +
+                            " exceeds CUDA's grid limit; use at most 2147483647 (the default is 1048576)");
+    }
     if (opt.max_tensors_per_launch == 0) detail::throw_invalid("plan_options: max_tensors_per_launch = 0; it must be at least 1");
     if (numels.size() > UINT32_MAX) detail::throw_invalid("multi_tensor_plan: more than 2^32-1 tensors");
     // Count first: chunk indices are 32-bit, and nothing is allocated for a plan that cannot exist.

@@ -166,6 +166,17 @@ class ZeroOptimizer {
 
   // Transfers still in flight read or write buffers freed here: wait for them.
   ~ZeroOptimizer() {
+    // Reductions still in flight (an exception left backward midway) finish, or reach
+    // the communicator's deadline, before their buffers go: an NCCL request does not
+    // wait when dropped, and cudaFree would then wait for a missing peer without one.
+    for (auto& f : pending_) {
+      for (auto& part : f.parts) {
+        try {
+          part.request.wait();
+        } catch (...) {  // timed out or failed: the communicator is aborted, nothing runs on
+        }
+      }
+    }
     if constexpr (offloaded) {
       try {
         for (auto& t : uploads_) t.wait();
