@@ -1,5 +1,5 @@
 // The main job's precision configurations by name (fp32, bf16, bf16-master, bf16-all,
-// bf16-all-sr, fp16; fp32-ac, bf16-all-ac, bf16-all-sr-ac with autocast: docs/perf.md and
+// bf16-all-sr, fp16, fp16-master; fp32-ac, bf16-all-ac, bf16-all-sr-ac with autocast: docs/perf.md and
 // README), as the DeepSpeed config keys that select them. Shared by
 // examples/gpt/train_gpt.cpp and tests/test_torch_gpu.cpp, so a test of "bf16-all-sr"
 // runs what the main job calls bf16-all-sr.
@@ -14,7 +14,8 @@
 namespace mpzero_gpt {
 
 // Sets the bf16 / fp16 / rounding keys of `config` for the precision `name` ("fp32"
-// sets none). fp16 gets the section `fp16` (its loss-scaling keys are the caller's).
+// sets none). fp16 and fp16-master get the section `fp16` (its loss-scaling keys are the
+// caller's); fp16-master adds fp16_master_weights_and_grads.
 // A name ending in "-ac" is the precision before it with `torch_autocast` in bf16 (the
 // forward under LibTorch autocast): "bf16-all-ac" is the DeepSpeed blog's low-precision
 // configuration (bf16 master, gradients and states + autocast), "fp32-ac" PyTorch AMP.
@@ -25,9 +26,9 @@ inline void set_precision(nlohmann::json& config, std::string_view name,
   const bool autocast = name.size() > ac.size() && name.substr(name.size() - ac.size()) == ac;
   std::string_view base = autocast ? name.substr(0, name.size() - ac.size()) : name;
   if (base != "fp32" && base != "bf16" && base != "bf16-master" && base != "bf16-all" && base != "bf16-all-sr" &&
-      base != "fp16") {
+      base != "fp16" && base != "fp16-master") {
     throw std::invalid_argument("precision '" + std::string(name) +
-                                "' is unknown; use fp32, bf16, bf16-master, bf16-all, bf16-all-sr or fp16, "
+                                "' is unknown; use fp32, bf16, bf16-master, bf16-all, bf16-all-sr, fp16 or fp16-master, "
                                 "each optionally with -ac (autocast in bf16)");
   }
   if (autocast) config["torch_autocast"] = {{"enabled", true}, {"dtype", "bfloat16"}};
@@ -36,7 +37,8 @@ inline void set_precision(nlohmann::json& config, std::string_view name,
   if (base == "bf16-all" || base == "bf16-all-sr")
     config["bf16"] = {{"enabled", true}, {"bf16_master_weights_and_grads", true}, {"bf16_optimizer_states", true}};
   if (base == "bf16-all-sr") config["rounding"] = "stochastic";
-  if (base == "fp16") config["fp16"] = fp16;
+  if (base == "fp16" || base == "fp16-master") config["fp16"] = fp16;
+  if (base == "fp16-master") config["fp16"]["fp16_master_weights_and_grads"] = true;
 }
 
 }  // namespace mpzero_gpt

@@ -6,8 +6,8 @@ model for a few configurations, draws the plots, and checks what it promises:
   (results.json, summary.csv, loss_curves.png, memory.png);
 - the measured bytes of model states per parameter equal the memory model's prediction;
 - the losses are finite and fall (the model learns);
-- the same precision at two ZeRO stages gives the same losses bit for bit (the core's
-  promise), while stochastic rounding and autocast change them (they are wired through);
+- the same precision at two ZeRO stages, or with and without CPU offload, gives the same
+  losses bit for bit (the core's promise), while stochastic rounding and autocast change them (they are wired through);
 - the "-ac" configurations ran under autocast and the others did not;
 - the DeepSpeed blog's comparison in results.json covers every all-bf16 row against
   bf16/z2 and agrees with the rows it summarises;
@@ -40,6 +40,8 @@ CONFIGS = [
     "bf16-all-sr/z2",
     "bf16-all-ac/z2",
     "fp16/z2",
+    "fp16-master/z2",
+    "fp16-master/z2+off",
     "torch",
 ]
 TINY = ["--steps", "30", "--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "4",
@@ -118,6 +120,8 @@ def main():
         return runs[x]["train_loss"] == runs[y]["train_loss"] and runs[x]["eval_loss"] == runs[y]["eval_loss"]
 
     check(same("bf16-all/z1", "bf16-all/z2"), "bf16-all: stages 1 and 2 give the same losses bit for bit")
+    check(same("bf16/z2", "bf16/z2+off"), "bf16: CPU offload gives the same losses bit for bit")
+    check(same("fp16-master/z2", "fp16-master/z2+off"), "fp16-master: CPU offload gives the same losses bit for bit")
     check(not same("bf16-all/z2", "bf16-all-sr/z2"), "stochastic rounding changes the losses")
     check(not same("fp32/z0", "fp32-ac/z0"), "autocast changes fp32's losses (bf16 matrix products)")
     gap = max(abs(x - y) for x, y in zip(runs["fp32/z0"]["train_loss"], runs["torch"]["train_loss"]))

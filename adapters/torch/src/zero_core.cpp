@@ -50,7 +50,9 @@ const std::vector<core_row>& host_table() {
     add_policy<policies::bf16_all, host_row, true, true>(v);
     add_policy<policies::bf16_all_sr, host_row, true, true>(v);
     add_policy<policies::fp16_fp32_master, host_row, true, true>(v);
-    add_policy<precision<fp16, fp16, fp16, float>, host_row, true, false>(v);  // fp16 master weights and gradients
+    // fp16 master weights and gradients; DeepSpeed allows it with CPU offload (issue 5), so
+    // with offload here too.
+    add_policy<precision<fp16, fp16, fp16, float>, host_row, true, true>(v);
     return v;
   }();
   return t;
