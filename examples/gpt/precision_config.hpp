@@ -5,6 +5,8 @@
 // runs what the main job calls bf16-all-sr.
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -12,6 +14,10 @@
 #include <nlohmann/json.hpp>
 
 namespace mpzero_gpt {
+
+// The precisions set_precision knows, each also with "-ac" (below).
+inline constexpr std::array<std::string_view, 7> base_precisions = {
+    "fp32", "bf16", "bf16-master", "bf16-all", "bf16-all-sr", "fp16", "fp16-master"};
 
 // Sets the bf16 / fp16 / rounding keys of `config` for the precision `name` ("fp32"
 // sets none). fp16 and fp16-master get the section `fp16` (its loss-scaling keys are the
@@ -23,13 +29,13 @@ namespace mpzero_gpt {
 inline void set_precision(nlohmann::json& config, std::string_view name,
                           const nlohmann::json& fp16 = {{"enabled", true}}) {
   constexpr std::string_view ac = "-ac";
-  const bool autocast = name.size() > ac.size() && name.substr(name.size() - ac.size()) == ac;
-  std::string_view base = autocast ? name.substr(0, name.size() - ac.size()) : name;
-  if (base != "fp32" && base != "bf16" && base != "bf16-master" && base != "bf16-all" && base != "bf16-all-sr" &&
-      base != "fp16" && base != "fp16-master") {
-    throw std::invalid_argument("precision '" + std::string(name) +
-                                "' is unknown; use fp32, bf16, bf16-master, bf16-all, bf16-all-sr, fp16 or fp16-master, "
-                                "each optionally with -ac (autocast in bf16)");
+  const bool autocast = name.size() > ac.size() && name.ends_with(ac);
+  const std::string_view base = autocast ? name.substr(0, name.size() - ac.size()) : name;
+  if (std::find(base_precisions.begin(), base_precisions.end(), base) == base_precisions.end()) {
+    std::string known;
+    for (const std::string_view p : base_precisions) (known += known.empty() ? "" : ", ") += p;
+    throw std::invalid_argument("precision '" + std::string(name) + "' is unknown; use one of " + known +
+                                ", each optionally with -ac (autocast in bf16)");
   }
   if (autocast) config["torch_autocast"] = {{"enabled", true}, {"dtype", "bfloat16"}};
   if (base == "bf16") config["bf16"] = {{"enabled", true}};

@@ -216,7 +216,8 @@ std::vector<run_spec> all_specs() {
   return v;
 }
 
-// The default: every precision once, plus the stages and offload for bf16 and fp16.
+// The default: every precision once, plus the stages and offload for bf16 and fp16, the
+// blog's autocast pair and the plain-LibTorch reference.
 const char* default_configs =
     "fp32/z0,bf16/z0,bf16/z1,bf16/z2,bf16/z2+off,bf16-master/z2,bf16-all/z2,bf16-all-sr/z2,fp16/z0,fp16/z2,fp16-master/z2,"
     "fp32-ac/z0,bf16-all-ac/z2,torch";
@@ -681,7 +682,7 @@ void print_blog_comparison(const json& cmp, bool gpu) {
 }
 
 void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<std::string, std::string>>& refused,
-                   const options& o, const corpus& data, int world, const std::string& device) {
+                   const json& blog, const options& o, const corpus& data, int world, const std::string& device) {
   fs::create_directories(o.out);
   json runs = json::array();
   for (const auto& r : rs) {
@@ -718,7 +719,6 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
                {"fortunes", data.fortunes},                        {"device", device}};
   json not_run = json::array();
   for (const auto& [id, msg] : refused) not_run.push_back({{"id", id}, {"reason", msg}});
-  const json blog = blog_comparison(rs, device.starts_with("cuda"), o.steps);
   std::ofstream(fs::path(o.out) / "results.json")
       << json{{"meta", meta}, {"runs", runs}, {"not_run", not_run}, {"blog_comparison", blog}}.dump(1) << "\n";
 
@@ -776,12 +776,13 @@ int run(int argc, char** argv, mt::any_communicator comm) {
   if (rs.empty()) throw std::runtime_error("the engine refused every selected configuration (see above)");
   if (root) {
     print_table(rs, device.is_cuda());
-    print_blog_comparison(blog_comparison(rs, device.is_cuda(), o.steps), device.is_cuda());
+    const json blog = blog_comparison(rs, device.is_cuda(), o.steps);
+    print_blog_comparison(blog, device.is_cuda());
     if (!refused.empty()) {
       std::printf("\nnot run (the engine refused them):\n");
       for (const auto& [id, msg] : refused) std::printf("  %-18s %s\n", id.c_str(), msg.c_str());
     }
-    write_outputs(rs, refused, o, data, comm.size(), device.str());
+    write_outputs(rs, refused, blog, o, data, comm.size(), device.str());
     std::printf("wrote %s and %s\n", (fs::path(o.out) / "summary.csv").c_str(), (fs::path(o.out) / "results.json").c_str());
   }
   return 0;
