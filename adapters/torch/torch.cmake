@@ -13,7 +13,8 @@
 # package's (python3 -c "import torch"), else not found: then nothing is defined.
 #
 # MPZERO_TORCH_CUDA (default: on when CUDA is built and LibTorch has CUDA): the engine's
-# CUDA cores (src/zero_core_cuda.cu: cuda_backend instantiations) for CUDA parameters.
+# CUDA cores (src/cuda_row.cuh: cuda_backend instantiations, the same combinations as
+# the host table) for CUDA parameters.
 # The engine itself needs no CUDA headers: it reaches torch's streams through c10.
 set(_mpzero_torch_fp_default OFF)
 option(MPZERO_TORCH_FIND_PACKAGE "Find LibTorch with find_package(Torch) (needs CUDA for CUDA builds of LibTorch)"
@@ -90,20 +91,44 @@ endif()
 message(STATUS "mpzero: LibTorch engine against ${_mpzero_torch_prefix} "
                "(find_package: ${MPZERO_TORCH_FIND_PACKAGE}, CUDA cores: ${MPZERO_TORCH_CUDA})")
 
-# zero_core.cpp holds the ZeroOptimizer instantiations and needs no torch headers;
-# engine.cpp and process_group.cpp are the only translation units that include them.
+# The ZeroOptimizer instantiations (no torch headers): one generated unit per part of
+# each table (src/table_part.in; the combinations are add_table_part in src/core_impl.hpp),
+# so a parallel build compiles them side by side; zero_core.cpp concatenates the parts.
+# engine.cpp and process_group.cpp are the only translation units that include torch.
+set(_mpzero_torch_table_parts 4)  # core_impl.hpp static_asserts the same number
+math(EXPR _mpzero_torch_last_part "${_mpzero_torch_table_parts} - 1")
+set(_mpzero_torch_table_units "")
+set(_mpzero_torch_tables host)
+if(MPZERO_TORCH_CUDA)
+  list(APPEND _mpzero_torch_tables cuda)
+endif()
+foreach(MPZERO_TABLE IN LISTS _mpzero_torch_tables)
+  if(MPZERO_TABLE STREQUAL "cuda")
+    set(MPZERO_ROW_HEADER "${CMAKE_CURRENT_SOURCE_DIR}/src/cuda_row.cuh")
+    set(_ext cu)
+  else()
+    set(MPZERO_ROW_HEADER "${CMAKE_CURRENT_SOURCE_DIR}/src/host_row.hpp")
+    set(_ext cpp)
+  endif()
+  foreach(MPZERO_PART RANGE 0 ${_mpzero_torch_last_part})
+    set(_unit "${CMAKE_CURRENT_BINARY_DIR}/table/${MPZERO_TABLE}_part${MPZERO_PART}.${_ext}")
+    configure_file(${CMAKE_CURRENT_SOURCE_DIR}/src/table_part.in "${_unit}" @ONLY)
+    list(APPEND _mpzero_torch_table_units "${_unit}")
+  endforeach()
+endforeach()
 add_library(mpzero_torch STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/src/zero_core.cpp
+  ${_mpzero_torch_table_units}
   ${CMAKE_CURRENT_SOURCE_DIR}/src/engine.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/src/process_group.cpp)
 add_library(mpzero::torch ALIAS mpzero_torch)
 target_link_libraries(mpzero_torch PUBLIC mpzero::torch_config ${_mpzero_torch_libs})
 target_compile_features(mpzero_torch PUBLIC cxx_std_20)
 target_compile_options(mpzero_torch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
+target_compile_definitions(mpzero_torch PRIVATE MPZERO_TORCH_TABLE_PARTS=${_mpzero_torch_table_parts})
 set_target_properties(mpzero_torch PROPERTIES POSITION_INDEPENDENT_CODE ON)
 if(MPZERO_TORCH_CUDA)
-  # nvcc sees only this torch-free file (the core's cuda_backend rows).
-  target_sources(mpzero_torch PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src/zero_core_cuda.cu)
+  # nvcc sees only the CUDA table's generated units (torch-free: cuda_backend rows).
   target_compile_definitions(mpzero_torch PUBLIC MPZERO_TORCH_CUDA)
   mpzero_cuda_target(mpzero_torch)
   # LibTorch's include directories are not for nvcc (it never includes them).

@@ -1,6 +1,6 @@
-// The ZeroOptimizer behind mpzero::torch::zero_core, for any backend: shared by the host
-// table (zero_core.cpp, g++) and the CUDA table (zero_core_cuda.cu, nvcc). Private to the
-// adapter. Torch-free.
+// The ZeroOptimizer behind mpzero::torch::zero_core, for any backend, and the list of
+// compiled combinations (add_table_part): shared by the host table (host_row.hpp, g++) and
+// the CUDA table (cuda_row.cuh, nvcc). Private to the adapter. Torch-free.
 //
 // Context: what the backend needs beyond the optimizer. It provides
 //   Context::backend_type backend() const     the backend the optimizer runs on
@@ -175,10 +175,10 @@ struct core_row {
   core_factory make;
 };
 
-// A table's rows for one precision policy: AdamW (and Adam when WithAdam) at stages
-// 0-2, and, when WithOffload, CPU offload at stages 1 and 2 (offload needs a partition).
+// A table's rows for one precision policy: Adam (L2 decay) and AdamW at stages 0-2, and,
+// when WithOffload, CPU offload at stages 1 and 2 (offload needs a partition).
 // Row<Policy, Opt, Stage, Offload>::make() makes one row.
-template <class Policy, template <class, class, int, class> class Row, bool WithAdam, bool WithOffload>
+template <class Policy, template <class, class, int, class> class Row, bool WithOffload>
 void add_policy(std::vector<core_row>& t) {
   auto add = [&]<class Opt>() {
     t.push_back(Row<Policy, Opt, 0, offload_none>::make());
@@ -189,15 +189,50 @@ void add_policy(std::vector<core_row>& t) {
       t.push_back(Row<Policy, Opt, 2, offload_cpu>::make());
     }
   };
-  if constexpr (WithAdam) add.template operator()<optim::adam>();
+  add.template operator()<optim::adam>();
   add.template operator()<optim::adamw>();
 }
 
-}  // namespace mpzero::torch::detail
-
-namespace mpzero::torch::detail {
-#ifdef MPZERO_TORCH_CUDA
-// The CUDA table (zero_core_cuda.cu).
-const std::vector<core_row>& cuda_table();
+// ---- the compiled set -------------------------------------------------------------------
+// Both tables compile the same combinations (CPU and CUDA parameters get the same
+// choices): what DeepSpeed's bf16/fp16 sections, data_types.grad_accum_dtype and
+// adam_w_mode can select, with Adam (L2) and AdamW, ZeRO stages 0-2, and CPU offload at
+// stages 1-2 where it applies. Build time is the constraint: every policy costs one fused
+// step per optimizer (a CUDA kernel on the CUDA side) and, with offload, a vectorized host
+// step. So each table is split into parts, one generated translation unit per part and
+// table (torch.cmake writes them from src/table_part.in), which a parallel build
+// compiles side by side. To add a combination, add it to a part here.
+#ifndef MPZERO_TORCH_TABLE_PARTS
+#error "MPZERO_TORCH_TABLE_PARTS (the number of generated table units) is defined by adapters/torch/torch.cmake"
 #endif
+inline constexpr int table_parts = MPZERO_TORCH_TABLE_PARTS;
+static_assert(table_parts == 4,
+              "add_table_part lists 4 parts and torch.cmake generates MPZERO_TORCH_TABLE_PARTS units: change both");
+
+template <int Part, template <class, class, int, class> class Row>
+void add_table_part(std::vector<core_row>& t) {
+  if constexpr (Part == 0) {
+    add_policy<policies::fp32, Row, true>(t);
+    add_policy<precision<bf16, float, float, float>, Row, false>(t);  // bf16 model, fp32 gradient accumulation
+  } else if constexpr (Part == 1) {
+    add_policy<policies::bf16_fp32_master, Row, true>(t);
+    add_policy<policies::bf16_master_fp32_states, Row, true>(t);  // DeepSpeed: only with offload
+  } else if constexpr (Part == 2) {
+    add_policy<policies::bf16_all, Row, true>(t);
+    add_policy<policies::bf16_all_sr, Row, true>(t);
+  } else {
+    static_assert(Part == 3, "add_table_part: no such part");
+    add_policy<policies::fp16_fp32_master, Row, true>(t);
+    // fp16 master weights and gradients; DeepSpeed allows it with CPU offload (issue 5).
+    add_policy<precision<fp16, fp16, fp16, float>, Row, true>(t);
+  }
+}
+
+// Part `Part` of the host / CUDA table. Defined in host_row.hpp / cuda_row.cuh and
+// instantiated once each by the generated units; zero_core.cpp concatenates the parts.
+template <int Part>
+void add_host_part(std::vector<core_row>& t);
+template <int Part>
+void add_cuda_part(std::vector<core_row>& t);
+
 }  // namespace mpzero::torch::detail

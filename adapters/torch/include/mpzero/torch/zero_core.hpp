@@ -3,16 +3,17 @@
 // The engine reads precision, optimizer and ZeRO stage from the JSON config, so it
 // cannot name the ZeroOptimizer type at compile time. zero_core is the virtual face of
 // one ZeroOptimizer<Policy, Optimizer, stage<N>, any_communicator, Backend>;
-// make_zero_core() picks the instantiation from a finite table: host_backend rows in
-// src/zero_core.cpp, cuda_backend rows in src/zero_core_cuda.cu (built when the adapter
-// is built with CUDA: MPZERO_TORCH_CUDA). compiled_cores() lists them. A combination
-// that is not in the table is a clear error that names it and lists what is compiled.
+// make_zero_core() picks the instantiation from a finite table: host_backend rows for
+// CPU parameters and cuda_backend rows for CUDA ones (built when the adapter is built
+// with CUDA: MPZERO_TORCH_CUDA), the same combinations in both (add_table_part in
+// src/core_impl.hpp). compiled_cores() lists them. A combination that is not in the
+// table is a clear error that names it and lists what is compiled.
 //
 // Pointers are in the core's memory (host memory for a CPU core, device memory of its
 // CUDA device otherwise) unless a member says "host". Element types are passed as
 // mpzero::dtype values.
 //
-// Torch-free: this header and zero_core.cpp need only the core and the config struct.
+// Torch-free: this header and the tables need only the core and the config struct.
 #pragma once
 
 #include <cstdint>

@@ -1,26 +1,23 @@
-// The CUDA table of ZeroOptimizer instantiations behind mpzero::torch::zero_core: the
-// cuda_backend rows, on the device and stream the engine passes (torch's current stream
-// of the parameters' device). Torch-free: nvcc never sees LibTorch's headers.
-//
-// Compile time is the constraint (each policy is one fused CUDA kernel per optimizer,
-// plus, with offload, a host step; Adam doubles the build's time): AdamW (what
-// DeepSpeed's "Adam" and "AdamW" mean unless adam_w_mode is false) with the six policies
-// DeepSpeed's bf16/fp16 sections select (the configurations examples/gpt compares),
-// stages 0-2, CPU offload at 1-2. Not here (host table only): Adam with L2 decay, fp32
-// gradient accumulation of a 16-bit model, fp16 master weights. Add rows here for more.
+// The CUDA table's rows: ZeroOptimizer<..., cuda_backend, ...> for CUDA parameters, on
+// the device and stream the engine passes (torch's current stream of the parameters'
+// device). Included only by the generated table units (torch.cmake, src/table_part.in),
+// which nvcc compiles; the combinations are listed in core_impl.hpp (add_table_part).
+// Torch-free: nvcc never sees LibTorch's headers.
+#pragma once
+
 #include <cuda_runtime.h>
 
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <mpzero/backend/cuda_backend.cuh>
 
 #include "core_impl.hpp"
 
 namespace mpzero::torch::detail {
-
-namespace {
 
 // The core's device and stream; an event for ordering against other streams.
 struct cuda_context {
@@ -93,20 +90,9 @@ struct cuda_row {
   }
 };
 
-}  // namespace
-
-const std::vector<core_row>& cuda_table() {
-  static const std::vector<core_row> t = [] {
-    std::vector<core_row> v;
-    add_policy<policies::fp32, cuda_row, false, true>(v);
-    add_policy<policies::bf16_fp32_master, cuda_row, false, true>(v);
-    add_policy<policies::bf16_master_fp32_states, cuda_row, false, true>(v);
-    add_policy<policies::bf16_all, cuda_row, false, true>(v);
-    add_policy<policies::bf16_all_sr, cuda_row, false, true>(v);
-    add_policy<policies::fp16_fp32_master, cuda_row, false, true>(v);
-    return v;
-  }();
-  return t;
+template <int Part>
+void add_cuda_part(std::vector<core_row>& t) {
+  add_table_part<Part, cuda_row>(t);
 }
 
 }  // namespace mpzero::torch::detail

@@ -1,0 +1,44 @@
+// The host table's rows: ZeroOptimizer<..., host_backend, ...> for CPU parameters.
+// Included only by the generated table units (torch.cmake, src/table_part.in); the
+// combinations are listed in core_impl.hpp (add_table_part). Torch-free.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include <mpzero/backend/host_backend.hpp>
+
+#include "core_impl.hpp"
+
+namespace mpzero::torch::detail {
+
+struct host_context {
+  using backend_type = host_backend;
+  struct scope {
+    explicit scope(const host_context&) noexcept {}
+  };
+  host_backend backend() const { return {}; }
+  void wait_stream(void*) const noexcept {}
+  void join_stream(void*) const noexcept {}
+};
+
+template <class Policy, class Opt, int N, class Offload>
+struct host_row {
+  static core_row make() {
+    return core_row{spec_of<Policy, Opt, N, Offload>(core_device::cpu),
+                    [](const core_place&, any_communicator c, std::span<const std::uint64_t> numels,
+                       const optimizer_config& o, const zero_options& zo) -> std::unique_ptr<zero_core> {
+                      return std::make_unique<core_impl<Policy, Opt, N, Offload, host_context>>(
+                          core_device::cpu, host_context{}, std::move(c), numels, o, zo);
+                    }};
+  }
+};
+
+template <int Part>
+void add_host_part(std::vector<core_row>& t) {
+  add_table_part<Part, host_row>(t);
+}
+
+}  // namespace mpzero::torch::detail
