@@ -213,6 +213,8 @@ BENCHMARK_TEMPLATE(BM_cuda_step, policies::bf16_master_fp32_states, optim::adamw
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::bf16_all, optim::adamw)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::bf16_all_sr, optim::adamw)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::fp16_fp32_master, optim::adamw)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_cuda_step, policies::fp16_master_fp32_states, optim::adamw)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_cuda_step, policies::bf16_fp32_grads, optim::adamw)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::fp32, optim::sgd)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::fp32, optim::lion)->Apply(step_sizes);
 BENCHMARK(BM_cuda_memcpy)->Apply(copy_sizes);

@@ -44,6 +44,10 @@ template <>
 constexpr hand_policy hand<policies::bf16_all_sr> = {2, 2, 2, 2, true, false, true};
 template <>
 constexpr hand_policy hand<policies::fp16_fp32_master> = {2, 4, 2, 4, false, true, false};
+template <>
+constexpr hand_policy hand<policies::bf16_fp32_grads> = {2, 4, 4, 4, false, false, false};
+template <>
+constexpr hand_policy hand<policies::fp16_master_fp32_states> = {2, 2, 2, 4, true, true, false};
 
 template <class O>
 constexpr int hand_states = 0;
@@ -53,7 +57,8 @@ template <>
 constexpr int hand_states<optim::sgd> = 1;  // momentum
 
 using named_policies = std::tuple<policies::fp32, policies::bf16_fp32_master, policies::bf16_master_fp32_states,
-                                  policies::bf16_all, policies::bf16_all_sr, policies::fp16_fp32_master>;
+                                  policies::bf16_all, policies::bf16_all_sr, policies::fp16_fp32_master,
+                                  policies::bf16_fp32_grads, policies::fp16_master_fp32_states>;
 
 template <class F>
 void for_each_policy(F&& f) {
@@ -165,6 +170,8 @@ TEST_CASE("named policies: storage types as written in the policy", "[policy]") 
   STATIC_REQUIRE(std::same_as<policies::bf16_all, precision<bf16, bf16, bf16, bf16, round_nearest>>);
   STATIC_REQUIRE(std::same_as<policies::bf16_all_sr, precision<bf16, bf16, bf16, bf16, round_stochastic>>);
   STATIC_REQUIRE(std::same_as<policies::fp16_fp32_master, precision<fp16, float, fp16, float, round_nearest>>);
+  STATIC_REQUIRE(std::same_as<policies::bf16_fp32_grads, precision<bf16, float, float, float, round_nearest>>);
+  STATIC_REQUIRE(std::same_as<policies::fp16_master_fp32_states, precision<fp16, fp16, fp16, float, round_nearest>>);
 
   using P = policies::bf16_fp32_master;
   STATIC_REQUIRE(std::same_as<P::param_type, bf16>);

@@ -213,7 +213,7 @@ template <int Part, template <class, class, int, class> class Row>
 void add_table_part(std::vector<core_row>& t) {
   if constexpr (Part == 0) {
     add_policy<policies::fp32, Row, true>(t);
-    add_policy<precision<bf16, float, float, float>, Row, false>(t);  // bf16 model, fp32 gradient accumulation
+    add_policy<policies::bf16_fp32_grads, Row, false>(t);  // DeepSpeed: grad_accum_dtype fp32 (no offload)
   } else if constexpr (Part == 1) {
     add_policy<policies::bf16_fp32_master, Row, true>(t);
     add_policy<policies::bf16_master_fp32_states, Row, true>(t);  // DeepSpeed: only with offload
@@ -223,8 +223,7 @@ void add_table_part(std::vector<core_row>& t) {
   } else {
     static_assert(Part == 3, "add_table_part: no such part");
     add_policy<policies::fp16_fp32_master, Row, true>(t);
-    // fp16 master weights and gradients; DeepSpeed allows it with CPU offload (issue 5).
-    add_policy<precision<fp16, fp16, fp16, float>, Row, true>(t);
+    add_policy<policies::fp16_master_fp32_states, Row, true>(t);  // DeepSpeed allows it with offload
   }
 }
 

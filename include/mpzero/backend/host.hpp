@@ -322,7 +322,13 @@ struct half_avx2 {
 // blocks (half_scalar: the element loop converts, or a simd::half_*).
 template <precision_policy Policy, optim::rule Optimizer, class Fill = pair_fill_scalar, class Half = half_scalar>
 MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin,
-                                        std::uint32_t size, const step_args<Optimizer>& a) {
+                                        std::uint32_t size, const step_args<Optimizer>& args) {
+  // A local copy: the loop's float stores (master, states) could otherwise alias the
+  // arguments' float fields in GCC's eyes, which then re-reads them every element and,
+  // with fp32 gradients as well, needs more run-time alias checks than it makes
+  // (vect-max-version-for-alias-checks): the loop stayed scalar (bf16_fp32_grads ran at
+  // a third of its bandwidth).
+  const step_args<Optimizer> a = args;
   using param_t = typename Policy::param_type;
   using master_t = typename Policy::master_type;
   using grad_t = typename Policy::grad_type;

@@ -81,8 +81,14 @@ using bf16_master_fp32_states = precision<bf16, bf16, bf16, float>;
 using bf16_all = precision<bf16, bf16, bf16, bf16>;
 // Everything bf16 with stochastic rounding of master weights and states.
 using bf16_all_sr = precision<bf16, bf16, bf16, bf16, round_stochastic>;
+// bf16 model, fp32 gradients (accumulated and reduced in fp32), fp32 master and states:
+// DeepSpeed's bf16 with data_types.grad_accum_dtype = "fp32".
+using bf16_fp32_grads = precision<bf16, float, float, float>;
 // fp16 model and gradients with fp32 master and states: needs loss scaling.
 using fp16_fp32_master = precision<fp16, float, fp16, float>;
+// fp16 master weights (the parameter storage itself) and gradients, fp32 states: needs
+// loss scaling. DeepSpeed's fp16_master_weights_and_grads.
+using fp16_master_fp32_states = precision<fp16, fp16, fp16, float>;
 }  // namespace policies
 
 }  // namespace mpzero
