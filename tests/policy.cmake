@@ -86,7 +86,13 @@ set_tests_properties(policy.header_check PROPERTIES LABELS "policy;build")
 
 # ---- consumer projects ------------------------------------------------------------------
 # Run by tests/consumer/run_consumer.cmake in a scratch directory under this build tree.
-foreach(_mode find_package add_subdirectory)
+# torch_add_subdirectory: a LibTorch program using the engine from its own project (when
+# this build has the adapter; the consumer builds its own copy of it, a few minutes).
+set(_modes find_package add_subdirectory)
+if(TARGET mpzero_torch)
+  list(APPEND _modes torch_add_subdirectory)
+endif()
+foreach(_mode IN LISTS _modes)
   if(_mode STREQUAL "find_package" AND NOT MPZERO_INSTALL)
     continue()  # nothing to install
   endif()
@@ -94,7 +100,7 @@ foreach(_mode find_package add_subdirectory)
            COMMAND ${CMAKE_COMMAND} -DMODE=${_mode} -DMPZERO_SOURCE_DIR=${PROJECT_SOURCE_DIR}
                    -DMPZERO_BINARY_DIR=${PROJECT_BINARY_DIR} -DWORK_DIR=${CMAKE_CURRENT_BINARY_DIR}/consumer_${_mode}
                    "-DGENERATOR=${CMAKE_GENERATOR}" -DCXX_COMPILER=${CMAKE_CXX_COMPILER}
-                   -DMAKE_PROGRAM=${CMAKE_MAKE_PROGRAM} -DBUILD_TYPE=$<CONFIG>
+                   -DMAKE_PROGRAM=${CMAKE_MAKE_PROGRAM} -DBUILD_TYPE=$<CONFIG> "-DTORCH_DIR=${Torch_DIR}"
                    -P ${CMAKE_CURRENT_SOURCE_DIR}/consumer/run_consumer.cmake)
-  set_tests_properties(install.consumer_${_mode} PROPERTIES LABELS install TIMEOUT 900)
+  set_tests_properties(install.consumer_${_mode} PROPERTIES LABELS install TIMEOUT 1200)
 endforeach()

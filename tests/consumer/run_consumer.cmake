@@ -1,13 +1,14 @@
 # Builds and runs a consumer project of mpzero in a fresh directory, then removes it.
 #
-#   cmake -DMODE=find_package|add_subdirectory -DMPZERO_SOURCE_DIR=<src>
+#   cmake -DMODE=find_package|add_subdirectory|torch_add_subdirectory -DMPZERO_SOURCE_DIR=<src>
 #         [-DMPZERO_BINARY_DIR=<configured mpzero build, find_package mode>]
 #         -DWORK_DIR=<scratch dir> -DGENERATOR=<gen> -DCXX_COMPILER=<c++>
-#         [-DMAKE_PROGRAM=<make>] [-DBUILD_TYPE=Release] -P run_consumer.cmake
+#         [-DMAKE_PROGRAM=<make>] [-DBUILD_TYPE=Release] [-DTORCH_DIR=<LibTorch's cmake dir>] -P run_consumer.cmake
 #
 # find_package: installs mpzero from MPZERO_BINARY_DIR into WORK_DIR/prefix, checks the
 # installed files, then configures consumer/find_package against that prefix only.
 # add_subdirectory: configures consumer/add_subdirectory on the source tree.
+# torch_add_subdirectory: the same with the LibTorch adapter on (consumer/torch_main.cpp).
 # Both then build the consumer and run it. WORK_DIR is removed before the run and
 # after a successful one; after a failure it is kept for inspection and named.
 cmake_minimum_required(VERSION 3.24)
@@ -17,8 +18,9 @@ foreach(_v MODE MPZERO_SOURCE_DIR WORK_DIR GENERATOR CXX_COMPILER)
     message(FATAL_ERROR "run_consumer.cmake: -D${_v}=... is required")
   endif()
 endforeach()
-if(NOT MODE MATCHES "^(find_package|add_subdirectory)$")
-  message(FATAL_ERROR "run_consumer.cmake: MODE must be find_package or add_subdirectory, got '${MODE}'")
+if(NOT MODE MATCHES "^(find_package|add_subdirectory|torch_add_subdirectory)$")
+  message(FATAL_ERROR "run_consumer.cmake: MODE must be find_package, add_subdirectory or torch_add_subdirectory, "
+                      "got '${MODE}'")
 endif()
 if(NOT BUILD_TYPE)
   set(BUILD_TYPE Release)
@@ -72,12 +74,16 @@ if(MODE STREQUAL "find_package")
        -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF -DCMAKE_FIND_USE_SYSTEM_PACKAGE_REGISTRY=OFF)
 else()
   list(APPEND _configure "-DMPZERO_SOURCE_DIR=${MPZERO_SOURCE_DIR}")
+  if(MODE STREQUAL "torch_add_subdirectory" AND TORCH_DIR)
+    list(APPEND _configure "-DTorch_DIR=${TORCH_DIR}")  # the LibTorch the calling build uses
+  endif()
 endif()
 
 step("configure" ${_configure})
-step("build" "${CMAKE_COMMAND}" --build "${_build}" --config "${BUILD_TYPE}")
+# Two jobs: the adapter is several translation units of a few minutes each.
+step("build" "${CMAKE_COMMAND}" --build "${_build}" --config "${BUILD_TYPE}" --parallel 2)
 
-if(MODE STREQUAL "add_subdirectory")
+if(MODE MATCHES "add_subdirectory$")
   # Nothing of mpzero's own test, benchmark or example trees was generated or built.
   foreach(_d tests bench examples)
     if(EXISTS "${_build}/mpzero/${_d}")
