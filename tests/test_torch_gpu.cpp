@@ -41,7 +41,10 @@ void require_gpu() {
 // DeepSpeed config of a precision configuration (the names of examples/gpt).
 json config(const std::string& prec, int stage, bool offload, json extra = json::object()) {
   json zero = {{"stage", stage}, {"reduce_bucket_size", 3000}};
-  if (offload) zero["offload_optimizer"] = {{"device", "cpu"}, {"pin_memory", true}, {"sub_group_size", 5000}};
+  if (offload) {
+    zero["offload_optimizer"] = {{"device", "cpu"}, {"pin_memory", true}};
+    zero["sub_group_size"] = 5000;  // several sub-groups: uploads overlap the host step
+  }
   json j = {{"train_micro_batch_size_per_gpu", 4},
             {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"betas", {0.9, 0.95}}, {"weight_decay", 0.01}}}}},
             {"zero_optimization", zero},
@@ -95,7 +98,23 @@ void check_bits(const Tensor& a, const Tensor& b, const std::string& what) {
   }
 }
 
-using run = std::tuple<std::string, int, bool>;
+using run = std::tuple<std::string, int, bool, json>;  // precision, stage, offload, config patch
+
+// The configurations the CPU/CUDA bit-identity test runs. The CUDA table has every row
+// of the host table; these cover each policy, each stage, offload, fp32 gradient
+// accumulation of a bf16 model and Adam with L2 decay (adam_w_mode false).
+std::vector<run> bit_identity_runs() {
+  const json none = json::object();
+  const json l2 = {{"optimizer", {{"type", "Adam"}, {"params", {{"adam_w_mode", false}}}}}};
+  const json fp32_grads = {{"data_types", {{"grad_accum_dtype", "fp32"}}}};
+  return {{"fp32", 0, false, none},        {"fp32", 1, false, none},         {"fp32", 2, false, none},
+          {"fp32", 2, true, none},         {"fp32", 2, false, l2},           {"bf16", 0, false, none},
+          {"bf16", 2, false, none},        {"bf16", 1, true, none},          {"bf16", 2, true, l2},
+          {"bf16", 2, false, fp32_grads},  {"bf16-master", 2, false, none},  {"bf16-all", 1, false, none},
+          {"bf16-all", 2, true, none},     {"bf16-all-sr", 2, false, none},  {"bf16-all-sr", 2, true, none},
+          {"bf16-all-sr", 1, false, l2},   {"fp16", 0, false, none},         {"fp16", 2, false, none},
+          {"fp16-master", 1, false, none}, {"fp16-master", 2, true, none},   {"fp16-master", 2, false, l2}};
+}
 
 // A c10d ProcessGroup with a NCCL backend at world size 1 (as init_process_group("nccl")
 // builds it: the NCCL Backend registered for CUDA tensors and made the default).
@@ -112,22 +131,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> nccl_group() {
 
 TEST_CASE("gpu: the engine on CUDA parameters updates them bit for bit as on the CPU", "[gpu][torch]") {
   require_gpu();
-  const auto [prec, stage, offload] = GENERATE(values<run>({{"fp32", 0, false},
-                                                            {"fp32", 1, false},
-                                                            {"fp32", 2, false},
-                                                            {"fp32", 2, true},
-                                                            {"bf16", 0, false},
-                                                            {"bf16", 2, false},
-                                                            {"bf16", 1, true},
-                                                            {"bf16-master", 2, false},
-                                                            {"bf16-all", 1, false},
-                                                            {"bf16-all", 2, true},
-                                                            {"bf16-all-sr", 2, false},
-                                                            {"bf16-all-sr", 2, true},
-                                                            {"fp16", 0, false},
-                                                            {"fp16", 2, false}}));
-  INFO(prec << ", stage " << stage << (offload ? ", offload" : ""));
-  const json cfg = config(prec, stage, offload);
+  const auto [prec, stage, offload, extra] = GENERATE(from_range(bit_identity_runs()));
+  INFO(prec << ", stage " << stage << (offload ? ", offload" : "") << " " << extra.dump());
+  const json cfg = config(prec, stage, offload, extra);
   LinearForm host_model, dev_model;
   dev_model->to(torch::kCUDA);
   auto host = mt::initialize(host_model, cfg);
@@ -351,6 +357,31 @@ TEST_CASE("torch: the compiled table lists CUDA cores exactly when they are buil
       CHECK(has(dtype::fp16, dtype::fp16, dtype::fp16, dtype::fp32, false, stage, stage > 0, opt));
       CHECK(has(dtype::bf16, dtype::bf16, dtype::bf16, dtype::bf16, true, stage, stage > 0, opt));
     }
+}
+
+TEST_CASE("torch: every configuration of the CUDA bit-identity test is valid and compiled", "[torch]") {
+  // Checked on the CPU, so that a GPU session does not spend its time on a config error:
+  // each row makes a CPU engine of the intended kind, and its CUDA twin is compiled.
+  const auto cores = mt::compiled_cores();
+  for (const auto& [prec, stage, offload, extra] : bit_identity_runs()) {
+    INFO(prec << ", stage " << stage << (offload ? ", offload" : "") << " " << extra.dump());
+    LinearForm m;
+    auto e = mt::initialize(m, config(prec, stage, offload, extra));
+    const std::string d = e.describe();
+    CHECK_THAT(d, Catch::Contains("ZeRO stage " + std::to_string(stage)));
+    CHECK(offload == (d.find("CPU offload") != std::string::npos));
+    CHECK(extra.contains("optimizer") == (d.find("AdamW") == std::string::npos));
+    if (extra.contains("data_types")) CHECK_THAT(d, Catch::Contains("grad fp32"));
+    if (mt::cuda_cores_compiled()) {
+      auto spec = std::find_if(cores.begin(), cores.end(), [&](const mt::core_spec& s) {
+        return s.device == mt::core_device::cpu && s.describe() == d;
+      });
+      REQUIRE(spec != cores.end());
+      auto twin = *spec;
+      twin.device = mt::core_device::cuda;
+      CHECK(std::find(cores.begin(), cores.end(), twin) != cores.end());
+    }
+  }
 }
 
 TEST_CASE("torch: a CUDA configuration that is not compiled names itself and the CUDA table", "[torch]") {
