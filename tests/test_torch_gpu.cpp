@@ -16,6 +16,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -404,6 +406,54 @@ TEST_CASE("torch: a CUDA configuration that is not compiled names itself and the
       CHECK_THAT(what, Catch::Contains("no CUDA cores") && Catch::Contains("MPZERO_TORCH_CUDA"));
     }
   }
+}
+
+namespace {
+// A host communicator of two ranks that must never be called.
+struct two_host_ranks final : mt::communicator_base {
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  std::string name() const override { return "two host ranks"; }
+  [[noreturn]] static std::unique_ptr<mt::request_base> unexpected() { throw std::logic_error("called"); }
+  std::unique_ptr<mt::request_base> iall_reduce(const void*, void*, std::uint64_t, mt::wire_dtype,
+                                                mpzero::comm::reduce_op) override {
+    unexpected();
+  }
+  std::unique_ptr<mt::request_base> ireduce_scatter_v(const void*, void*, std::span<const std::uint64_t>,
+                                                      mt::wire_dtype, mpzero::comm::reduce_op) override {
+    unexpected();
+  }
+  std::unique_ptr<mt::request_base> iall_gather_v(const void*, std::uint64_t, void*, std::span<const std::uint64_t>,
+                                                  mt::wire_dtype) override {
+    unexpected();
+  }
+  std::unique_ptr<mt::request_base> ibroadcast(void*, std::uint64_t, mt::wire_dtype, int) override { unexpected(); }
+  void barrier() override { unexpected(); }
+};
+}  // namespace
+
+TEST_CASE("torch: which communicators take device memory; CUDA cores refuse host ones of several ranks", "[torch]") {
+  // The default (world size 1) and any wrapped host communicator move host memory; NCCL
+  // orders itself on CUDA streams, which is what marks a device communicator.
+  CHECK_FALSE(mt::any_communicator{}.base().reads_device_memory());
+  mpzero::comm::local_communicator local;
+  CHECK_FALSE(mt::any_communicator::wrap(local, "local").base().reads_device_memory());
+  STATIC_REQUIRE(requires(mpzero::comm::nccl_communicator& c, CUstream_st* s) { c.wait_for(s); });
+  if (!mt::cuda_cores_compiled()) return;
+  // A CUDA core with a host communicator of two ranks: refused before anything touches
+  // a device (so this runs without a GPU), naming the communicator and what to use.
+  mt::core_spec s;
+  s.stage = 2;
+  s.device = mt::core_device::cuda;
+  const std::uint64_t numels[] = {4};
+  mt::any_communicator two(std::make_shared<two_host_ranks>());
+  REQUIRE_THROWS_MATCHES(mt::make_zero_core(s, two, numels, {}, {}), mt::config_error,
+                         Catch::Matchers::Predicate<mt::config_error>([](const mt::config_error& e) {
+                           const std::string w = e.what();
+                           return w.find("'two host ranks' (2 ranks) moves host memory") != std::string::npos &&
+                                  w.find("nccl_communicator") != std::string::npos &&
+                                  w.find("process_group_communicator") != std::string::npos;
+                         }));
 }
 
 TEST_CASE("torch: parameters on a device the engine cannot manage are refused by name", "[torch]") {

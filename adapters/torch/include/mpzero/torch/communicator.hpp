@@ -91,6 +91,10 @@ class communicator_base {
     (void)stream;
     return false;
   }
+  // Whether the buffers may be CUDA device memory (NCCL, a c10d group on a CUDA device).
+  // An engine on CUDA parameters needs one, except at world size 1 (it copies on the
+  // device itself).
+  virtual bool reads_device_memory() const { return false; }
 };
 
 namespace detail {
@@ -178,6 +182,9 @@ class communicator_adapter final : public communicator_base {
     });
   }
   void barrier() override { c_.barrier(); }
+  // A communicator that orders itself on CUDA streams (C::wait_for(cudaStream_t), as
+  // mpzero's nccl_communicator) works on device memory.
+  bool reads_device_memory() const override { return requires(C& c, ::CUstream_st* s) { c.wait_for(s); }; }
   // Forwarded to C::wait_for(cudaStream_t) where C has it (mpzero's nccl_communicator).
   bool wait_for_stream(void* stream) override {
     if constexpr (requires(C& c, ::CUstream_st* s) { c.wait_for(s); }) {
