@@ -86,14 +86,15 @@ set_tests_properties(policy.header_check PROPERTIES LABELS "policy;build")
 
 # ---- consumer projects ------------------------------------------------------------------
 # Run by tests/consumer/run_consumer.cmake in a scratch directory under this build tree.
-# torch_add_subdirectory: a LibTorch program using the engine from its own project (when
-# this build has the adapter; the consumer builds its own copy of it, a few minutes).
+# torch_find_package, torch_add_subdirectory: a LibTorch program using the engine from
+# its own project (when this build has the adapter): through the installed `torch`
+# component (this build's libraries), or building its own copy (a few minutes).
 set(_modes find_package add_subdirectory)
 if(TARGET mpzero_torch)
-  list(APPEND _modes torch_add_subdirectory)
+  list(APPEND _modes torch_find_package torch_add_subdirectory)
 endif()
 foreach(_mode IN LISTS _modes)
-  if(_mode STREQUAL "find_package" AND NOT MPZERO_INSTALL)
+  if(_mode MATCHES "find_package$" AND NOT MPZERO_INSTALL)
     continue()  # nothing to install
   endif()
   add_test(NAME install.consumer_${_mode}

@@ -133,3 +133,35 @@ if(MPZERO_TORCH_CUDA)
   mpzero_cuda_target(mpzero_torch)
   # LibTorch's include directories are not for nvcc (it never includes them).
 endif()
+
+# ---- install: the adapter as the `torch` component of the mpzero package -------------
+# find_package(mpzero 0.1 REQUIRED COMPONENTS torch) gives mpzero::torch. The libraries are
+# static and compiled against this LibTorch, so the installed package links the same one:
+# mpzeroLibTorch.cmake (written here) re-creates the LibTorch target with its paths, or,
+# when LibTorch came from find_package(Torch), finds Torch again.
+if(MPZERO_INSTALL)
+  set_target_properties(mpzero_torch PROPERTIES EXPORT_NAME torch)
+  set_target_properties(mpzero_torch_config PROPERTIES EXPORT_NAME torch_config)
+  install(TARGETS mpzero_torch_config mpzero_torch EXPORT mpzeroTorchTargets
+          ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+  install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/include/mpzero/torch DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/mpzero)
+  install(EXPORT mpzeroTorchTargets NAMESPACE mpzero:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/mpzero)
+  set(_lt "# Written by mpzero's build (adapters/torch/torch.cmake): the LibTorch mpzero::torch was compiled against.\n")
+  if(_mpzero_torch_libs STREQUAL "torch")
+    string(APPEND _lt "find_dependency(Torch)\n")
+  else()
+    string(APPEND _lt "if(NOT TARGET mpzero_libtorch_cpu)\n  add_library(mpzero_libtorch_cpu INTERFACE IMPORTED)\n"
+                      "  set_target_properties(mpzero_libtorch_cpu PROPERTIES\n")
+    foreach(_prop INTERFACE_INCLUDE_DIRECTORIES INTERFACE_COMPILE_DEFINITIONS INTERFACE_LINK_OPTIONS
+                  INTERFACE_LINK_LIBRARIES)
+      get_target_property(_v mpzero_libtorch_cpu ${_prop})
+      string(APPEND _lt "    ${_prop} \"${_v}\"\n")
+    endforeach()
+    string(APPEND _lt "  )\nendif()\n")
+  endif()
+  if(MPZERO_TORCH_CUDA)
+    string(APPEND _lt "find_dependency(CUDAToolkit)  # CUDA::cudart, the CUDA cores' runtime\n")
+  endif()
+  file(WRITE ${CMAKE_CURRENT_BINARY_DIR}/mpzeroLibTorch.cmake "${_lt}")
+  install(FILES ${CMAKE_CURRENT_BINARY_DIR}/mpzeroLibTorch.cmake DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/mpzero)
+endif()

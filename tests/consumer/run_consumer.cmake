@@ -1,6 +1,6 @@
 # Builds and runs a consumer project of mpzero in a fresh directory, then removes it.
 #
-#   cmake -DMODE=find_package|add_subdirectory|torch_add_subdirectory -DMPZERO_SOURCE_DIR=<src>
+#   cmake -DMODE=find_package|add_subdirectory|torch_find_package|torch_add_subdirectory -DMPZERO_SOURCE_DIR=<src>
 #         [-DMPZERO_BINARY_DIR=<configured mpzero build, find_package mode>]
 #         -DWORK_DIR=<scratch dir> -DGENERATOR=<gen> -DCXX_COMPILER=<c++>
 #         [-DMAKE_PROGRAM=<make>] [-DBUILD_TYPE=Release] [-DTORCH_DIR=<LibTorch's cmake dir>] -P run_consumer.cmake
@@ -8,7 +8,8 @@
 # find_package: installs mpzero from MPZERO_BINARY_DIR into WORK_DIR/prefix, checks the
 # installed files, then configures consumer/find_package against that prefix only.
 # add_subdirectory: configures consumer/add_subdirectory on the source tree.
-# torch_add_subdirectory: the same with the LibTorch adapter on (consumer/torch_main.cpp).
+# torch_find_package / torch_add_subdirectory: the same with the LibTorch adapter
+# (find_package(mpzero COMPONENTS torch); consumer/torch_main.cpp).
 # Both then build the consumer and run it. WORK_DIR is removed before the run and
 # after a successful one; after a failure it is kept for inspection and named.
 cmake_minimum_required(VERSION 3.24)
@@ -18,9 +19,9 @@ foreach(_v MODE MPZERO_SOURCE_DIR WORK_DIR GENERATOR CXX_COMPILER)
     message(FATAL_ERROR "run_consumer.cmake: -D${_v}=... is required")
   endif()
 endforeach()
-if(NOT MODE MATCHES "^(find_package|add_subdirectory|torch_add_subdirectory)$")
-  message(FATAL_ERROR "run_consumer.cmake: MODE must be find_package, add_subdirectory or torch_add_subdirectory, "
-                      "got '${MODE}'")
+if(NOT MODE MATCHES "^(find_package|add_subdirectory|torch_find_package|torch_add_subdirectory)$")
+  message(FATAL_ERROR "run_consumer.cmake: MODE must be find_package, add_subdirectory, torch_find_package or "
+                      "torch_add_subdirectory, got '${MODE}'")
 endif()
 if(NOT BUILD_TYPE)
   set(BUILD_TYPE Release)
@@ -55,7 +56,7 @@ if(MAKE_PROGRAM)
   list(APPEND _configure "-DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM}")
 endif()
 
-if(MODE STREQUAL "find_package")
+if(MODE MATCHES "find_package$")
   if(NOT IS_DIRECTORY "${MPZERO_BINARY_DIR}")
     fail("-DMPZERO_BINARY_DIR must name a configured mpzero build tree")
   endif()
@@ -63,7 +64,11 @@ if(MODE STREQUAL "find_package")
   if(NOT EXISTS "${_prefix}/include/mpzero/mpzero.hpp")
     fail("install did not put the headers in ${_prefix}/include/mpzero")
   endif()
-  foreach(_f mpzeroConfig.cmake mpzeroConfigVersion.cmake mpzeroTargets.cmake)
+  set(_files mpzeroConfig.cmake mpzeroConfigVersion.cmake mpzeroTargets.cmake)
+  if(MODE STREQUAL "torch_find_package")
+    list(APPEND _files mpzeroTorchTargets.cmake mpzeroLibTorch.cmake libmpzero_torch.a engine.hpp)
+  endif()
+  foreach(_f IN LISTS _files)
     file(GLOB_RECURSE _found "${_prefix}/*/${_f}")
     if(NOT _found)
       fail("install did not produce ${_f} under ${_prefix}")
