@@ -200,8 +200,8 @@ void step_sizes(benchmark::internal::Benchmark* b) {
 }
 
 void copy_sizes(benchmark::internal::Benchmark* b) {
-  // Bytes per element of the steps registered below: 28, 22, 20 and 14.
-  b->ArgsProduct({kSizes, {14, 20, 22, 28}});
+  // Bytes per element of the steps registered below: 30, 28, 22, 20 and 14.
+  b->ArgsProduct({kSizes, {14, 20, 22, 28, 30}});
   b->ArgNames({"n", "B/elem"})->UseManualTime()->Unit(benchmark::kMicrosecond);
 }
 

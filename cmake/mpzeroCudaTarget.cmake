@@ -18,7 +18,7 @@ endfunction()
 if(NOT TARGET mpzero_nccl)
   find_path(MPZERO_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ENV NCCL_HOME PATH_SUFFIXES include)
   # libnccl.so.2 too: pip's nvidia-nccl wheels ship no unversioned libnccl.so.
-  find_library(MPZERO_NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${CUDAToolkit_LIBRARY_DIR} ENV NCCL_HOME
+  find_library(MPZERO_NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR HINTS ${CUDAToolkit_LIBRARY_DIR} ENV NCCL_HOME
                PATH_SUFFIXES lib lib64)
   if(MPZERO_NCCL_INCLUDE_DIR AND MPZERO_NCCL_LIBRARY)
     add_library(mpzero_nccl INTERFACE)

@@ -1,73 +1,121 @@
 #!/usr/bin/env bash
 # On a GPU machine that reaches no package registry (the lent H100/H200): builds mpzero
 # against .deps/ (made beforehand by scripts/gpu_deps.sh where apt works, carried over),
-# then runs the phases named on the command line, each logging under $OUT (default
-# out/gpu):
-#   build   configure + build the [gpu] tests, the CUDA benchmarks, train_gpt (build-gpu/)
+# then runs the phases named on the command line:
+#   build   configure + build the [gpu] tests, the CUDA benchmark and train_gpt (build-gpu/)
 #   test    ctest -L gpu (every [gpu] case: kernels vs host, ZeRO on CUDA + NCCL, offload
 #           transfers, the LibTorch engine on CUDA parameters)
 #   bench   mpzero_bench_cuda (the step per policy vs the device copy bandwidth)
-#   gpt     train_gpt --device cuda (the precision comparison); GPT_ARGS adds flags
-# e.g.  scripts/gpu_run.sh build test     then    GPT_ARGS="--big --steps 1000" scripts/gpu_run.sh gpt
+#   gpt     train_gpt --device cuda (the precision comparison); GPT_ARGS adds flags,
+#           GPT_NAME names the run (default gpt; results under <work>/$GPT_NAME)
+# e.g.  scripts/gpu_run.sh build test      then      GPT_ARGS="--big --steps 1000" scripts/gpu_run.sh bench gpt
+#
+# Each phase builds what it needs first (a no-op when build-gpu/ is up to date), so a
+# call on a fresh machine works whatever ran before. Logs and results go to a work
+# folder (out/gpu); when $OUT is set (the device tool, which brings back at most 8
+# files), they are packed there as one gpu_run.tar.gz, beside copies of the main
+# results (results.json, the plots, bench_cuda.json).
 # A phase that fails is reported and the next one still runs; the exit status is the
 # number of failed phases.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-out="${OUT:-$root/out/gpu}"
+work="$root/out/gpu"
 prefix="$root/.deps/root/usr"
 build="$root/build-gpu"
-mkdir -p "$out"
+mkdir -p "$work"
 if [ ! -d "$prefix" ]; then
   echo "gpu_run: $prefix is missing: run scripts/gpu_deps.sh where apt works and carry .deps" >&2
   exit 1
 fi
 export LD_LIBRARY_PATH="$prefix/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 nvcc_bin="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
-# NCCL: the toolkit's, else pip's nvidia-nccl wheel (what a PyTorch image may have).
+# NCCL: the toolkit's, else pip's nvidia-nccl wheel (what a PyTorch image may have; its
+# package has no __init__.py, hence __path__).
 if [ -z "${NCCL_HOME:-}" ] && [ ! -e "$(dirname "$(dirname "$nvcc_bin")")/include/nccl.h" ]; then
-  nccl_py="$(python3 -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))' 2>/dev/null || true)"
+  nccl_py="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)"
   [ -n "$nccl_py" ] && [ -e "$nccl_py/include/nccl.h" ] && export NCCL_HOME="$nccl_py"
 fi
+all_targets=(test_gpu test_zero_gpu test_comm_gpu test_torch_gpu mpzero_bench_cuda train_gpt)
 failed=0
 
-phase_build() {
-  nvidia-smi >"$out/nvidia-smi.txt" 2>&1
-  local gen=()
-  command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
-  cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
-    -DCMAKE_CUDA_COMPILER="$nvcc_bin" -DMPZERO_TORCH_CUDA=ON >"$out/configure.log" 2>&1 || return 1
-  grep "mpzero:" "$out/configure.log"
-  # One target at a time: a target this configuration does not define (no NCCL, no
-  # LibTorch found) must not keep the others from building.
-  local rc=0 t
-  : >"$out/build.log"
-  for t in test_gpu test_zero_gpu test_comm_gpu test_torch_gpu mpzero_bench_cuda train_gpt; do
-    if cmake --build "$build" -j "$(nproc)" --target "$t" >>"$out/build.log" 2>&1; then
-      echo "built $t"
+# Configures build-gpu/ (again: cheap when it exists, and it refreshes a stale cache).
+configure() {
+  [ -f "$work/machine.txt" ] || {
+    nvidia-smi
+    echo "nvcc: $nvcc_bin"; "$nvcc_bin" --version | tail -2
+    cmake --version | head -1; g++ --version | head -1
+    python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
+    echo "NCCL_HOME=${NCCL_HOME:-}"
+  } >"$work/machine.txt" 2>&1
+  local gen=()  # a generator only for a new build folder (an existing one keeps its own)
+  [ ! -f "$build/CMakeCache.txt" ] && command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
+  if ! cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
+    -DCMAKE_CUDA_COMPILER="$nvcc_bin" -DMPZERO_TORCH_CUDA=ON >"$work/configure.log" 2>&1; then
+    tail -30 "$work/configure.log"
+    return 1
+  fi
+  grep "mpzero:" "$work/configure.log"
+}
+
+# Builds the named targets in one parallel build, leaving out (and reporting) any this
+# configuration does not define (no NCCL, no LibTorch found) and going on past failures.
+ensure_built() {
+  configure || return 1
+  local defined=() t
+  for t in "$@"; do
+    if [ -n "$(find "$build" -type d -name "$t.dir" -print -quit)" ]; then
+      defined+=("$t")
     else
-      echo "FAILED to build $t (see build.log)"
-      rc=1
+      echo "gpu_run: target $t is not defined in this configuration (see configure.log)"
     fi
   done
+  [ ${#defined[@]} -gt 0 ] || return 1
+  local keep_going=(-- -k)
+  [ -f "$build/build.ninja" ] && keep_going=(-- -k 0)
+  cmake --build "$build" -j "$(nproc)" --target "${defined[@]}" "${keep_going[@]}" >>"$work/build.log" 2>&1
+  local rc=$?
+  [ $rc -eq 0 ] || grep -E "error|Error" "$work/build.log" | head -20
+  [ ${#defined[@]} -eq $# ] || rc=1
   return $rc
 }
+
+phase_build() {
+  ensure_built "${all_targets[@]}"
+}
 phase_test() {
-  (cd "$build" && ctest -L gpu --output-on-failure --timeout 600) 2>&1 | tee "$out/ctest_gpu.log" | tail -40
+  ensure_built test_gpu test_zero_gpu test_comm_gpu test_torch_gpu
+  # Below the device tool's 10 minutes a call: one hung test must not take the call down.
+  (cd "$build" && ctest -L gpu --output-on-failure --timeout 240) 2>&1 | tee "$work/ctest_gpu.log" | tail -40
   return "${PIPESTATUS[0]}"
 }
 phase_bench() {
-  "$build/bench/mpzero_bench_cuda" --benchmark_out="$out/bench_cuda.json" --benchmark_out_format=json \
-    --benchmark_min_time=0.2 2>&1 | tee "$out/bench_cuda.txt" | tail -60
+  ensure_built mpzero_bench_cuda || return 1
+  "$build/bench/mpzero_bench_cuda" --benchmark_out="$work/bench_cuda.json" --benchmark_out_format=json \
+    --benchmark_min_time=0.2 2>&1 | tee "$work/bench_cuda.txt" | tail -60
   return "${PIPESTATUS[0]}"
 }
 phase_gpt() {
+  ensure_built train_gpt || return 1
+  local name="${GPT_NAME:-gpt}"
   # shellcheck disable=SC2086
-  "$build/examples/train_gpt" --device cuda --corpus "$prefix/share/games/fortunes" --out "$out/gpt" ${GPT_ARGS:-} \
-    2>"$out/gpt_progress.log" | tee "$out/gpt.txt"
+  "$build/examples/train_gpt" --device cuda --corpus "$prefix/share/games/fortunes" --out "$work/$name" ${GPT_ARGS:-} \
+    2>"$work/${name}_progress.log" | tee "$work/$name.txt"
   local rc=${PIPESTATUS[0]}
-  tail -3 "$out/gpt_progress.log"
-  python3 "$root/examples/gpt/plot.py" "$out/gpt/results.json" 2>&1 | tail -2
+  tail -3 "$work/${name}_progress.log"
+  [ -f "$work/$name/results.json" ] && python3 "$root/examples/gpt/plot.py" "$work/$name/results.json" 2>&1 | tail -2
   return "$rc"
+}
+
+# Everything in one archive under $OUT, plus the main results as files of their own.
+bring_back() {
+  [ -n "${OUT:-}" ] || return 0
+  tar -czf "$OUT/gpu_run.tar.gz" -C "$root/out" gpu 2>/dev/null
+  local name="${GPT_NAME:-gpt}" f
+  [ -f "$work/bench_cuda.json" ] && cp "$work/bench_cuda.json" "$OUT/"
+  for f in "$work/$name/results.json" "$work/$name/loss_curves.png" "$work/$name/memory.png"; do
+    [ -f "$f" ] && cp "$f" "$OUT/${name}_$(basename "$f")"
+  done
+  ls "$OUT"
 }
 
 [ $# -gt 0 ] || set -- build test
@@ -76,10 +124,13 @@ for p in "$@"; do
     build | test | bench | gpt) ;;
     *) echo "gpu_run: unknown phase '$p' (build, test, bench, gpt)" >&2; exit 2 ;;
   esac
+done
+for p in "$@"; do
   echo "== gpu_run: $p ($(date -u +%H:%M:%S))"
   if ! "phase_$p"; then
     echo "== gpu_run: $p FAILED" >&2
     failed=$((failed + 1))
   fi
 done
+bring_back
 exit "$failed"

@@ -29,7 +29,7 @@
 //   bf16-all-sr  the same with stochastic rounding
 //   fp16         fp16 parameters, fp32 master and states, dynamic loss scaling
 //   fp16-master  fp16 master weights and gradients, fp32 states, dynamic loss scaling
-//                (ZeRO stage >= 1; on the CPU: the engine's CUDA cores do not compile it)
+//                (ZeRO stage >= 1)
 //   fp32-ac      fp32 everything, the forward under bf16 autocast (PyTorch AMP)
 //   bf16-all-ac  bf16-all with the forward under bf16 autocast: the DeepSpeed blog's
 //                low-precision configuration (its baseline, "fp32 master", is bf16)
