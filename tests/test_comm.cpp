@@ -361,6 +361,37 @@ TEST_CASE("local_communicator: world size 1 copies and validates", "[comm]") {
   CHECK_THROWS_AS(c.all_reduce(in.data(), in.data() + 1, 5, reduce_op::sum), mpzero::invalid_argument);
 }
 
+TEST_CASE("basic_local_communicator: its Copy moves the bytes, after the same checks", "[comm]") {
+  // What the LibTorch engine's CUDA cores build on (their Copy is a device-to-device
+  // cudaMemcpyAsync): here a Copy that logs each call and copies host memory.
+  struct logged_copy {
+    std::vector<std::size_t>* bytes;
+    void operator()(void* out, const void* in, std::size_t n) const {
+      bytes->push_back(n);
+      std::memmove(out, in, n);
+    }
+  };
+  std::vector<std::size_t> calls;
+  basic_local_communicator<logged_copy> c(logged_copy{&calls});
+  static_assert(communicator<basic_local_communicator<logged_copy>>);
+  std::vector<float> in{1, 2, 3, 4, 5}, out(5, 0.0f);
+  const std::vector<u64> counts{3};
+  c.all_reduce(in.data(), out.data(), 5, reduce_op::sum);
+  c.all_reduce(in.data(), in.data(), 5, reduce_op::sum);  // in place: no copy
+  c.reduce_scatter_v(in.data(), out.data(), counts, reduce_op::sum);
+  c.all_gather_v(in.data(), 3, out.data(), counts);
+  c.all_gather_v(out.data(), 3, out.data(), counts);  // in place: no copy
+  std::vector<bf16> h(4), hout(4);
+  c.all_reduce(h.data(), hout.data(), 0, reduce_op::sum);  // empty: no copy
+  c.all_reduce(h.data(), hout.data(), 4, reduce_op::sum);
+  CHECK(calls == std::vector<std::size_t>{20, 12, 12, 8});
+  CHECK(out == in);
+  // Bad arguments are refused before any copy.
+  CHECK_THROWS_AS(c.all_reduce(in.data(), in.data() + 1, 3, reduce_op::sum), mpzero::invalid_argument);
+  CHECK_THROWS_AS(c.all_gather_v(in.data(), 2, out.data(), counts), mpzero::invalid_argument);
+  CHECK(calls.size() == 4);
+}
+
 TEST_CASE("mpi_communicator: construction, options and rank/size", "[comm]") {
   auto c = make_comm();
   CHECK(c.rank() == world_rank());

@@ -436,8 +436,19 @@ TEST_CASE("torch: which communicators take device memory; CUDA cores refuse host
   // The default (world size 1) and any wrapped host communicator move host memory; NCCL
   // orders itself on CUDA streams, which is what marks a device communicator.
   CHECK_FALSE(mt::any_communicator{}.base().reads_device_memory());
+  CHECK(mt::any_communicator{}.name() == "local");
   mpzero::comm::local_communicator local;
   CHECK_FALSE(mt::any_communicator::wrap(local, "local").base().reads_device_memory());
+  // A communicator that can order itself after a CUDA stream is a device one, whether
+  // wrapped or owned (the CUDA cores' world-size-1 communicator is owned this way).
+  struct stream_ordered : mpzero::comm::local_communicator {
+    int waits = 0;
+    void wait_for(CUstream_st*) { ++waits; }
+  };
+  auto owned = mt::any_communicator::own(stream_ordered{}, "ordered");
+  CHECK(owned.base().reads_device_memory());
+  CHECK(owned.name() == "ordered");
+  CHECK(owned.wait_for_stream(nullptr));
   STATIC_REQUIRE(requires(mpzero::comm::nccl_communicator& c, CUstream_st* s) { c.wait_for(s); });
   if (!mt::cuda_cores_compiled()) return;
   // A CUDA core with a host communicator of two ranks: refused before anything touches

@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <memory>
 #include <span>
 #include <string>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include <mpzero/backend/cuda_backend.cuh>
+#include <mpzero/comm/local.hpp>
 
 #include "core_impl.hpp"
 
@@ -75,70 +77,35 @@ struct cuda_context {
   void join_stream(void* s) { order(stream, static_cast<cudaStream_t>(s)); }
 };
 
-// The world-size-1 communicator of a CUDA core: every collective over one rank is a
-// copy (or nothing, in place), here a device-to-device copy on the core's stream, so the
-// results are ordered before the core's later work on that stream with no host wait.
-// (local_communicator copies host memory: on device pointers it would crash.)
-class cuda_local_communicator final : public communicator_base {
+// The world-size-1 communicator of a CUDA core: local_communicator's collectives (the
+// same checks) as device-to-device copies on the core's stream, so their results are
+// ordered before the core's later work there with no host wait. (local_communicator
+// itself copies host memory: on device pointers it would crash.)
+struct device_copy {
+  cudaStream_t stream = nullptr;
+  void operator()(void* out, const void* in, std::size_t bytes) const {
+    MPZERO_CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream));
+  }
+};
+class cuda_local_communicator : public comm::basic_local_communicator<device_copy> {
  public:
-  explicit cuda_local_communicator(cudaStream_t stream) : stream_(stream) {}
-  int rank() const override { return 0; }
-  int size() const override { return 1; }
-  std::string name() const override { return "local (CUDA)"; }
-  bool reads_device_memory() const override { return true; }
-  std::unique_ptr<request_base> iall_reduce(const void* in, void* out, std::uint64_t n, wire_dtype t,
-                                            comm::reduce_op) override {
-    with_wire_type(t, [&]<class T>(T*) {
-      comm::detail::check_same_or_disjoint(static_cast<const T*>(in), n, static_cast<const T*>(out), n, true,
-                                           "all_reduce", "pass in == out or disjoint buffers");
-    });
-    return copy(in, out, n * wire_size(t));
-  }
-  std::unique_ptr<request_base> ireduce_scatter_v(const void* in, void* out, std::span<const std::uint64_t> counts,
-                                                  wire_dtype t, comm::reduce_op) override {
-    const std::uint64_t total = comm::detail::checked_total(counts, 1, "reduce_scatter_v");
-    with_wire_type(t, [&]<class T>(T*) {
-      comm::detail::check_same_or_disjoint(static_cast<const T*>(in), total, static_cast<const T*>(out), counts[0],
-                                           true, "reduce_scatter_v",
-                                           "out may only be in's own block or disjoint from in");
-    });
-    return copy(in, out, counts[0] * wire_size(t));
-  }
-  std::unique_ptr<request_base> iall_gather_v(const void* in, std::uint64_t n_in, void* out,
-                                              std::span<const std::uint64_t> counts, wire_dtype t) override {
-    const std::uint64_t total = comm::detail::checked_total(counts, 1, "all_gather_v");
-    comm::detail::check_count_match(n_in, counts, 0, "all_gather_v");
-    with_wire_type(t, [&]<class T>(T*) {
-      comm::detail::check_same_or_disjoint(static_cast<const T*>(in), n_in, static_cast<const T*>(out), total, true,
-                                           "all_gather_v", "in may only be out's own block or disjoint from out");
-    });
-    return copy(in, out, n_in * wire_size(t));
-  }
-  std::unique_ptr<request_base> ibroadcast(void*, std::uint64_t, wire_dtype, int root) override {
-    comm::detail::check_root(root, 1, "broadcast");
-    return wrap_request(comm::ready_request{});
-  }
-  void barrier() override {}
-  // The copies run on stream_: work queued there before them is ordered already.
-  bool wait_for_stream(void* stream) override { return static_cast<cudaStream_t>(stream) == stream_; }
+  explicit cuda_local_communicator(cuda_context ctx)
+      : basic_local_communicator(device_copy{ctx.stream}), ctx_(std::move(ctx)) {}
+  // Orders the next copies after the work queued on `producer` (NCCL's wait_for); having
+  // it is what makes the adapter treat this communicator as a device one.
+  void wait_for(cudaStream_t producer) { ctx_.order(producer, ctx_.stream); }
 
  private:
-  std::unique_ptr<request_base> copy(const void* in, void* out, std::uint64_t bytes) {
-    if (bytes != 0 && in != out) {
-      MPZERO_CUDA_CHECK(cudaMemcpyAsync(out, in, static_cast<std::size_t>(bytes), cudaMemcpyDeviceToDevice, stream_));
-    }
-    return wrap_request(comm::ready_request{});
-  }
-  cudaStream_t stream_;
+  cuda_context ctx_;
 };
 
 // The communicator a CUDA core uses: `c` when it takes device memory (NCCL, a c10d group
 // on CUDA); at world size 1 otherwise (the default local one, or a host communicator of
-// one rank) the device copy above; a host communicator of several ranks is refused.
-inline any_communicator device_communicator(any_communicator c, int device, cudaStream_t stream) {
+// one rank) the device copies above; a host communicator of several ranks is refused.
+inline any_communicator device_communicator(any_communicator c, const cuda_context& ctx) {
   if (c.base().reads_device_memory()) return c;
-  if (c.size() == 1) return any_communicator(std::make_shared<cuda_local_communicator>(stream));
-  throw config_error("mpzero::torch: the parameters are on CUDA device " + std::to_string(device) +
+  if (c.size() == 1) return any_communicator::own(cuda_local_communicator(ctx), "local (CUDA)");
+  throw config_error("mpzero::torch: the parameters are on CUDA device " + std::to_string(ctx.device) +
                      ", but the communicator '" + c.name() + "' (" + std::to_string(c.size()) +
                      " ranks) moves host memory. Pass mpzero::comm::nccl_communicator "
                      "(any_communicator::wrap(nccl, \"nccl\")) or a c10d ProcessGroup with the NCCL backend "
@@ -154,7 +121,7 @@ struct cuda_row {
                       cuda_context ctx;
                       ctx.device = place.device;
                       ctx.stream = static_cast<cudaStream_t>(place.stream);
-                      any_communicator dc = device_communicator(std::move(c), ctx.device, ctx.stream);
+                      any_communicator dc = device_communicator(std::move(c), ctx);
                       return std::make_unique<core_impl<Policy, Opt, N, Offload, cuda_context>>(
                           core_device::cuda, std::move(ctx), std::move(dc), numels, o, zo);
                     }};

@@ -1,11 +1,15 @@
 // mpzero: the world-size-1 communicator. Every collective over one rank is a copy
 // (or nothing, in place), so single-process training needs neither MPI nor NCCL.
-// Buffers are host memory; requests are complete when returned.
+// local_communicator's buffers are host memory; basic_local_communicator<Copy> takes the
+// copy as a parameter (e.g. a device-to-device copy on a CUDA stream), with the same
+// argument checks. Requests are complete when returned.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <span>
+#include <utility>
 
 #include "communicator.hpp"
 
@@ -17,9 +21,20 @@ struct ready_request {
   bool test() const noexcept { return true; }
 };
 
-class local_communicator {
+// Copies host memory.
+struct host_copy {
+  void operator()(void* out, const void* in, std::size_t bytes) const noexcept { std::memmove(out, in, bytes); }
+};
+
+// Copy: void(void* out, const void* in, std::size_t bytes) const, called only for
+// bytes > 0 and in != out (the ranges are then disjoint: checked).
+template <class Copy>
+class basic_local_communicator {
  public:
   using request_type = ready_request;
+
+  basic_local_communicator() = default;
+  explicit basic_local_communicator(Copy c) : copy_(std::move(c)) {}
 
   int rank() const noexcept { return 0; }
   int size() const noexcept { return 1; }
@@ -79,10 +94,13 @@ class local_communicator {
 
  private:
   template <class T>
-  static void copy(const T* in, T* out, std::uint64_t n) noexcept {
-    if (n != 0 && in != out) std::memmove(out, in, n * sizeof(T));  // ranges are disjoint (checked)
+  void copy(const T* in, T* out, std::uint64_t n) const {
+    if (n != 0 && in != out) copy_(out, in, static_cast<std::size_t>(n * sizeof(T)));  // disjoint (checked)
   }
+  Copy copy_{};
 };
+
+using local_communicator = basic_local_communicator<host_copy>;
 
 static_assert(communicator<local_communicator>);
 

@@ -138,12 +138,15 @@ std::unique_ptr<request_base> wrap_request(R&& r) {
 
 }  // namespace detail
 
-// Any comm::communicator behind the virtual interface. Holds `c` by reference: the
-// caller keeps it alive (and, for MPI, calls from MPI's thread) while the engine lives.
+// Any comm::communicator behind the virtual interface. Holds `c` by reference (the
+// caller keeps it alive and, for MPI, calls from MPI's thread while the engine lives),
+// or owns it.
 template <comm::communicator C>
 class communicator_adapter final : public communicator_base {
  public:
   explicit communicator_adapter(C& c, std::string name = "communicator") : c_(c), name_(std::move(name)) {}
+  communicator_adapter(std::shared_ptr<C> owned, std::string name)
+      : owned_(std::move(owned)), c_(*owned_), name_(std::move(name)) {}
   int rank() const override { return c_.rank(); }
   int size() const override { return c_.size(); }
   std::string name() const override { return name_; }
@@ -183,7 +186,7 @@ class communicator_adapter final : public communicator_base {
   }
   void barrier() override { c_.barrier(); }
   // A communicator that orders itself on CUDA streams (C::wait_for(cudaStream_t), as
-  // mpzero's nccl_communicator) works on device memory.
+  // mpzero's nccl_communicator and the CUDA cores' world-size-1 one) works on device memory.
   bool reads_device_memory() const override { return requires(C& c, ::CUstream_st* s) { c.wait_for(s); }; }
   // Forwarded to C::wait_for(cudaStream_t) where C has it (mpzero's nccl_communicator).
   bool wait_for_stream(void* stream) override {
@@ -197,6 +200,7 @@ class communicator_adapter final : public communicator_base {
   }
 
  private:
+  std::shared_ptr<C> owned_;  // empty when the caller owns c_
   C& c_;
   std::string name_;
 };
@@ -221,7 +225,7 @@ class any_communicator : public comm::blocking_collectives<any_communicator> {
   using request_type = any_request;
 
   // World size 1, no MPI or c10d needed.
-  any_communicator() : any_communicator(std::make_shared<owned_local>()) {}
+  any_communicator() : any_communicator(own(comm::local_communicator{}, "local")) {}
   explicit any_communicator(std::shared_ptr<communicator_base> impl) : impl_(std::move(impl)) {
     if (!impl_) throw mpzero::invalid_argument("mpzero::torch::any_communicator: got a null communicator");
   }
@@ -230,6 +234,13 @@ class any_communicator : public comm::blocking_collectives<any_communicator> {
     requires(!std::is_same_v<std::remove_cvref_t<C>, any_communicator>)
   static any_communicator wrap(C& c, std::string name = "communicator") {
     return any_communicator(std::make_shared<communicator_adapter<C>>(c, std::move(name)));
+  }
+  // Takes `c` over (copies share it).
+  template <comm::communicator C>
+    requires(!std::is_same_v<std::remove_cvref_t<C>, any_communicator>)
+  static any_communicator own(C c, std::string name) {
+    return any_communicator(
+        std::make_shared<communicator_adapter<C>>(std::make_shared<C>(std::move(c)), std::move(name)));
   }
 
   int rank() const { return impl_->rank(); }
@@ -261,31 +272,6 @@ class any_communicator : public comm::blocking_collectives<any_communicator> {
   bool wait_for_stream(void* stream) { return impl_->wait_for_stream(stream); }
 
  private:
-  // A local_communicator owned by the wrapper (the default, world size 1).
-  struct owned_local final : communicator_base {
-    comm::local_communicator c;
-    communicator_adapter<comm::local_communicator> a{c, "local"};
-    int rank() const override { return 0; }
-    int size() const override { return 1; }
-    std::string name() const override { return "local"; }
-    std::unique_ptr<request_base> iall_reduce(const void* in, void* out, std::uint64_t n, wire_dtype t,
-                                              comm::reduce_op op) override {
-      return a.iall_reduce(in, out, n, t, op);
-    }
-    std::unique_ptr<request_base> ireduce_scatter_v(const void* in, void* out, std::span<const std::uint64_t> counts,
-                                                    wire_dtype t, comm::reduce_op op) override {
-      return a.ireduce_scatter_v(in, out, counts, t, op);
-    }
-    std::unique_ptr<request_base> iall_gather_v(const void* in, std::uint64_t n_in, void* out,
-                                                std::span<const std::uint64_t> counts, wire_dtype t) override {
-      return a.iall_gather_v(in, n_in, out, counts, t);
-    }
-    std::unique_ptr<request_base> ibroadcast(void* data, std::uint64_t n, wire_dtype t, int root) override {
-      return a.ibroadcast(data, n, t, root);
-    }
-    void barrier() override {}
-  };
-
   std::shared_ptr<communicator_base> impl_;
 };
 
