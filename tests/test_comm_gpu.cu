@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include <mpzero/backend/cuda_backend.cuh>
 #include <mpzero/comm/local.hpp>
 #include <mpzero/comm/nccl.cuh>
 #include <mpzero/cuda/check.cuh>
@@ -213,5 +214,48 @@ TEST_CASE("nccl_communicator: a request that cannot finish times out and aborts"
     MPZERO_CUDA_CHECK(cudaStreamSynchronize(c.stream()));
   }
   MPZERO_CUDA_CHECK(cudaStreamDestroy(producer));
+  MPZERO_CUDA_CHECK(cudaFreeHost(flag));
+}
+
+TEST_CASE("Polling unfinished work (a request, a transfer) leaves no error for the next launch check", "[gpu]") {
+  // cudaEventQuery's "not ready" may be recorded as the thread's last error; the launch
+  // checks (cudaGetLastError after each kernel) must not then blame the next kernel.
+  int* flag = nullptr;
+  MPZERO_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&flag), sizeof(int), cudaHostAllocMapped));
+  *flag = 0;
+  int* dflag = nullptr;
+  MPZERO_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dflag), flag, 0));
+  cudaStream_t producer, other;
+  MPZERO_CUDA_CHECK(cudaStreamCreateWithFlags(&producer, cudaStreamNonBlocking));
+  MPZERO_CUDA_CHECK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
+  {
+    std::jthread release([flag] {  // the safety net if a check below throws
+      std::this_thread::sleep_for(std::chrono::seconds(5));
+      *reinterpret_cast<volatile int*>(flag) = 1;
+    });
+    nccl_options opt;
+    opt.timeout_s = 60;
+    nccl_communicator c(opt);
+    device_buffer<float> x(1024), y(1024);
+    const cuda_backend be{producer};
+    host_buffer<float> pinned(1024, be.host_memory(true));
+    spin_until<<<1, 1, 0, producer>>>(dflag, 20'000'000'000LL);
+    MPZERO_CUDA_CHECK(cudaGetLastError());
+    c.wait_for(producer);
+    auto r = c.iall_reduce(x.p, y.p, 1024, reduce_op::sum);
+    auto t = be.download_async(pinned.data(), x.p, 1024);
+    CHECK_FALSE(r.test());
+    CHECK_FALSE(t.done());
+    fill<<<4, 256, 0, other>>>(y.p + 0, 0, 1.0f);  // an unrelated launch, then its check
+    REQUIRE_NOTHROW(MPZERO_CUDA_CHECK(cudaGetLastError()));
+    REQUIRE_NOTHROW(be.zero(x.p, 1024));  // the backend's own launch path
+    *reinterpret_cast<volatile int*>(flag) = 1;
+    r.wait();
+    t.wait();
+    CHECK(t.done());
+    MPZERO_CUDA_CHECK(cudaStreamSynchronize(producer));
+  }
+  MPZERO_CUDA_CHECK(cudaStreamDestroy(producer));
+  MPZERO_CUDA_CHECK(cudaStreamDestroy(other));
   MPZERO_CUDA_CHECK(cudaFreeHost(flag));
 }

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include <mpzero/backend/host.hpp>
+#include <mpzero/comm/local.hpp>
 #include <mpzero/comm/mpi.hpp>
 #include <mpzero/zero/zero_optimizer.hpp>
 
@@ -347,6 +348,34 @@ TEST_CASE("ZeRO: an fp16 policy without loss scaling is refused with a message",
   using Z = ZeroOptimizer<policies::fp16_fp32_master, optim::adam, stage<1>, comm::mpi_communicator>;
   REQUIRE_THROWS_WITH(Z(c, numels, optim::adam::options{}, zero_options{}),
                       Catch::Contains("loss_scaling = true") && Catch::Contains("bf16"));
+}
+
+TEST_CASE("ZeRO: the host backend refuses a communicator that reads device memory", "[zero]") {
+  // What marks a device communicator (comm::reads_device_memory): wait_for(cudaStream_t),
+  // as nccl_communicator has, or a run-time answer from a type-erased one.
+  struct stream_ordered : comm::local_communicator {
+    void wait_for(CUstream_st*) {}
+  };
+  struct answers {
+    bool device = false;
+    bool reads_device_memory() const { return device; }
+  };
+  CHECK_FALSE(comm::reads_device_memory(world()));
+  CHECK_FALSE(comm::reads_device_memory(comm::local_communicator{}));
+  CHECK(comm::reads_device_memory(stream_ordered{}));
+  CHECK(comm::reads_device_memory(answers{true}));
+  CHECK_FALSE(comm::reads_device_memory(answers{false}));
+
+  const std::vector<std::uint64_t> numels{10};
+  stream_ordered device_comm;
+  using Z = ZeroOptimizer<policies::fp32, optim::adam, stage<1>, stream_ordered>;
+  REQUIRE_THROWS_WITH(Z(device_comm, numels, optim::adam::options{}, zero_options{}),
+                      Catch::Contains("host backend keeps its buffers in host memory, but the communicator (rank 0 of "
+                                      "1) reads device memory") &&
+                          Catch::Contains("mpi_communicator") && Catch::Contains("CUDA backend"));
+  // The host communicators pass the check.
+  using Zw = ZeroOptimizer<policies::fp32, optim::adam, stage<1>, comm::mpi_communicator>;
+  CHECK_NOTHROW(Zw(world(), numels, optim::adam::options{}, zero_options{}));
 }
 
 TEST_CASE("ZeRO: an overflow on one rank skips the step on all ranks and leaves every state untouched", "[zero]") {

@@ -1,16 +1,20 @@
-// ZeroOptimizer on the CUDA backend with an NCCL communicator (world size 1),
-// checked bit for bit against the same optimizer on the host backend with the local
-// communicator: same gradients, same steps, same parameters, masters and states.
-// Runs only under `ctest -L gpu`.
+// ZeroOptimizer on the CUDA backend with an NCCL communicator (world size 1), or
+// cuda_local_communicator, checked bit for bit against the same optimizer on the host
+// backend with the local communicator: same gradients, same steps, same parameters,
+// masters and states. The [gpu] cases run only under `ctest -L gpu`; the [zero] case
+// (a communicator in the wrong memory space is refused) needs no device.
 #include <catch2/catch.hpp>
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include <mpzero/backend/cuda_backend.cuh>
+#include <mpzero/comm/cuda_local.cuh>
 #include <mpzero/comm/local.hpp>
 #include <mpzero/comm/nccl.cuh>
 #include <mpzero/zero/zero_optimizer.hpp>
@@ -96,8 +100,12 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// The device run's communicator: NCCL, or cuda_local_communicator (device copies on the
+// backend's stream, no NCCL).
+enum class device_comm { nccl, local };
+
 template <class Policy, class Opt, int Stage, class Offload = offload_none>
-void compare_backends(bool pinned = true, const std::vector<dtype>& wire = {}) {
+void compare_backends(bool pinned = true, const std::vector<dtype>& wire = {}, device_comm dc = device_comm::nccl) {
   require_device();
   const std::vector<std::uint64_t> numels{70001, 0, 33, 12345, 7, 100000};
   comm::local_communicator local;
@@ -105,12 +113,17 @@ void compare_backends(bool pinned = true, const std::vector<dtype>& wire = {}) {
   cudaStream_t stream = nullptr;
   MPZERO_CUDA_CHECK(cudaStreamCreate(&stream));
   snapshot dev;
-  {
+  if (dc == device_comm::nccl) {
     comm::nccl_communicator nccl;
     dev = train<Policy, Opt, Stage, comm::nccl_communicator, cuda_backend, Offload>(nccl, cuda_backend{stream}, numels, pinned, wire);
+  } else {
+    comm::cuda_local_communicator copies(stream);
+    dev = train<Policy, Opt, Stage, comm::cuda_local_communicator, cuda_backend, Offload>(copies, cuda_backend{stream}, numels,
+                                                                                          pinned, wire);
   }
   MPZERO_CUDA_CHECK(cudaStreamDestroy(stream));
-  INFO("stage " << Stage << (pinned ? "" : ", pageable host memory"));
+  INFO("stage " << Stage << (pinned ? "" : ", pageable host memory")
+                << (dc == device_comm::nccl ? ", NCCL" : ", cuda_local_communicator"));
   REQUIRE(same_bits(host.params, dev.params));
   REQUIRE(same_bits(host.master, dev.master));
   REQUIRE(same_bits(host.s0, dev.s0));
@@ -190,4 +203,67 @@ TEST_CASE("ZeRO on CUDA + NCCL with per-parameter wire dtypes equals the host ba
   compare_backends<policies::fp32, optim::adamw, 2>(true, wire);
   compare_backends<policies::bf16_fp32_master, optim::adamw, 3>(true, wire);
   compare_backends<policies::bf16_fp32_master, optim::adamw, 2, offload_cpu>(true, wire);
+}
+
+TEST_CASE("ZeRO on CUDA with cuda_local_communicator (no NCCL) equals the host backend", "[gpu][zero]") {
+  // Stages 1-3 copy between distinct device buffers (reduce-scatter into the partition,
+  // all-gather of the parameters), which a host communicator would do with memmove.
+  compare_backends<policies::bf16_all_sr, optim::adamw, 1>(true, {}, device_comm::local);
+  compare_backends<policies::bf16_fp32_master, optim::adamw, 2>(true, {}, device_comm::local);
+  compare_backends<policies::fp16_fp32_master, optim::adamw, 3>(true, {}, device_comm::local);
+  compare_backends<policies::bf16_fp32_master, optim::adamw, 2, offload_cpu>(true, {}, device_comm::local);
+}
+
+TEST_CASE("ZeroOptimizer refuses a communicator that reads the other memory space", "[zero]") {
+  // Needs no device: the check runs before anything is allocated or launched.
+  STATIC_REQUIRE(requires(comm::nccl_communicator& c, cudaStream_t s) { c.wait_for(s); });
+  CHECK(comm::reads_device_memory(comm::cuda_local_communicator{}));
+  CHECK_FALSE(comm::reads_device_memory(comm::local_communicator{}));
+  const std::vector<std::uint64_t> numels{10, 3};
+  comm::local_communicator host_comm;
+  using OnDevice = ZeroOptimizer<policies::bf16_fp32_master, optim::adamw, stage<2>, comm::local_communicator, cuda_backend>;
+  REQUIRE_THROWS_MATCHES(OnDevice(host_comm, numels, optim::adamw::options{}, zero_options{}, cuda_backend{}),
+                         mpzero::invalid_argument,
+                         Catch::Matchers::Predicate<mpzero::invalid_argument>([](const mpzero::invalid_argument& e) {
+                           const std::string w = e.what();
+                           return w.find("device memory, but the communicator (rank 0 of 1) moves host memory") !=
+                                      std::string::npos &&
+                                  w.find("nccl_communicator") != std::string::npos &&
+                                  w.find("cuda_local_communicator") != std::string::npos;
+                         }));
+  // The same type with cuda_local_communicator passes the check (constructing it would
+  // allocate on the device, so only the types and the rule are checked here).
+  comm::cuda_local_communicator dev_comm;
+  CHECK(comm::reads_device_memory(dev_comm) == cuda_backend::device_memory);
+  // Its copies are ordered only on its own stream: following another one is refused
+  // (streams are never dereferenced here).
+  const auto a = reinterpret_cast<cudaStream_t>(std::uintptr_t{0x10});
+  const auto b = reinterpret_cast<cudaStream_t>(std::uintptr_t{0x20});
+  comm::cuda_local_communicator on_a(a);
+  CHECK_NOTHROW(on_a.wait_for(a));
+  REQUIRE_THROWS_WITH(on_a.wait_for(b), Catch::Contains("Construct it with the backend's stream"));
+}
+
+TEST_CASE("cuda_backend::all_reduce_host: host values through reused device scratch, growing sizes", "[gpu][zero]") {
+  require_device();
+  cudaStream_t stream = nullptr;
+  MPZERO_CUDA_CHECK(cudaStreamCreate(&stream));
+  {
+    const cuda_backend be{stream};
+    comm::nccl_communicator nccl;
+    // One rank: the sum and the max are the values themselves, through the device and back.
+    for (const std::uint64_t n : {std::uint64_t{1}, std::uint64_t{1000}, std::uint64_t{3}, std::uint64_t{5000}}) {
+      std::vector<double> v(n);
+      for (std::uint64_t i = 0; i < n; ++i) v[i] = 0.5 * static_cast<double>(i) - 7.25;
+      const std::vector<double> want = v;
+      be.all_reduce_host(nccl, v.data(), n, comm::reduce_op::sum);
+      CHECK(v == want);
+      std::vector<std::int32_t> flags(n, 0);
+      flags[n - 1] = 1;
+      be.all_reduce_host(nccl, flags.data(), n, comm::reduce_op::max);
+      CHECK(flags[n - 1] == 1);
+      CHECK(std::count(flags.begin(), flags.end(), 1) == 1);
+    }
+  }
+  MPZERO_CUDA_CHECK(cudaStreamDestroy(stream));
 }

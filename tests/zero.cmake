@@ -2,8 +2,9 @@ mpzero_add_test(test_loss_scaler SOURCES test_loss_scaler.cpp TAGS zero)
 mpzero_add_test(test_zero SOURCES test_zero.cpp TAGS zero offload MPI 1 2 3 4)
 # Per-parameter wire dtypes (zero_options::wire_dtypes), every stage and offload.
 mpzero_add_test(test_zero_wire SOURCES test_zero_wire.cpp TAGS zero MPI 1 2 3 4)
-# ZeroOptimizer on the CUDA backend with NCCL at world size 1, against the host backend.
+# ZeroOptimizer on the CUDA backend with NCCL at world size 1, against the host backend
+# ([gpu]); its [zero] case (a communicator in the wrong memory space) runs without a device.
 if(MPZERO_HAS_CUDA AND MPZERO_NCCL_FOUND)
-  mpzero_add_test(test_zero_gpu SOURCES test_zero_gpu.cu TAGS gpu LIBS mpzero_nccl)
+  mpzero_add_test(test_zero_gpu SOURCES test_zero_gpu.cu TAGS gpu zero LIBS mpzero_nccl)
   mpzero_cuda_target(test_zero_gpu)
 endif()

@@ -25,6 +25,8 @@ namespace mpzero::testing {
 
 struct deferred_backend : host_backend {
   static constexpr bool device_memory = true;
+  // Its "device" buffers are host memory: host communicators (MPI) may read them.
+  static constexpr bool host_addressable = true;
 
   class transfer {
    public:

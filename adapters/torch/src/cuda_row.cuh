@@ -15,7 +15,7 @@
 #include <vector>
 
 #include <mpzero/backend/cuda_backend.cuh>
-#include <mpzero/comm/local.hpp>
+#include <mpzero/comm/cuda_local.cuh>
 
 #include "core_impl.hpp"
 
@@ -77,34 +77,15 @@ struct cuda_context {
   void join_stream(void* s) { order(stream, static_cast<cudaStream_t>(s)); }
 };
 
-// The world-size-1 communicator of a CUDA core: local_communicator's collectives (the
-// same checks) as device-to-device copies on the core's stream, so their results are
-// ordered before the core's later work there with no host wait. (local_communicator
-// itself copies host memory: on device pointers it would crash.)
-struct device_copy {
-  cudaStream_t stream = nullptr;
-  void operator()(void* out, const void* in, std::size_t bytes) const {
-    MPZERO_CUDA_CHECK(cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream));
-  }
-};
-class cuda_local_communicator : public comm::basic_local_communicator<device_copy> {
- public:
-  explicit cuda_local_communicator(cuda_context ctx)
-      : basic_local_communicator(device_copy{ctx.stream}), ctx_(std::move(ctx)) {}
-  // Orders the next copies after the work queued on `producer` (NCCL's wait_for); having
-  // it is what makes the adapter treat this communicator as a device one.
-  void wait_for(cudaStream_t producer) { ctx_.order(producer, ctx_.stream); }
-
- private:
-  cuda_context ctx_;
-};
-
 // The communicator a CUDA core uses: `c` when it takes device memory (NCCL, a c10d group
 // on CUDA); at world size 1 otherwise (the default local one, or a host communicator of
-// one rank) the device copies above; a host communicator of several ranks is refused.
+// one rank) comm::cuda_local_communicator, device-to-device copies on the core's stream
+// (ordered before the core's later work there with no host wait; every call into the core
+// holds cuda_context::scope, so its event lives on the core's device); a host
+// communicator of several ranks is refused.
 inline any_communicator device_communicator(any_communicator c, const cuda_context& ctx) {
   if (c.base().reads_device_memory()) return c;
-  if (c.size() == 1) return any_communicator::own(cuda_local_communicator(ctx), "local (CUDA)");
+  if (c.size() == 1) return any_communicator::own(comm::cuda_local_communicator(ctx.stream), "local (CUDA)");
   throw config_error("mpzero::torch: the parameters are on CUDA device " + std::to_string(ctx.device) +
                      ", but the communicator '" + c.name() + "' (" + std::to_string(c.size()) +
                      " ranks) moves host memory. Pass mpzero::comm::nccl_communicator "

@@ -39,6 +39,7 @@ class cuda_buffer {
     void* p = nullptr;
     const cudaError_t e = cudaMalloc(&p, static_cast<std::size_t>(n) * sizeof(T));
     if (e != cudaSuccess) {
+      (void)cudaGetLastError();  // recoverable: do not leave it for the next launch check to report
       throw cuda_error(e, "mpzero: cudaMalloc of " + std::to_string(n * sizeof(T)) +
                               " bytes failed (" + cudaGetErrorString(e) +
                               "); use a higher ZeRO stage, a lower-precision policy or CPU offload");
@@ -89,17 +90,25 @@ namespace cuda::detail {
 inline void* pinned_allocate(std::size_t bytes) {
   void* p = nullptr;
   // Portable: pinned for every device of the process, whichever is current.
-  if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable) != cudaSuccess) return nullptr;
+  if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable) != cudaSuccess) {
+    (void)cudaGetLastError();  // the caller falls back or reports; the next launch check must not see it
+    return nullptr;
+  }
   return p;
 }
 inline void pinned_free(void* p) noexcept { cudaFreeHost(p); }
 
-// The copy stream of a backend and a pool of events for its transfers. Created on first
-// use (a default-constructed backend touches no device), shared by copies of the backend.
+// The copy stream of a backend and a pool of events for its transfers, and the device
+// scratch of all_reduce_host. Created on first use (a default-constructed backend
+// touches no device), shared by copies of the backend.
 struct transfer_pool {
   std::mutex mutex;
   cudaStream_t copy = nullptr;
   std::vector<cudaEvent_t> free_events;
+  // Kept between calls: all_reduce_host runs every step (norm, overflow flag), and a
+  // cudaFree each time would synchronize the whole device.
+  void* scratch = nullptr;
+  std::size_t scratch_bytes = 0;
 
   transfer_pool() = default;
   transfer_pool(const transfer_pool&) = delete;
@@ -107,6 +116,26 @@ struct transfer_pool {
   ~transfer_pool() {
     for (cudaEvent_t e : free_events) cudaEventDestroy(e);
     if (copy != nullptr) cudaStreamDestroy(copy);  // released once its queued copies finish
+    if (scratch != nullptr) cudaFree(scratch);
+  }
+  // At least `bytes` of device memory, valid until the next call (callers use it
+  // synchronously, one at a time).
+  void* scratch_for(std::size_t bytes) {
+    std::lock_guard lock(mutex);
+    if (bytes > scratch_bytes) {
+      if (scratch != nullptr) MPZERO_CUDA_CHECK(cudaFree(scratch));
+      scratch = nullptr;
+      scratch_bytes = 0;
+      const std::size_t want = bytes < 256 ? 256 : bytes;
+      const cudaError_t e = cudaMalloc(&scratch, want);
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        throw cuda_error(e, "mpzero: cudaMalloc of " + std::to_string(want) + " bytes of scratch failed (" +
+                                cudaGetErrorString(e) + "); the device is out of memory");
+      }
+      scratch_bytes = want;
+    }
+    return scratch;
   }
   cudaStream_t stream() {
     std::lock_guard lock(mutex);
@@ -157,7 +186,7 @@ class cuda_transfer {
   // Whether the copy has finished (does not block).
   bool done() const {
     if (event_ == nullptr) return true;
-    const cudaError_t e = cudaEventQuery(event_);
+    const cudaError_t e = detail::query_event(event_);
     if (e == cudaErrorNotReady) return false;
     MPZERO_CUDA_CHECK(e);
     return true;
@@ -304,11 +333,11 @@ struct cuda_backend {
   template <class Comm, class T>
   void all_reduce_host(Comm& c, T* values, std::uint64_t n, comm::reduce_op op) const {
     if (n == 0) return;
-    cuda_buffer<T> scratch(n, stream);
-    upload(scratch.data(), values, n);
+    T* scratch = static_cast<T*>(transfers_->scratch_for(static_cast<std::size_t>(n) * sizeof(T)));
+    upload(scratch, values, n);  // synchronous: the previous call's collective is long done
     before_comm(c);
-    c.all_reduce(scratch.data(), scratch.data(), n, op);
-    download(values, scratch.data(), n);
+    c.all_reduce(scratch, scratch, n, op);
+    download(values, scratch, n);
   }
 
   void synchronize() const { MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream)); }

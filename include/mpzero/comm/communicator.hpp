@@ -46,6 +46,8 @@
 #include "../numeric/bf16.hpp"
 #include "../numeric/fp16.hpp"
 
+struct CUstream_st;  // what cudaStream_t points to, named without the CUDA headers
+
 namespace mpzero::comm {
 
 enum class reduce_op { sum, max };
@@ -93,6 +95,23 @@ concept communicator = requires(C& c, const float* in, float* out, std::uint64_t
   { c.ireduce_scatter_v(in, out, counts, reduce_op::sum) } -> request;
   { c.iall_gather_v(in, counts[static_cast<std::size_t>(c.rank())], out, counts) } -> request;
 };
+
+// Whether c's collectives take device memory. A communicator that can order itself
+// after a CUDA stream (wait_for(cudaStream_t): nccl_communicator, cuda_local_communicator)
+// works on the device; one that answers at run time (reads_device_memory(), e.g. a
+// type-erased communicator) says so itself; any other (local_communicator,
+// mpi_communicator) moves host memory. A backend's buffers must live where its
+// communicator reads: ZeroOptimizer refuses a mismatch at construction.
+template <class C>
+bool reads_device_memory(const C& c) {
+  if constexpr (requires {
+                  { c.reads_device_memory() } -> std::convertible_to<bool>;
+                }) {
+    return static_cast<bool>(c.reads_device_memory());
+  } else {
+    return requires(C& m, ::CUstream_st* s) { m.wait_for(s); };
+  }
+}
 
 // The blocking calls of a communicator whose non-blocking calls return requests:
 // post, then wait. Communicators derive from it (CRTP) and keep barrier() their own.

@@ -36,6 +36,7 @@
 #include <string>
 #include <utility>
 
+#include "../cuda/check.cuh"
 #include "communicator.hpp"
 
 namespace mpzero::comm {
@@ -243,7 +244,7 @@ class nccl_request {
       st_->check_nccl(ncclCommGetAsyncError(st_->comm, &state), "ncclCommGetAsyncError", what_);
       if (state != ncclSuccess && state != ncclInProgress) st_->check_nccl(state, "asynchronous NCCL work", what_);
     }
-    const cudaError_t e = cudaEventQuery(event_);
+    const cudaError_t e = ::mpzero::detail::query_event(event_);
     if (e == cudaErrorNotReady) return false;
     st_->check_cuda(e, "cudaEventQuery", what_);
     release();

@@ -25,6 +25,18 @@ inline void cuda_check(cudaError_t e, const char* call, const char* file, int li
                             ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
   }
 }
+
+// cudaEventQuery without side effects: a "not ready" answer may be recorded as the
+// thread's last error, and the launch checks (cudaGetLastError) would then report it
+// against the next, unrelated kernel. Cleared only when nothing else was pending, so a
+// real earlier error still surfaces where it belongs. (PyTorch's CUDAEvent::query
+// clears it the same way.)
+inline cudaError_t query_event(cudaEvent_t e) noexcept {
+  const bool clean = cudaPeekAtLastError() == cudaSuccess;
+  const cudaError_t r = cudaEventQuery(e);
+  if (r == cudaErrorNotReady && clean) (void)cudaGetLastError();
+  return r;
+}
 }  // namespace detail
 }  // namespace mpzero
 

@@ -129,6 +129,12 @@ class ZeroOptimizer {
   static constexpr int zero_stage = Stage::value;
   static constexpr int n_states = Optimizer::n_states;
   static constexpr bool offloaded = Offload::value == offload_kind::cpu;
+  // The communicator must read device memory when the backend's buffers are device
+  // memory, unless the backend says host code can address them (host_addressable: a
+  // test double that stages "device" buffers in host memory).
+  static constexpr bool needs_device_communicator = Backend::device_memory && !requires {
+    requires Backend::host_addressable;
+  };
 
   ZeroOptimizer(Comm& comm, std::span<const std::uint64_t> numels, const typename Optimizer::options& opt,
                 const zero_options& zo = {}, Backend backend = {})
@@ -139,6 +145,21 @@ class ZeroOptimizer {
             "ZeroOptimizer: this policy keeps fp16 weights or gradients, which underflow without loss scaling: set "
             "zero_options::loss_scaling = true (dynamic by default), or use a bf16 policy");
       }
+    }
+    if (needs_device_communicator != comm::reads_device_memory(comm)) {
+      // Checked before anything is allocated: a host communicator handed device pointers
+      // would fault inside a collective (memmove, or MPI's host-side reductions), and NCCL
+      // rejects host pointers only once the first bucket is reduced.
+      detail::throw_invalid(
+          needs_device_communicator
+              ? "ZeroOptimizer: the backend keeps its buffers in device memory, but the communicator (rank " +
+                    std::to_string(comm.rank()) + " of " + std::to_string(comm.size()) +
+                    ") moves host memory. Use comm::nccl_communicator (one rank works too), or "
+                    "comm::cuda_local_communicator for a single process; or the host backend"
+              : "ZeroOptimizer: the host backend keeps its buffers in host memory, but the communicator (rank " +
+                    std::to_string(comm.rank()) + " of " + std::to_string(comm.size()) +
+                    ") reads device memory. Use comm::mpi_communicator or comm::local_communicator with the host "
+                    "backend, or the CUDA backend with this communicator");
     }
     if (zo.reduce_bucket_numel == 0) {
       detail::throw_invalid("ZeroOptimizer: reduce_bucket_numel = 0; use a positive bucket size (DeepSpeed's default is 5e8)");
@@ -174,6 +195,16 @@ class ZeroOptimizer {
         try {
           part.request.wait();
         } catch (...) {  // timed out or failed: the communicator is aborted, nothing runs on
+        }
+      }
+    }
+    // Stage 3: gathers prefetched and never gathered write into buffers freed here.
+    if constexpr (zero_stage == 3) {
+      for (auto& [key, g] : groups_) {
+        if (!g.request) continue;
+        try {
+          g.request->wait();
+        } catch (...) {  // as above
         }
       }
     }
@@ -296,7 +327,8 @@ class ZeroOptimizer {
       // through it, or a shared weight) makes its bucket dirty; all ranks agree on the
       // dirty set so that they issue the same reductions in the same order.
       if (!dirty_.empty()) {
-        backend_.all_reduce_host(comm_, dirty_.data(), dirty_.size(), comm::reduce_op::max);
+        // (One rank agrees with itself: no round trip through the device.)
+        if (world_ > 1) backend_.all_reduce_host(comm_, dirty_.data(), dirty_.size(), comm::reduce_op::max);
         for (std::size_t b = dirty_.size(); b-- > 0;) {
           if (dirty_[b]) {
             if (staging_of_[b] < 0) staging_of_[b] = acquire_staging();
@@ -933,12 +965,23 @@ class ZeroOptimizer {
       staging_.release(f.staging);
       f.staging = -1;
     }
+    // Receive buffers first: a new one is zero-filled on the backend's stream, and the
+    // collectives are ordered after that stream's work by before_comm.
+    std::vector<int> recvs;
+    recvs.reserve(bucket_runs_[b].size());
+    for (const wire_run& run : bucket_runs_[b]) {
+      visit_dtype(run.wire, [&]<class T>(T*) {
+        const std::vector<std::uint64_t> counts = layout_.rank_counts(run.range);
+        recvs.push_back(recv_pools_.template get<T>().acquire(backend_, counts[static_cast<std::size_t>(rank_)]));
+      });
+    }
     backend_.before_comm(comm_);
+    std::size_t run_index = 0;
     for (const wire_run& run : bucket_runs_[b]) {
       visit_dtype(run.wire, [&]<class T>(T*) {
         const std::vector<std::uint64_t> counts = layout_.rank_counts(run.range);
         const std::uint64_t at = run.range.begin - bk.range.begin;
-        const int recv = recv_pools_.template get<T>().acquire(backend_, counts[static_cast<std::size_t>(rank_)]);
+        const int recv = recvs[run_index++];
         const T* send = nullptr;
         if constexpr (std::same_as<T, grad_type>) {
           send = staged + at;

@@ -26,10 +26,6 @@
 #include <mpzero/comm/local.hpp>
 #include <mpzero/error.hpp>
 
-// CUDA's stream type (cudaStream_t is CUstream_st*), declared so that this header can
-// forward a stream to a device communicator without including a CUDA header.
-struct CUstream_st;
-
 namespace mpzero::torch {
 
 // The element types that travel, as a value (comm::wire_type as a type).
@@ -185,9 +181,10 @@ class communicator_adapter final : public communicator_base {
     });
   }
   void barrier() override { c_.barrier(); }
-  // A communicator that orders itself on CUDA streams (C::wait_for(cudaStream_t), as
-  // mpzero's nccl_communicator and the CUDA cores' world-size-1 one) works on device memory.
-  bool reads_device_memory() const override { return requires(C& c, ::CUstream_st* s) { c.wait_for(s); }; }
+  // comm::reads_device_memory's rule: a communicator that orders itself on CUDA streams
+  // (C::wait_for(cudaStream_t), as nccl_communicator and cuda_local_communicator) works on
+  // device memory.
+  bool reads_device_memory() const override { return comm::reads_device_memory(c_); }
   // Forwarded to C::wait_for(cudaStream_t) where C has it (mpzero's nccl_communicator).
   bool wait_for_stream(void* stream) override {
     if constexpr (requires(C& c, ::CUstream_st* s) { c.wait_for(s); }) {
@@ -270,6 +267,9 @@ class any_communicator : public comm::blocking_collectives<any_communicator> {
   // See communicator_base::wait_for_stream. The CUDA backend calls it before each
   // collective (cuda_backend::before_comm) and synchronizes the stream when it is false.
   bool wait_for_stream(void* stream) { return impl_->wait_for_stream(stream); }
+  // See communicator_base::reads_device_memory; what comm::reads_device_memory asks
+  // (ZeroOptimizer checks it against its backend).
+  bool reads_device_memory() const { return impl_->reads_device_memory(); }
 
  private:
   std::shared_ptr<communicator_base> impl_;
