@@ -16,7 +16,11 @@
 # files), they are packed there as one gpu_run.tar.gz, beside copies of the main
 # results (results.json, the plots, bench_cuda.json).
 # A phase that fails is reported and the next one still runs; the exit status is the
-# number of failed phases.
+# number of failed phases. The device tool ends a call at 10 minutes and brings back only
+# what is under $OUT by then, so the phases share a budget (GPU_RUN_BUDGET_S, default
+# 540 s from the start of the script): a phase still running at its end is stopped, the
+# rest are skipped, and what was written so far (logs, train_gpt's results.json, which it
+# rewrites after each configuration) is still packed.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 work="$root/out/gpu"
@@ -108,15 +112,26 @@ phase_gpt() {
 
 # Everything in one archive under $OUT, plus the main results as files of their own.
 bring_back() {
+  local name="${GPT_NAME:-gpt}" f
+  # A gpt phase stopped by the budget left results.json without its plots.
+  if [ -f "$work/$name/results.json" ] && [ "$work/$name/results.json" -nt "$work/$name/memory.png" ]; then
+    python3 "$root/examples/gpt/plot.py" "$work/$name/results.json" 2>&1 | tail -2
+  fi
   [ -n "${OUT:-}" ] || return 0
   tar -czf "$OUT/gpu_run.tar.gz" -C "$root/out" gpu 2>/dev/null
-  local name="${GPT_NAME:-gpt}" f
   [ -f "$work/bench_cuda.json" ] && cp "$work/bench_cuda.json" "$OUT/"
   for f in "$work/$name/results.json" "$work/$name/loss_curves.png" "$work/$name/memory.png"; do
     [ -f "$f" ] && cp "$f" "$OUT/${name}_$(basename "$f")"
   done
   ls "$OUT"
 }
+
+# One phase, run by the loop below under `timeout` (which stops the phase's whole
+# process group: the build, ctest, train_gpt).
+if [ "${1:-}" = "--one" ]; then
+  "phase_$2"
+  exit $?
+fi
 
 [ $# -gt 0 ] || set -- build test
 for p in "$@"; do
@@ -125,9 +140,21 @@ for p in "$@"; do
     *) echo "gpu_run: unknown phase '$p' (build, test, bench, gpt)" >&2; exit 2 ;;
   esac
 done
+budget="${GPU_RUN_BUDGET_S:-540}"
 for p in "$@"; do
-  echo "== gpu_run: $p ($(date -u +%H:%M:%S))"
-  if ! "phase_$p"; then
+  left=$((budget - SECONDS))
+  if [ "$left" -le 10 ]; then
+    echo "== gpu_run: $p SKIPPED: the budget of $budget s (GPU_RUN_BUDGET_S) is spent" >&2
+    failed=$((failed + 1))
+    continue
+  fi
+  echo "== gpu_run: $p ($(date -u +%H:%M:%S), $left s of the budget left)"
+  timeout -k 10 "$left" "$0" --one "$p"
+  rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "== gpu_run: $p STOPPED at the end of the budget ($budget s, GPU_RUN_BUDGET_S)" >&2
+    failed=$((failed + 1))
+  elif [ "$rc" -ne 0 ]; then
     echo "== gpu_run: $p FAILED" >&2
     failed=$((failed + 1))
   fi

@@ -5,6 +5,7 @@
 // ranks on one device). The [torch] cases run anywhere: what a build without a GPU can
 // say about the CUDA path (the compiled table, the errors).
 #include <ATen/autocast_mode.h>
+#include <ATen/cuda/Sleep.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -236,10 +237,13 @@ TEST_CASE("gpu: backward and step on another stream are ordered with the engine'
   const c10::Stream side = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStreamFromGlobalPool(dev);
   for (int step = 0; step < 3; ++step) {
     {
-      // Big enough that a missing wait shows: the coefficients are made on the side
-      // stream just before backward reads them.
+      // The side stream stalls (about 0.1 s) after the inputs exist and before the
+      // forward, so every gradient kernel lands behind the stall: a core that read the
+      // gradients without waiting for the side stream would read them unwritten.
       c10::StreamGuard guard(side);
-      ea.backward(ea(coefficients(a, step, torch::kCUDA)));
+      const auto cs = coefficients(a, step, torch::kCUDA);
+      at::cuda::sleep(200'000'000);
+      ea.backward(ea(cs));
       ea.step();
     }
     eb.backward(eb(coefficients(b, step, torch::kCUDA)));
@@ -248,6 +252,33 @@ TEST_CASE("gpu: backward and step on another stream are ordered with the engine'
   for (std::size_t k = 0; k < ea.parameters().size(); ++k) {
     check_bits(ea.parameters()[k], eb.parameters()[k], "w" + std::to_string(k) + ", stage " + std::to_string(stage));
   }
+}
+
+namespace {
+struct TinyImpl : torch::nn::Module {
+  torch::nn::Linear l{nullptr};
+  TinyImpl() { l = register_module("l", torch::nn::Linear(32, 4)); }
+  Tensor forward(const Tensor& x) { return l(x); }
+};
+TORCH_MODULE(Tiny);
+}  // namespace
+
+TEST_CASE("gpu: torch_autocast runs the forward under CUDA autocast, not the CPU's", "[gpu][torch]") {
+  require_gpu();
+  Tiny m;
+  m->to(torch::kCUDA);
+  auto e = mt::initialize(m, config("fp32-ac", 2, false));
+  const Tensor x = torch::randn({8, 32}, torch::kCUDA);
+  const Tensor y = e(x);
+  CHECK(y.scalar_type() == torch::kBFloat16);  // fp32 here would mean autocast was set for the CPU
+  CHECK_FALSE(at::autocast::is_autocast_enabled(at::kCUDA));  // restored after the forward
+  CHECK(m->forward(x).scalar_type() == torch::kFloat);        // outside the engine: no autocast
+  // Linear is on the default lower_precision_safe_modules list: its gradients travel in bf16.
+  CHECK(e.comm_dtype(m->l->weight) == mpzero::dtype::bf16);
+  e.backward(y.to(torch::kFloat).pow(2).sum());
+  e.step();
+  CHECK(e.global_steps() == 1);
+  CHECK(torch::isfinite(m->l->weight).all().item<bool>());
 }
 
 TEST_CASE("gpu: fp16 on CUDA without loss scaling is an error, not garbage", "[gpu][torch]") {

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Plots train_gpt's results: loss_curves.png (every configuration's training loss, and
 its held-out loss as a marker at the end) and memory.png (measured bytes of model states
-per configuration as bars, device and host stacked, with the memory model's prediction).
+per configuration as bars, device and host stacked, with the memory model's prediction;
+on a GPU, a second panel with each configuration's peak device memory).
 
     python3 examples/gpt/plot.py gpt_out/results.json [--out DIR]
 """
@@ -76,11 +77,19 @@ def main():
     fig.savefig(os.path.join(out, "loss_curves.png"), dpi=120)
     plt.close(fig)
 
-    # Memory: measured model-state bytes (device + host), predicted bytes as a marker.
-    fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(runs) + 2), 5))
+    # Memory: measured model-state bytes (device + host), predicted bytes as a marker. On a
+    # GPU a second panel shows the peak device memory (allocator peak + the core's device
+    # bytes), which activations dominate: on one axis it would flatten the state bars.
     ids = [r["id"] for r in runs]
     x = range(len(runs))
     mib = 1 << 20
+    peak = [r.get("peak_device_bytes", 0) / mib for r in runs]
+    has_peak = any(p > 0 for p in peak)
+    width = max(6, 0.8 * len(runs) + 2)
+    if has_peak:
+        fig, (ax, pax) = plt.subplots(1, 2, figsize=(2 * width, 5))
+    else:
+        fig, ax = plt.subplots(figsize=(width, 5))
     dev = [r["measured_device_bytes"] / mib for r in runs]
     host = [r["measured_host_bytes"] / mib for r in runs]
     pred = [r["predicted_bytes_per_param"] * r["model_numel"] / mib for r in runs]
@@ -90,18 +99,26 @@ def main():
     for i, r in enumerate(runs):
         ax.text(i, dev[i] + host[i], f"{r['measured_bytes_per_param']:.1f} B/p", ha="center", va="bottom", fontsize=7)
     top = max(d + h for d, h in zip(dev, host))
-    # On a GPU: the peak device memory (allocator peak + the core's device bytes).
-    peak = [r.get("peak_device_bytes", 0) / mib for r in runs]
-    if any(p > 0 for p in peak):
-        ax.scatter(x, peak, marker="D", s=30, color="tab:red", zorder=3, label="peak device memory (GPU)")
-        top = max(top, max(peak))
     ax.set_ylim(0, 1.3 * top)  # room for the labels and the legend
     ax.set_xticks(list(x))
     ax.set_xticklabels(ids, rotation=45, ha="right", fontsize=8)
     ax.set_ylabel("MiB per rank")
-    ax.set_title(f"{title}\n{runs[0]['model_numel']:,} parameters; labels: bytes per parameter", fontsize=10)
+    ax.set_title(f"{title}\nmodel states, {runs[0]['model_numel']:,} parameters; labels: bytes per parameter",
+                 fontsize=10)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
+    if has_peak:
+        pax.bar(x, peak, color="tab:red")
+        for i, p in enumerate(peak):
+            change = f"\n{100 * (p / peak[0] - 1):+.0f}%" if i > 0 and peak[0] > 0 else ""
+            pax.text(i, p, f"{p:.0f}{change}", ha="center", va="bottom", fontsize=7)
+        pax.set_ylim(0, 1.2 * max(peak))
+        pax.set_xticks(list(x))
+        pax.set_xticklabels(ids, rotation=45, ha="right", fontsize=8)
+        pax.set_ylabel("MiB per rank")
+        pax.set_title(f"peak device memory (allocator peak + mpzero's device bytes)\n"
+                      f"labels: MiB, change against {runs[0]['id']}", fontsize=10)
+        pax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "memory.png"), dpi=120)
     plt.close(fig)

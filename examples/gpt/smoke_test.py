@@ -94,13 +94,37 @@ def main():
     for f in ("results.json", "summary.csv", "loss_curves.png", "memory.png"):
         p = os.path.join(out, f)
         check(os.path.isfile(p) and os.path.getsize(p) > 0, "%s written" % f)
+        check(not os.path.exists(p + ".tmp"), "%s.tmp renamed away" % f)
 
     with open(os.path.join(out, "results.json")) as f:
         res = json.load(f)
     runs = {r["id"]: r for r in res["runs"]}
+
+    # The GPU's memory plot (a second panel of peak device memory) drawn from these results
+    # with made-up peaks: it must exist and be wider than the CPU's single panel.
+    shaped = os.path.join(a.work, "gpu_shaped")
+    os.makedirs(shaped, exist_ok=True)
+    gpu_res = json.loads(json.dumps(res))
+    for i, r in enumerate(gpu_res["runs"]):
+        r["peak_device_bytes"] = (900 - 100 * i) << 20
+    with open(os.path.join(shaped, "results.json"), "w") as f:
+        json.dump(gpu_res, f)
+    rc = subprocess.call([sys.executable, a.plot, os.path.join(shaped, "results.json")])
+    check(rc == 0, "plot.py exits 0 on GPU-shaped results (got %d)" % rc)
+
+    def png_width(path):
+        with open(path, "rb") as f:
+            head = f.read(24)
+        return int.from_bytes(head[16:20], "big") if head[:8] == b"\x89PNG\r\n\x1a\n" else 0
+
+    w_cpu, w_gpu = png_width(os.path.join(out, "memory.png")), png_width(os.path.join(shaped, "memory.png"))
+    check(w_gpu > w_cpu > 0, "GPU memory.png has the peak panel (width %d px against %d)" % (w_gpu, w_cpu))
     check(res["meta"]["world_size"] == a.world, "world size %d (got %s)" % (a.world, res["meta"]["world_size"]))
     check(list(runs) == CONFIGS, "every configuration trained, in order (got %s)" % list(runs))
     check(res["not_run"] == [], "none refused (got %s)" % res["not_run"])
+    check(res["meta"]["configs_done"] == res["meta"]["configs_total"] == len(CONFIGS),
+          "meta counts every configuration done (got %s of %s)" % (res["meta"]["configs_done"],
+                                                                    res["meta"]["configs_total"]))
     with open(os.path.join(out, "summary.csv")) as f:
         rows = list(csv.DictReader(f))
     check([r["id"] for r in rows] == list(runs), "summary.csv has one row per configuration")

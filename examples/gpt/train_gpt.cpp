@@ -455,14 +455,22 @@ void train_and_evaluate(result& r, const options& o, const corpus& data, mt::any
   r.eval_loss = sum / o.eval_batches;
 }
 
+// On a GPU: returns the previous configuration's cached blocks and starts a new peak.
+void reset_peak(torch::Device device) {
+  if (!device.is_cuda()) return;
+  // The caching allocator's per-device state exists only after CUDA's lazy init (which
+  // is_available() and device_count() do not trigger): without it the reset throws
+  // "Invalid device argument 0: did you call init?".
+  at::globalContext().lazyInitDevice(c10::kCUDA);
+  at::accelerator::synchronizeDevice(device.index());
+  at::accelerator::emptyCache();
+  at::accelerator::resetPeakStats(device.index());
+}
+
 // A fresh model with the run's initial weights (the same for every configuration); on a
 // GPU the allocator's peak is reset first, so each configuration's peak is its own.
 GPT fresh_model(const options& o, torch::Device device) {
-  if (device.is_cuda()) {
-    at::accelerator::synchronizeDevice(device.index());
-    at::accelerator::emptyCache();  // the previous configuration's blocks
-    at::accelerator::resetPeakStats(device.index());
-  }
+  reset_peak(device);
   torch::manual_seed(o.seed);
   GPT model(o.layers, o.dim, o.heads, o.seq);
   model->to(device);
@@ -552,6 +560,10 @@ std::optional<result> train_one(const run_spec& spec, const options& o, const co
     return std::nullopt;
   }
   auto& engine = *made;
+  // The engine has replaced the parameters with views of its own buffers and freed the
+  // fp32 copy model->to(device) made: start the peak again so that it measures training,
+  // not that initialization copy (4 bytes per parameter in every row otherwise).
+  reset_peak(device);
 
   result r;
   r.spec = spec;
@@ -681,8 +693,24 @@ void print_blog_comparison(const json& cmp, bool gpu) {
   }
 }
 
+// Writes `text` to `path` through a temporary file and a rename, so that a run stopped
+// midway (a time limit) leaves the previous complete file, never a truncated one.
+void write_atomically(const fs::path& path, const std::string& text) {
+  const fs::path tmp = path.string() + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << text;
+    if (!f.flush()) throw std::runtime_error("cannot write " + tmp.string() + ": check --out and the free space");
+  }
+  fs::rename(tmp, path);
+}
+
+// results.json and summary.csv for the configurations done so far (called after each
+// one, so a run that is stopped keeps what it finished; meta.configs_done says how far
+// it got out of meta.configs_total).
 void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<std::string, std::string>>& refused,
-                   const json& blog, const options& o, const corpus& data, int world, const std::string& device) {
+                   const json& blog, const options& o, const corpus& data, int world, const std::string& device,
+                   std::size_t total) {
   fs::create_directories(o.out);
   json runs = json::array();
   for (const auto& r : rs) {
@@ -716,13 +744,14 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
                {"lr", o.lr},         {"seed", o.seed},             {"world_size", world},
                {"threads", torch::get_num_threads()},              {"corpus", o.corpus},
                {"train_bytes", data.train.size()},                 {"eval_bytes", data.eval.size()},
-               {"fortunes", data.fortunes},                        {"device", device}};
+               {"fortunes", data.fortunes},                        {"device", device},
+               {"configs_done", rs.size() + refused.size()},       {"configs_total", total}};
   json not_run = json::array();
   for (const auto& [id, msg] : refused) not_run.push_back({{"id", id}, {"reason", msg}});
-  std::ofstream(fs::path(o.out) / "results.json")
-      << json{{"meta", meta}, {"runs", runs}, {"not_run", not_run}, {"blog_comparison", blog}}.dump(1) << "\n";
+  write_atomically(fs::path(o.out) / "results.json",
+                   json{{"meta", meta}, {"runs", runs}, {"not_run", not_run}, {"blog_comparison", blog}}.dump(1) + "\n");
 
-  std::ofstream csv(fs::path(o.out) / "summary.csv");
+  std::ostringstream csv;
   csv << "id,precision,stage,offload,steps_per_s,model_numel,measured_device_bytes,measured_host_bytes,"
          "measured_bytes_per_param,predicted_bytes_per_param,final_train_loss,mean_train_loss,eval_loss,"
          "skipped_steps,peak_device_bytes,describe\n";
@@ -733,6 +762,7 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
         << fmt("%.5f", r.final_loss) << "," << fmt("%.5f", r.mean_loss) << "," << fmt("%.5f", r.eval_loss) << ","
         << r.skipped << "," << r.peak_device_bytes << ",\"" << r.describe << "\"\n";
   }
+  write_atomically(fs::path(o.out) / "summary.csv", csv.str());
 }
 
 int run(int argc, char** argv, mt::any_communicator comm) {
@@ -765,6 +795,10 @@ int run(int argc, char** argv, mt::any_communicator comm) {
     auto r = train_one(specs[i], o, data, comm, device, static_cast<int>(i), static_cast<int>(specs.size()), why);
     if (r) {
       rs.push_back(std::move(*r));
+      if (root) {
+        write_outputs(rs, refused, blog_comparison(rs, device.is_cuda(), o.steps), o, data, comm.size(), device.str(),
+                      specs.size());
+      }
       continue;
     }
     std::string first_line = why.substr(0, why.find('\n'));
@@ -782,7 +816,7 @@ int run(int argc, char** argv, mt::any_communicator comm) {
       std::printf("\nnot run (the engine refused them):\n");
       for (const auto& [id, msg] : refused) std::printf("  %-18s %s\n", id.c_str(), msg.c_str());
     }
-    write_outputs(rs, refused, blog, o, data, comm.size(), device.str());
+    write_outputs(rs, refused, blog, o, data, comm.size(), device.str(), specs.size());
     std::printf("wrote %s and %s\n", (fs::path(o.out) / "summary.csv").c_str(), (fs::path(o.out) / "results.json").c_str());
   }
   return 0;

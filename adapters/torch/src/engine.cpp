@@ -388,8 +388,12 @@ void engine_state::init() {
     core_->load_param(i, flat.data() + off, dtype::fp32);
     off += p.numel();
     // The parameter becomes a view of the core's buffer: forward reads it, step() writes it.
-    p.set_data(::torch::from_blob(core_->param_data(i), p.sizes(),
-                                  ::torch::TensorOptions().dtype(param_type_).device(device_)));
+    // target_device: no driver lookup of the pointer (which fails on the null pointer
+    // of an empty model's buffer).
+    p.set_data(at::for_blob(core_->param_data(i), p.sizes())
+                   .options(::torch::TensorOptions().dtype(param_type_).device(device_))
+                   .target_device(device_)
+                   .make_tensor());
     bound_ = i + 1;
     p.mutable_grad().reset();
     auto hook = std::make_unique<grad_hook>();

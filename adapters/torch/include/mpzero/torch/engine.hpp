@@ -26,8 +26,12 @@
 //   an unscaled one throws "Loss scaling is required" from its first hook, on every
 //   rank, before any collective (no hang), for dynamic and static loss scales.
 //
-// Threads: one backward at a time per engine, run from the thread that owns the
-// communicator (MPI: the main thread).
+// Threads: one backward at a time per engine. CPU parameters: the hooks run on the
+// thread that called backward, which must own the communicator (MPI: the main thread).
+// CUDA parameters: the hooks (and sometimes the end-of-backward callback) run on
+// autograd's worker thread for the device, so the communicator must accept calls from
+// it: mpzero's NCCL communicator and c10d groups do; an MPI-based one would need
+// MPI_THREAD_SERIALIZED.
 //
 // Devices: the trainable parameters are all on the CPU (host backend) or all on one CUDA
 // device (cuda_backend, when the adapter is built with MPZERO_TORCH_CUDA). On CUDA the
