@@ -157,7 +157,11 @@ int main(int argc, char** argv) {
   rows.push_back(train<pol::bf16_master_fp32_states>("bf16 master, fp32 states", cfg));
   rows.push_back(train<pol::bf16_all>("bf16 all (nearest)", cfg));
   rows.push_back(train<pol::bf16_all_sr>("bf16 all (stochastic)", cfg));
+  rows.push_back(train<pol::bf16_fp32_grads>("bf16, fp32 grads + master", cfg));
   rows.push_back(train<pol::fp16_fp32_master>("fp16 + fp32 master", cfg));
+  // fp16 policies need loss scaling in training (small gradients underflow); this
+  // problem's gradients (about 1e-3 and up) stay in fp16's normal range without it.
+  rows.push_back(train<pol::fp16_master_fp32_states>("fp16 master, fp32 states", cfg));
 
   std::printf("\n%-26s %10s %10s %12s %12s %10s %9s\n", "policy", "model B/p", "meas. B/p", "first loss",
               "final loss", "vs fp32", "ms/step");

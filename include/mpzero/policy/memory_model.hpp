@@ -12,8 +12,8 @@
 // always as a separate master (the device keeps the parameters), together with the
 // rank's gradient partition: host = (size(master) + S + G) / W. The device keeps the
 // parameters (P, or P / W at stage 3) and, at stage 1 only, the full gradient; at
-// stages 2 and 3 reduced gradients go from the buckets straight to the host. Alignment padding of the flat buffers (at most
-// 2 x W elements per parameter group) and transient communication buckets are not
+// stages 2 and 3 reduced gradients go from the buckets straight to the host. Alignment padding of the flat buffers (fewer
+// than 8 x W elements per model: partitions align to 8 elements) and transient communication buckets are not
 // per-parameter costs and are left out; tests account for them separately.
 #pragma once
 
