@@ -141,6 +141,10 @@ for p in "$@"; do
   esac
 done
 budget="${GPU_RUN_BUDGET_S:-540}"
+# timeout puts the phase in a process group of its own: pass an interrupt of this script
+# (Ctrl-C, the device tool's stop) on to it, so no build or train_gpt outlives the call.
+tpid=""
+trap '[ -n "$tpid" ] && kill -TERM -- "-$tpid" 2>/dev/null; bring_back; exit 130' INT TERM
 for p in "$@"; do
   left=$((budget - SECONDS))
   if [ "$left" -le 10 ]; then
@@ -149,8 +153,11 @@ for p in "$@"; do
     continue
   fi
   echo "== gpu_run: $p ($(date -u +%H:%M:%S), $left s of the budget left)"
-  timeout -k 10 "$left" "$0" --one "$p"
+  timeout -k 10 "$left" "$BASH" "$root/scripts/gpu_run.sh" --one "$p" &
+  tpid=$!
+  wait "$tpid"
   rc=$?
+  tpid=""
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
     echo "== gpu_run: $p STOPPED at the end of the budget ($budget s, GPU_RUN_BUDGET_S)" >&2
     failed=$((failed + 1))

@@ -229,26 +229,27 @@ TEST_CASE("Polling unfinished work (a request, a transfer) leaves no error for t
   MPZERO_CUDA_CHECK(cudaStreamCreateWithFlags(&producer, cudaStreamNonBlocking));
   MPZERO_CUDA_CHECK(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking));
   {
-    std::jthread release([flag] {  // the safety net if a check below throws
-      std::this_thread::sleep_for(std::chrono::seconds(5));
-      *reinterpret_cast<volatile int*>(flag) = 1;
-    });
     nccl_options opt;
     opt.timeout_s = 60;
     nccl_communicator c(opt);
-    device_buffer<float> x(1024), y(1024);
+    device_buffer<float> x(1024), y(1024), z(1024);
     const cuda_backend be{producer};
     host_buffer<float> pinned(1024, be.host_memory(true));
     spin_until<<<1, 1, 0, producer>>>(dflag, 20'000'000'000LL);
     MPZERO_CUDA_CHECK(cudaGetLastError());
+    std::jthread release([flag] {  // the safety net if a check below throws; started after the
+      std::this_thread::sleep_for(std::chrono::seconds(5));  // (possibly slow) setup above
+      *reinterpret_cast<volatile int*>(flag) = 1;
+    });
     c.wait_for(producer);
     auto r = c.iall_reduce(x.p, y.p, 1024, reduce_op::sum);
     auto t = be.download_async(pinned.data(), x.p, 1024);
     CHECK_FALSE(r.test());
     CHECK_FALSE(t.done());
-    fill<<<4, 256, 0, other>>>(y.p + 0, 0, 1.0f);  // an unrelated launch, then its check
+    fill<<<4, 256, 0, other>>>(z.p, 1024, 1.0f);  // an unrelated launch, then its check
     REQUIRE_NOTHROW(MPZERO_CUDA_CHECK(cudaGetLastError()));
-    REQUIRE_NOTHROW(be.zero(x.p, 1024));  // the backend's own launch path
+    const cuda_backend be_other{other};
+    REQUIRE_NOTHROW(be_other.convert(z.p, z.p, 1024));  // a backend kernel, checked with cudaGetLastError
     *reinterpret_cast<volatile int*>(flag) = 1;
     r.wait();
     t.wait();

@@ -481,6 +481,21 @@ TEST_CASE("torch: which communicators take device memory; CUDA cores refuse host
   CHECK(owned.name() == "ordered");
   CHECK(owned.wait_for_stream(nullptr));
   STATIC_REQUIRE(requires(mpzero::comm::nccl_communicator& c, CUstream_st* s) { c.wait_for(s); });
+  // A host core with a device communicator: refused by name, with what to do.
+  {
+    mt::core_spec cpu;
+    cpu.stage = 2;
+    cpu.device = mt::core_device::cpu;
+    const std::uint64_t n4[] = {4};
+    REQUIRE_THROWS_MATCHES(mt::make_zero_core(cpu, owned, n4, {}, {}), mt::config_error,
+                           Catch::Matchers::Predicate<mt::config_error>([](const mt::config_error& e) {
+                             const std::string w = e.what();
+                             return w.find("parameters are on the CPU, but the communicator 'ordered' reads device "
+                                           "memory") != std::string::npos &&
+                                    w.find("model->to(torch::kCUDA)") != std::string::npos &&
+                                    w.find("process_group_communicator(group, torch::kCPU)") != std::string::npos;
+                           }));
+  }
   if (!mt::cuda_cores_compiled()) return;
   // A CUDA core with a host communicator of two ranks: refused before anything touches
   // a device (so this runs without a GPU), naming the communicator and what to use.

@@ -352,25 +352,36 @@ TEST_CASE("ZeRO: an fp16 policy without loss scaling is refused with a message",
 
 TEST_CASE("ZeRO: the host backend refuses a communicator that reads device memory", "[zero]") {
   // What marks a device communicator (comm::reads_device_memory): wait_for(cudaStream_t),
-  // as nccl_communicator has, or a run-time answer from a type-erased one.
-  struct stream_ordered : comm::local_communicator {
+  // as nccl_communicator has (comm::stream_ordered), its type-erased form
+  // wait_for_stream(void*), or a run-time answer (also when declared non-const).
+  struct ordered_comm : comm::local_communicator {
     void wait_for(CUstream_st*) {}
+  };
+  struct erased_wait {
+    bool wait_for_stream(void*) { return true; }
   };
   struct answers {
     bool device = false;
     bool reads_device_memory() const { return device; }
   };
+  struct answers_non_const {
+    bool reads_device_memory() { return true; }
+  };
+  STATIC_REQUIRE(comm::stream_ordered<ordered_comm>);
+  STATIC_REQUIRE_FALSE(comm::stream_ordered<comm::local_communicator>);
   CHECK_FALSE(comm::reads_device_memory(world()));
   CHECK_FALSE(comm::reads_device_memory(comm::local_communicator{}));
-  CHECK(comm::reads_device_memory(stream_ordered{}));
+  CHECK(comm::reads_device_memory(ordered_comm{}));
+  CHECK(comm::reads_device_memory(erased_wait{}));
   CHECK(comm::reads_device_memory(answers{true}));
   CHECK_FALSE(comm::reads_device_memory(answers{false}));
+  CHECK(comm::reads_device_memory(answers_non_const{}));
 
   const std::vector<std::uint64_t> numels{10};
-  stream_ordered device_comm;
-  using Z = ZeroOptimizer<policies::fp32, optim::adam, stage<1>, stream_ordered>;
+  ordered_comm device_comm;
+  using Z = ZeroOptimizer<policies::fp32, optim::adam, stage<1>, ordered_comm>;
   REQUIRE_THROWS_WITH(Z(device_comm, numels, optim::adam::options{}, zero_options{}),
-                      Catch::Contains("host backend keeps its buffers in host memory, but the communicator (rank 0 of "
+                      Catch::Contains("the backend keeps its buffers in host memory, but the communicator (rank 0 of "
                                       "1) reads device memory") &&
                           Catch::Contains("mpi_communicator") && Catch::Contains("CUDA backend"));
   // The host communicators pass the check.

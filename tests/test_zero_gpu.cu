@@ -229,7 +229,9 @@ TEST_CASE("ZeroOptimizer refuses a communicator that reads the other memory spac
                            return w.find("device memory, but the communicator (rank 0 of 1) moves host memory") !=
                                       std::string::npos &&
                                   w.find("nccl_communicator") != std::string::npos &&
-                                  w.find("cuda_local_communicator") != std::string::npos;
+                                  w.find("cuda_local_communicator") != std::string::npos &&
+                                  w.find("bool reads_device_memory() const { return true; }") != std::string::npos &&
+                                  w.find("host_addressable = true") != std::string::npos;
                          }));
   // The same type with cuda_local_communicator passes the check (constructing it would
   // allocate on the device, so only the types and the rule are checked here).
@@ -241,7 +243,8 @@ TEST_CASE("ZeroOptimizer refuses a communicator that reads the other memory spac
   const auto b = reinterpret_cast<cudaStream_t>(std::uintptr_t{0x20});
   comm::cuda_local_communicator on_a(a);
   CHECK_NOTHROW(on_a.wait_for(a));
-  REQUIRE_THROWS_WITH(on_a.wait_for(b), Catch::Contains("Construct it with the backend's stream"));
+  REQUIRE_THROWS_WITH(on_a.wait_for(b), Catch::Contains("asked to follow stream 0x20, but its copies run on 0x10") &&
+                                            Catch::Contains("Construct it with the backend's stream"));
 }
 
 TEST_CASE("cuda_backend::all_reduce_host: host values through reused device scratch, growing sizes", "[gpu][zero]") {

@@ -80,9 +80,8 @@ struct cuda_context {
 // The communicator a CUDA core uses: `c` when it takes device memory (NCCL, a c10d group
 // on CUDA); at world size 1 otherwise (the default local one, or a host communicator of
 // one rank) comm::cuda_local_communicator, device-to-device copies on the core's stream
-// (ordered before the core's later work there with no host wait; every call into the core
-// holds cuda_context::scope, so its event lives on the core's device); a host
-// communicator of several ranks is refused.
+// (ordered before the core's later work there with no host wait); a host communicator
+// of several ranks is refused.
 inline any_communicator device_communicator(any_communicator c, const cuda_context& ctx) {
   if (c.base().reads_device_memory()) return c;
   if (c.size() == 1) return any_communicator::own(comm::cuda_local_communicator(ctx.stream), "local (CUDA)");

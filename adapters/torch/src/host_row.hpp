@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -24,6 +25,17 @@ struct host_context {
   void join_stream(void*) const noexcept {}
 };
 
+// The communicator a host core uses: `c`, unless it reads device memory (NCCL, a c10d
+// group on a CUDA device), which the core would hand host pointers: refused by name
+// before the core's own, more general check.
+inline any_communicator host_communicator(any_communicator c) {
+  if (!c.base().reads_device_memory()) return c;
+  throw config_error("mpzero::torch: the parameters are on the CPU, but the communicator '" + c.name() +
+                     "' reads device memory. Move the model to its GPU first (model->to(torch::kCUDA)), or pass a "
+                     "host communicator: mpzero::comm::mpi_communicator, or "
+                     "mpzero::torch::process_group_communicator(group, torch::kCPU) over a Gloo group");
+}
+
 template <class Policy, class Opt, int N, class Offload>
 struct host_row {
   static core_row make() {
@@ -31,7 +43,7 @@ struct host_row {
                     [](const core_place&, any_communicator c, std::span<const std::uint64_t> numels,
                        const optimizer_config& o, const zero_options& zo) -> std::unique_ptr<zero_core> {
                       return std::make_unique<core_impl<Policy, Opt, N, Offload, host_context>>(
-                          core_device::cpu, host_context{}, std::move(c), numels, o, zo);
+                          core_device::cpu, host_context{}, host_communicator(std::move(c)), numels, o, zo);
                     }};
   }
 };

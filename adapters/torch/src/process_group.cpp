@@ -36,12 +36,15 @@ c10d::ReduceOp to_c10d(comm::reduce_op op) {
 }
 
 // n elements at p (memory of `device`) as a tensor.
-// The device is given (target_device), so no driver call asks where the pointer lives.
+// With a device index the device is given (target_device), so no driver call asks where
+// the pointer lives; "cuda" without one leaves it to that lookup, which finds the
+// device the buffer is on whichever was current when the communicator was made.
 at::Tensor view(const void* p, std::uint64_t n, at::ScalarType t, c10::Device device) {
-  return at::for_blob(const_cast<void*>(p), {static_cast<std::int64_t>(n)})
-      .options(at::TensorOptions().dtype(t).device(device))
-      .target_device(device)
-      .make_tensor();
+  const std::int64_t sizes[] = {static_cast<std::int64_t>(n)};  // outlives the maker, which keeps a view of it
+  auto maker = at::for_blob(const_cast<void*>(p), sizes);
+  maker.options(at::TensorOptions().dtype(t).device(device));
+  if (device.is_cpu() || device.has_index()) maker.target_device(device);
+  return maker.make_tensor();
 }
 
 // A posted ProcessGroup call plus the copies that finish it.
@@ -111,9 +114,6 @@ class pg_communicator final : public communicator_base {
     if (!device_.is_cpu() && !device_.is_cuda()) {
       throw mpzero::invalid_argument("mpzero::torch::process_group_communicator: device " + device_.str() +
                                      " is neither the CPU nor a CUDA device; pass torch::kCPU or a CUDA device");
-    }
-    if (device_.is_cuda() && !device_.has_index()) {  // "cuda": the current device, named once
-      device_ = c10::Device(c10::kCUDA, c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index());
     }
   }
   int rank() const override { return pg_->getRank(); }

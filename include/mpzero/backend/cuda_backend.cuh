@@ -2,9 +2,10 @@
 // kernels and the fused step, all ordered on one stream. Same members as host_backend.
 //
 // Ordering with a communicator: before every collective the optimizer calls
-// before_comm(comm), which makes the communicator's stream wait for this stream (NCCL)
-// or synchronises it (host communicators reading device memory is not supported:
-// pair the CUDA backend with nccl_communicator).
+// before_comm(comm), which makes the communicator's stream wait for this stream (NCCL,
+// cuda_local_communicator) or synchronises it (a communicator that reads device memory
+// by other means, e.g. a CUDA-aware MPI that says so: comm::reads_device_memory). Host
+// communicators are refused by ZeroOptimizer at construction.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -107,8 +108,7 @@ struct transfer_pool {
   std::vector<cudaEvent_t> free_events;
   // Kept between calls: all_reduce_host runs every step (norm, overflow flag), and a
   // cudaFree each time would synchronize the whole device.
-  void* scratch = nullptr;
-  std::size_t scratch_bytes = 0;
+  cuda_buffer<unsigned char> scratch;
 
   transfer_pool() = default;
   transfer_pool(const transfer_pool&) = delete;
@@ -116,26 +116,16 @@ struct transfer_pool {
   ~transfer_pool() {
     for (cudaEvent_t e : free_events) cudaEventDestroy(e);
     if (copy != nullptr) cudaStreamDestroy(copy);  // released once its queued copies finish
-    if (scratch != nullptr) cudaFree(scratch);
   }
   // At least `bytes` of device memory, valid until the next call (callers use it
   // synchronously, one at a time).
-  void* scratch_for(std::size_t bytes) {
+  void* scratch_for(std::size_t bytes, cudaStream_t stream) {
     std::lock_guard lock(mutex);
-    if (bytes > scratch_bytes) {
-      if (scratch != nullptr) MPZERO_CUDA_CHECK(cudaFree(scratch));
-      scratch = nullptr;
-      scratch_bytes = 0;
-      const std::size_t want = bytes < 256 ? 256 : bytes;
-      const cudaError_t e = cudaMalloc(&scratch, want);
-      if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        throw cuda_error(e, "mpzero: cudaMalloc of " + std::to_string(want) + " bytes of scratch failed (" +
-                                cudaGetErrorString(e) + "); the device is out of memory");
-      }
-      scratch_bytes = want;
+    if (bytes > scratch.size()) {
+      scratch = {};  // the old one first: no two alive at once
+      scratch = cuda_buffer<unsigned char>(bytes < 256 ? 256 : bytes, stream);
     }
-    return scratch;
+    return scratch.data();
   }
   cudaStream_t stream() {
     std::lock_guard lock(mutex);
@@ -318,7 +308,7 @@ struct cuda_backend {
   // says whether it did), else by synchronizing the stream on the host.
   template <class Comm>
   void before_comm(Comm& c) const {
-    if constexpr (requires { c.wait_for(stream); }) {
+    if constexpr (comm::stream_ordered<Comm>) {
       c.wait_for(stream);
     } else if constexpr (requires(void* s) {
                            { c.wait_for_stream(s) } -> std::convertible_to<bool>;
@@ -333,7 +323,7 @@ struct cuda_backend {
   template <class Comm, class T>
   void all_reduce_host(Comm& c, T* values, std::uint64_t n, comm::reduce_op op) const {
     if (n == 0) return;
-    T* scratch = static_cast<T*>(transfers_->scratch_for(static_cast<std::size_t>(n) * sizeof(T)));
+    T* scratch = static_cast<T*>(transfers_->scratch_for(static_cast<std::size_t>(n) * sizeof(T), stream));
     upload(scratch, values, n);  // synchronous: the previous call's collective is long done
     before_comm(c);
     c.all_reduce(scratch, scratch, n, op);

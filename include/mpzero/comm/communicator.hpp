@@ -96,20 +96,33 @@ concept communicator = requires(C& c, const float* in, float* out, std::uint64_t
   { c.iall_gather_v(in, counts[static_cast<std::size_t>(c.rank())], out, counts) } -> request;
 };
 
-// Whether c's collectives take device memory. A communicator that can order itself
-// after a CUDA stream (wait_for(cudaStream_t): nccl_communicator, cuda_local_communicator)
-// works on the device; one that answers at run time (reads_device_memory(), e.g. a
-// type-erased communicator) says so itself; any other (local_communicator,
-// mpi_communicator) moves host memory. A backend's buffers must live where its
-// communicator reads: ZeroOptimizer refuses a mismatch at construction.
+// A communicator that orders its collectives after the work queued so far on a CUDA
+// stream, without a host wait: wait_for(cudaStream_t) (nccl_communicator,
+// cuda_local_communicator).
+template <class C>
+concept stream_ordered = requires(C& c, ::CUstream_st* s) { c.wait_for(s); };
+
+// Whether c's collectives take device memory:
+//  - what c says, when it answers at run time: `bool reads_device_memory()` (a
+//    type-erased communicator; also the opt-in of a CUDA-aware MPI wrapper);
+//  - else yes for a stream_ordered one, or one with `bool wait_for_stream(void*)` (the
+//    type-erased form of wait_for that cuda_backend::before_comm also accepts);
+//  - else no: local_communicator and mpi_communicator move host memory.
+// A backend's buffers must live where its communicator reads: ZeroOptimizer refuses a
+// mismatch at construction.
 template <class C>
 bool reads_device_memory(const C& c) {
+  auto& m = const_cast<C&>(c);  // a query; some communicators declare it non-const
   if constexpr (requires {
-                  { c.reads_device_memory() } -> std::convertible_to<bool>;
+                  { m.reads_device_memory() } -> std::convertible_to<bool>;
                 }) {
-    return static_cast<bool>(c.reads_device_memory());
+    return static_cast<bool>(m.reads_device_memory());
+  } else if constexpr (stream_ordered<C>) {
+    return true;
   } else {
-    return requires(C& m, ::CUstream_st* s) { m.wait_for(s); };
+    return requires(void* s) {
+      { m.wait_for_stream(s) } -> std::convertible_to<bool>;
+    };
   }
 }
 

@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <sstream>
+#include <string>
 
 #include "../cuda/check.cuh"
 #include "../error.hpp"
@@ -36,15 +38,24 @@ class cuda_local_communicator : public basic_local_communicator<device_copy> {
 
   // Work queued on `producer` is ordered before the copies because they share the stream;
   // another stream is refused (the consumer would not wait for the copies).
+  // (Checked at the first collective: the communicator cannot see the backend before.)
   void wait_for(cudaStream_t producer) const {
     if (producer != stream_) {
-      throw invalid_argument(
-          "cuda_local_communicator: asked to follow another stream than its own; its copies would then race "
-          "with the backend's work. Construct it with the backend's stream: cuda_local_communicator(backend.stream)");
+      throw invalid_argument("cuda_local_communicator: asked to follow stream " + name(producer) +
+                             ", but its copies run on " + name(stream_) +
+                             ", which the backend would not wait for. Construct it with the backend's stream: "
+                             "cuda_local_communicator(backend.stream)");
     }
   }
 
  private:
+  static std::string name(cudaStream_t s) {
+    if (s == nullptr) return "0 (the legacy default stream)";
+    std::ostringstream o;
+    o << static_cast<const void*>(s);
+    return o.str();
+  }
+
   cudaStream_t stream_ = nullptr;
 };
 

@@ -28,9 +28,9 @@ inline void cuda_check(cudaError_t e, const char* call, const char* file, int li
 
 // cudaEventQuery without side effects: a "not ready" answer may be recorded as the
 // thread's last error, and the launch checks (cudaGetLastError) would then report it
-// against the next, unrelated kernel. Cleared only when nothing else was pending, so a
-// real earlier error still surfaces where it belongs. (PyTorch's CUDAEvent::query
-// clears it the same way.)
+// against the next, unrelated kernel. Cleared only when nothing else was pending before
+// the query, so an earlier error is not cleared by it. (PyTorch's CUDAEvent::query
+// clears it after a "not ready" too.)
 inline cudaError_t query_event(cudaEvent_t e) noexcept {
   const bool clean = cudaPeekAtLastError() == cudaSuccess;
   const cudaError_t r = cudaEventQuery(e);

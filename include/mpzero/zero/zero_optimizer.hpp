@@ -155,10 +155,13 @@ class ZeroOptimizer {
               ? "ZeroOptimizer: the backend keeps its buffers in device memory, but the communicator (rank " +
                     std::to_string(comm.rank()) + " of " + std::to_string(comm.size()) +
                     ") moves host memory. Use comm::nccl_communicator (one rank works too), or "
-                    "comm::cuda_local_communicator for a single process; or the host backend"
-              : "ZeroOptimizer: the host backend keeps its buffers in host memory, but the communicator (rank " +
+                    "comm::cuda_local_communicator for a single process; or the host backend. (A communicator "
+                    "that does read device memory, e.g. over a CUDA-aware MPI, says so with "
+                    "`bool reads_device_memory() const { return true; }`; a backend whose device buffers host "
+                    "code can address, e.g. managed memory, with `static constexpr bool host_addressable = true`)"
+              : "ZeroOptimizer: the backend keeps its buffers in host memory, but the communicator (rank " +
                     std::to_string(comm.rank()) + " of " + std::to_string(comm.size()) +
-                    ") reads device memory. Use comm::mpi_communicator or comm::local_communicator with the host "
+                    ") reads device memory. Use comm::mpi_communicator or comm::local_communicator with a host "
                     "backend, or the CUDA backend with this communicator");
     }
     if (zo.reduce_bucket_numel == 0) {

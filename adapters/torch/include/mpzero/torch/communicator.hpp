@@ -187,7 +187,7 @@ class communicator_adapter final : public communicator_base {
   bool reads_device_memory() const override { return comm::reads_device_memory(c_); }
   // Forwarded to C::wait_for(cudaStream_t) where C has it (mpzero's nccl_communicator).
   bool wait_for_stream(void* stream) override {
-    if constexpr (requires(C& c, ::CUstream_st* s) { c.wait_for(s); }) {
+    if constexpr (comm::stream_ordered<C>) {
       c_.wait_for(static_cast<::CUstream_st*>(stream));
       return true;
     } else {

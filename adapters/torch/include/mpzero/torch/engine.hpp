@@ -30,8 +30,8 @@
 // thread that called backward, which must own the communicator (MPI: the main thread).
 // CUDA parameters: the hooks (and sometimes the end-of-backward callback) run on
 // autograd's worker thread for the device, so the communicator must accept calls from
-// it: mpzero's NCCL communicator and c10d groups do; an MPI-based one would need
-// MPI_THREAD_SERIALIZED.
+// it: mpzero's NCCL communicator and c10d groups do (a host communicator such as MPI is
+// refused with CUDA parameters anyway).
 //
 // Devices: the trainable parameters are all on the CPU (host backend) or all on one CUDA
 // device (cuda_backend, when the adapter is built with MPZERO_TORCH_CUDA). On CUDA the
