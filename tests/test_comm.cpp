@@ -362,7 +362,7 @@ TEST_CASE("local_communicator: world size 1 copies and validates", "[comm]") {
 }
 
 TEST_CASE("basic_local_communicator: its Copy moves the bytes, after the same checks", "[comm]") {
-  // What the LibTorch engine's CUDA cores build on (their Copy is a device-to-device
+  // What cuda_local_communicator builds on (its Copy is a device-to-device
   // cudaMemcpyAsync): here a Copy that logs each call and copies host memory.
   struct logged_copy {
     std::vector<std::size_t>* bytes;

@@ -112,14 +112,16 @@ void compare_backends(bool pinned = true, const std::vector<dtype>& wire = {}, d
   const snapshot host = train<Policy, Opt, Stage>(local, host_backend{}, numels, true, wire);
   cudaStream_t stream = nullptr;
   MPZERO_CUDA_CHECK(cudaStreamCreate(&stream));
+  auto train_on = [&]<class C>(C& c) {
+    return train<Policy, Opt, Stage, C, cuda_backend, Offload>(c, cuda_backend{stream}, numels, pinned, wire);
+  };
   snapshot dev;
   if (dc == device_comm::nccl) {
     comm::nccl_communicator nccl;
-    dev = train<Policy, Opt, Stage, comm::nccl_communicator, cuda_backend, Offload>(nccl, cuda_backend{stream}, numels, pinned, wire);
+    dev = train_on(nccl);
   } else {
     comm::cuda_local_communicator copies(stream);
-    dev = train<Policy, Opt, Stage, comm::cuda_local_communicator, cuda_backend, Offload>(copies, cuda_backend{stream}, numels,
-                                                                                          pinned, wire);
+    dev = train_on(copies);
   }
   MPZERO_CUDA_CHECK(cudaStreamDestroy(stream));
   INFO("stage " << Stage << (pinned ? "" : ", pageable host memory")
@@ -216,7 +218,8 @@ TEST_CASE("ZeRO on CUDA with cuda_local_communicator (no NCCL) equals the host b
 
 TEST_CASE("ZeroOptimizer refuses a communicator that reads the other memory space", "[zero]") {
   // Needs no device: the check runs before anything is allocated or launched.
-  STATIC_REQUIRE(requires(comm::nccl_communicator& c, cudaStream_t s) { c.wait_for(s); });
+  STATIC_REQUIRE(comm::stream_ordered<comm::nccl_communicator>);
+  STATIC_REQUIRE(comm::stream_ordered<comm::cuda_local_communicator>);
   CHECK(comm::reads_device_memory(comm::cuda_local_communicator{}));
   CHECK_FALSE(comm::reads_device_memory(comm::local_communicator{}));
   const std::vector<std::uint64_t> numels{10, 3};

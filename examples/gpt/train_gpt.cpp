@@ -795,17 +795,18 @@ int run(int argc, char** argv, mt::any_communicator comm) {
     auto r = train_one(specs[i], o, data, comm, device, static_cast<int>(i), static_cast<int>(specs.size()), why);
     if (r) {
       rs.push_back(std::move(*r));
-      if (root) {
-        write_outputs(rs, refused, blog_comparison(rs, device.is_cuda(), o.steps), o, data, comm.size(), device.str(),
-                      specs.size());
-      }
-      continue;
+    } else {
+      std::string first_line = why.substr(0, why.find('\n'));
+      const std::string tail = " Compiled:";  // the list of compiled combinations follows; leave it out
+      if (first_line.size() > tail.size() && first_line.ends_with(tail)) first_line.resize(first_line.size() - tail.size());
+      refused.emplace_back(specs[i].id(), first_line);
+      if (root) std::fprintf(stderr, "[%zu/%zu] %-18s skipped: %s\n", i + 1, specs.size(), specs[i].id().c_str(), first_line.c_str());
     }
-    std::string first_line = why.substr(0, why.find('\n'));
-    const std::string tail = " Compiled:";  // the list of compiled combinations follows; leave it out
-    if (first_line.size() > tail.size() && first_line.ends_with(tail)) first_line.resize(first_line.size() - tail.size());
-    refused.emplace_back(specs[i].id(), first_line);
-    if (root) std::fprintf(stderr, "[%zu/%zu] %-18s skipped: %s\n", i + 1, specs.size(), specs[i].id().c_str(), first_line.c_str());
+    // After every configuration, so that a stopped run keeps what it finished.
+    if (root && !rs.empty()) {
+      write_outputs(rs, refused, blog_comparison(rs, device.is_cuda(), o.steps), o, data, comm.size(), device.str(),
+                    specs.size());
+    }
   }
   if (rs.empty()) throw std::runtime_error("the engine refused every selected configuration (see above)");
   if (root) {
@@ -816,7 +817,6 @@ int run(int argc, char** argv, mt::any_communicator comm) {
       std::printf("\nnot run (the engine refused them):\n");
       for (const auto& [id, msg] : refused) std::printf("  %-18s %s\n", id.c_str(), msg.c_str());
     }
-    write_outputs(rs, refused, blog, o, data, comm.size(), device.str(), specs.size());
     std::printf("wrote %s and %s\n", (fs::path(o.out) / "summary.csv").c_str(), (fs::path(o.out) / "results.json").c_str());
   }
   return 0;

@@ -36,15 +36,9 @@ c10d::ReduceOp to_c10d(comm::reduce_op op) {
 }
 
 // n elements at p (memory of `device`) as a tensor.
-// With a device index the device is given (target_device), so no driver call asks where
-// the pointer lives; "cuda" without one leaves it to that lookup, which finds the
-// device the buffer is on whichever was current when the communicator was made.
 at::Tensor view(const void* p, std::uint64_t n, at::ScalarType t, c10::Device device) {
-  const std::int64_t sizes[] = {static_cast<std::int64_t>(n)};  // outlives the maker, which keeps a view of it
-  auto maker = at::for_blob(const_cast<void*>(p), sizes);
-  maker.options(at::TensorOptions().dtype(t).device(device));
-  if (device.is_cpu() || device.has_index()) maker.target_device(device);
-  return maker.make_tensor();
+  return ::torch::from_blob(const_cast<void*>(p), {static_cast<std::int64_t>(n)},
+                            ::torch::TensorOptions().dtype(t).device(device));
 }
 
 // A posted ProcessGroup call plus the copies that finish it.

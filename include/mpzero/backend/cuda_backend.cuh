@@ -310,9 +310,7 @@ struct cuda_backend {
   void before_comm(Comm& c) const {
     if constexpr (comm::stream_ordered<Comm>) {
       c.wait_for(stream);
-    } else if constexpr (requires(void* s) {
-                           { c.wait_for_stream(s) } -> std::convertible_to<bool>;
-                         }) {
+    } else if constexpr (comm::erased_stream_ordered<Comm>) {
       if (!c.wait_for_stream(static_cast<void*>(stream))) MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream));
     } else {
       MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -102,6 +102,13 @@ concept communicator = requires(C& c, const float* in, float* out, std::uint64_t
 template <class C>
 concept stream_ordered = requires(C& c, ::CUstream_st* s) { c.wait_for(s); };
 
+// The type-erased form: `bool wait_for_stream(void* stream)`, true where it did order
+// itself (a type-erased communicator forwards to the stream_ordered one it wraps).
+template <class C>
+concept erased_stream_ordered = requires(C& c, void* s) {
+  { c.wait_for_stream(s) } -> std::convertible_to<bool>;
+};
+
 // Whether c's collectives take device memory:
 //  - what c says, when it answers at run time: `bool reads_device_memory()` (a
 //    type-erased communicator; also the opt-in of a CUDA-aware MPI wrapper);
@@ -117,12 +124,8 @@ bool reads_device_memory(const C& c) {
                   { m.reads_device_memory() } -> std::convertible_to<bool>;
                 }) {
     return static_cast<bool>(m.reads_device_memory());
-  } else if constexpr (stream_ordered<C>) {
-    return true;
   } else {
-    return requires(void* s) {
-      { m.wait_for_stream(s) } -> std::convertible_to<bool>;
-    };
+    return stream_ordered<C> || erased_stream_ordered<C>;
   }
 }
 

@@ -32,17 +32,17 @@ struct device_copy {
 class cuda_local_communicator : public basic_local_communicator<device_copy> {
  public:
   cuda_local_communicator() = default;  // the legacy default stream
-  explicit cuda_local_communicator(cudaStream_t stream) : basic_local_communicator(device_copy{stream}), stream_(stream) {}
+  explicit cuda_local_communicator(cudaStream_t stream) : basic_local_communicator(device_copy{stream}) {}
 
-  cudaStream_t stream() const noexcept { return stream_; }
+  cudaStream_t stream() const noexcept { return copier().stream; }
 
   // Work queued on `producer` is ordered before the copies because they share the stream;
   // another stream is refused (the consumer would not wait for the copies).
   // (Checked at the first collective: the communicator cannot see the backend before.)
   void wait_for(cudaStream_t producer) const {
-    if (producer != stream_) {
+    if (producer != stream()) {
       throw invalid_argument("cuda_local_communicator: asked to follow stream " + name(producer) +
-                             ", but its copies run on " + name(stream_) +
+                             ", but its copies run on " + name(stream()) +
                              ", which the backend would not wait for. Construct it with the backend's stream: "
                              "cuda_local_communicator(backend.stream)");
     }
@@ -55,8 +55,6 @@ class cuda_local_communicator : public basic_local_communicator<device_copy> {
     o << static_cast<const void*>(s);
     return o.str();
   }
-
-  cudaStream_t stream_ = nullptr;
 };
 
 static_assert(communicator<cuda_local_communicator>);

@@ -92,6 +92,9 @@ class basic_local_communicator {
     return {};
   }
 
+ protected:
+  const Copy& copier() const noexcept { return copy_; }
+
  private:
   template <class T>
   void copy(const T* in, T* out, std::uint64_t n) const {

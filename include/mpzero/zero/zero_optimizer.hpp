@@ -193,23 +193,18 @@ class ZeroOptimizer {
     // Reductions still in flight (an exception left backward midway) finish, or reach
     // the communicator's deadline, before their buffers go: an NCCL request does not
     // wait when dropped, and cudaFree would then wait for a missing peer without one.
-    for (auto& f : pending_) {
-      for (auto& part : f.parts) {
-        try {
-          part.request.wait();
-        } catch (...) {  // timed out or failed: the communicator is aborted, nothing runs on
-        }
+    auto quietly = [](auto& request) {
+      try {
+        request.wait();
+      } catch (...) {  // timed out or failed: the communicator is aborted, nothing runs on
       }
+    };
+    for (auto& f : pending_) {
+      for (auto& part : f.parts) quietly(part.request);
     }
     // Stage 3: gathers prefetched and never gathered write into buffers freed here.
-    if constexpr (zero_stage == 3) {
-      for (auto& [key, g] : groups_) {
-        if (!g.request) continue;
-        try {
-          g.request->wait();
-        } catch (...) {  // as above
-        }
-      }
+    for (auto& [key, g] : groups_) {
+      if (g.request) quietly(*g.request);
     }
     if constexpr (offloaded) {
       try {
@@ -968,23 +963,14 @@ class ZeroOptimizer {
       staging_.release(f.staging);
       f.staging = -1;
     }
-    // Receive buffers first: a new one is zero-filled on the backend's stream, and the
-    // collectives are ordered after that stream's work by before_comm.
-    std::vector<int> recvs;
-    recvs.reserve(bucket_runs_[b].size());
-    for (const wire_run& run : bucket_runs_[b]) {
-      visit_dtype(run.wire, [&]<class T>(T*) {
-        const std::vector<std::uint64_t> counts = layout_.rank_counts(run.range);
-        recvs.push_back(recv_pools_.template get<T>().acquire(backend_, counts[static_cast<std::size_t>(rank_)]));
-      });
-    }
-    backend_.before_comm(comm_);
-    std::size_t run_index = 0;
     for (const wire_run& run : bucket_runs_[b]) {
       visit_dtype(run.wire, [&]<class T>(T*) {
         const std::vector<std::uint64_t> counts = layout_.rank_counts(run.range);
         const std::uint64_t at = run.range.begin - bk.range.begin;
-        const int recv = recvs[run_index++];
+        const int recv = recv_pools_.template get<T>().acquire(backend_, counts[static_cast<std::size_t>(rank_)]);
+        // After the acquire: a new receive buffer is zero-filled on the backend's stream,
+        // and the collective must follow that fill.
+        backend_.before_comm(comm_);
         const T* send = nullptr;
         if constexpr (std::same_as<T, grad_type>) {
           send = staged + at;
