@@ -8,3 +8,5 @@ if(MPZERO_HAS_CUDA AND MPZERO_NCCL_FOUND)
   mpzero_add_test(test_zero_gpu SOURCES test_zero_gpu.cu TAGS gpu zero LIBS mpzero_nccl)
   mpzero_cuda_target(test_zero_gpu)
 endif()
+# save_checkpoint / load_checkpoint: resume bit for bit, resharding, refusals.
+mpzero_add_test(test_checkpoint SOURCES test_checkpoint.cpp TAGS checkpoint MPI 1 2 3 4)

@@ -20,11 +20,16 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <deque>
+#include <exception>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
+#include <random>
 #include <span>
 #include <string>
 #include <utility>
@@ -41,6 +46,7 @@
 #include "../policy/precision.hpp"
 #include "../policy/stage.hpp"
 #include "../step/fused_step.hpp"
+#include "checkpoint.hpp"
 #include "clipping.hpp"
 #include "loss_scaler.hpp"
 
@@ -286,6 +292,7 @@ class ZeroOptimizer {
                             "zero_grad() before the next backward");
     }
     in_backward_ = true;
+    grads_pending_ = true;
     if constexpr (zero_stage < 2) {
       backend_.accumulate(grads_.data() + r.begin, src, r.size(), scale);
     } else {
@@ -312,6 +319,7 @@ class ZeroOptimizer {
     } else {
       const flat_range r = layout_.param_range(slot(i));
       in_backward_ = true;
+      grads_pending_ = true;
       return {grads_.data() + r.begin, static_cast<std::size_t>(r.size())};
     }
   }
@@ -527,6 +535,91 @@ class ZeroOptimizer {
     for (const auto& t : shard_tensors_) read_values(t.states[which], t.numel, t.global_offset, out);
   }
 
+  // ---- checkpoints ------------------------------------------------------------------
+  // save_checkpoint(dir) writes what this rank's shard holds: the parameters (so that a
+  // resumed run continues bit for bit, stochastic rounding included), the master weights,
+  // the optimizer states, the step count and the loss scaler's state; one file per rank
+  // that holds a partition, one in all at stage 0 (checkpoint.hpp has the format). The
+  // directory must exist. Gradients are not saved: call it between steps (after step()
+  // or zero_grad()). load_checkpoint(dir) restores a checkpoint of the same parameters
+  // (same sizes, same order) and optimizer family (Adam and AdamW share their states) at
+  // any world size, ZeRO stage or precision policy: values are converted, rounding to
+  // nearest where a dtype is narrower. Hyperparameters and options are not saved; they
+  // are the caller's configuration. Both are collective: a failure on any rank throws on
+  // every rank; a failed load changes nothing, and a failed save leaves every file that
+  // was there whole (each is written beside its name and renamed into place), though
+  // the set of files may then mix two saves, which load_checkpoint detects.
+  void save_checkpoint(const std::filesystem::path& dir) {
+    const std::uint64_t id = agreed_save_id();
+    agree("save_checkpoint", "the checkpoint in " + checkpoint::detail::quoted(dir) + " is incomplete", [&] {
+      require_no_pending_grads("save_checkpoint");
+      if (zero_stage == 0 && rank_ != 0) return;  // every rank holds the same state
+      std::vector<host_piece> pieces = download_shard();
+      checkpoint::shard_header h = checkpoint_header(id);
+      const std::vector<std::size_t> user = user_of_slot();
+      struct source {
+        std::size_t piece;
+        std::uint64_t at;  // in the piece
+      };
+      std::vector<source> from;
+      for (std::size_t k = 0; k < pieces.size(); ++k) {
+        for (const segment& sg : layout_.segments(pieces[k].range)) {
+          h.records.push_back({user[sg.param], sg.param_offset, sg.count, 0});
+          from.push_back({k, sg.flat_offset - pieces[k].range.begin});
+        }
+      }
+      const std::vector<checkpoint::record> records = h.records;
+      checkpoint::write_shard(checkpoint::shard_path(dir, static_cast<std::uint32_t>(rank_)), std::move(h),
+                              [&](std::size_t r, std::string& out) {
+                                const host_piece& p = pieces[from[r].piece];
+                                const std::uint64_t at = from[r].at, n = records[r].count;
+                                const auto put = [&](const auto* v) {
+                                  out.append(reinterpret_cast<const char*>(v + at), n * sizeof(*v));
+                                };
+                                put(p.params.data());
+                                if constexpr (!Policy::master_is_param) put(p.master.data());
+                                for (const auto& st : p.states) put(st.data());
+                              });
+    });
+  }
+
+  void load_checkpoint(const std::filesystem::path& dir) {
+    std::vector<host_piece> pieces;
+    std::uint64_t steps = 0;
+    std::optional<loss_scaler> scaler;
+    // Everything is read and checked first; the optimizer changes only once every rank has its part.
+    agree("load_checkpoint", "nothing was loaded on this rank", [&] {
+      require_no_pending_grads("load_checkpoint");
+      if constexpr (zero_stage == 3) {
+        if (!groups_.empty()) {
+          detail::throw_invalid("ZeroOptimizer::load_checkpoint: " + std::to_string(groups_.size()) +
+                                " parameter group(s) are gathered; release() them first (a gathered copy would keep "
+                                "the old values)");
+        }
+      }
+      read_checkpoint(dir, pieces, steps, scaler);
+    });
+    if constexpr (offloaded) wait_uploads();  // they read the host buffers rewritten here
+    for (const host_piece& p : pieces) {
+      const std::uint64_t n = p.range.size(), at = p.range.begin - shard_.begin;
+      backend_.upload(shard_params(p.range), p.params.data(), n);
+      if constexpr (offloaded) {
+        if constexpr (Policy::master_is_param) {
+          host_.copy(h_master_.data() + at, p.params.data(), n);
+        } else {
+          host_.copy(h_master_.data() + at, p.master.data(), n);
+        }
+        for (int k = 0; k < n_states; ++k) host_.copy(h_states_[k].data() + at, p.states[k].data(), n);
+      } else {
+        if constexpr (!Policy::master_is_param) backend_.upload(master_.data() + at, p.master.data(), n);
+        for (int k = 0; k < n_states; ++k) backend_.upload(states_[k].data() + at, p.states[k].data(), n);
+      }
+    }
+    steps_ = steps;
+    if (scaler) scaler_ = std::move(scaler);
+    gather_updated_params();
+  }
+
   memory_report memory() const {
     memory_report m;
     m.params = params_.bytes() + persistent_.bytes();
@@ -627,6 +720,241 @@ class ZeroOptimizer {
       backend_.download(host.data(), p, n);
     }
     for (std::uint64_t k = 0; k < n; ++k) out(first + k, to_float(host[k]));
+  }
+
+  // ---- checkpoints ------------------------------------------------------------------
+  // A part of this rank's shard in host memory: flat elements `range`.
+  struct host_piece {
+    flat_range range;
+    std::vector<param_type> params;
+    std::vector<master_type> master;  // empty when the master is the parameter
+    std::array<std::vector<state_type>, n_states> states;
+
+    explicit host_piece(flat_range r) : range(r), params(r.size()) {
+      if constexpr (!Policy::master_is_param) master.resize(r.size());
+      for (auto& s : states) s.resize(r.size());
+    }
+  };
+
+  // The shard in pieces of contiguous storage: stage 3 keeps partitioned and persistent
+  // parameters in separate buffers.
+  std::vector<flat_range> shard_pieces() const {
+    std::vector<flat_range> out;
+    if constexpr (zero_stage == 3) {
+      out.push_back(intersect(shard_, flat_range{0, persistent_begin_}));
+      out.push_back(intersect(shard_, flat_range{persistent_begin_, layout_.padded_numel()}));
+    } else {
+      out.push_back(shard_);
+    }
+    std::erase_if(out, [](const flat_range& r) { return r.empty(); });
+    return out;
+  }
+  // Where the parameters of a shard piece live (backend memory).
+  param_type* shard_params(flat_range p) {
+    if constexpr (zero_stage < 3) {
+      return params_.data() + p.begin;
+    } else {
+      return p.begin < persistent_begin_ ? params_.data() + (p.begin - shard_.begin)
+                                         : persistent_.data() + (p.begin - persistent_begin_);
+    }
+  }
+  std::vector<std::size_t> user_of_slot() const {
+    std::vector<std::size_t> user(slot_of_.size());
+    for (std::size_t i = 0; i < slot_of_.size(); ++i) user[slot_of_[i]] = i;
+    return user;
+  }
+
+  // Runs f; then every rank learns whether any rank failed. This rank's own exception is
+  // rethrown; a rank whose f succeeded throws an error naming the rank that failed.
+  template <class F>
+  void agree(const char* who, const std::string& consequence, F&& f) {
+    std::exception_ptr failure;
+    try {
+      f();
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    std::int32_t failed = failure ? rank_ + 1 : 0;
+    if (world_ > 1) backend_.all_reduce_host(comm_, &failed, 1, comm::reduce_op::max);
+    if (failure) std::rethrow_exception(failure);
+    if (failed) {
+      throw error("mpzero: ZeroOptimizer::" + std::string(who) + ": rank " + std::to_string(failed - 1) + " of " +
+                  std::to_string(world_) + " failed (its exception says why); " + consequence);
+    }
+  }
+
+  void require_no_pending_grads(const char* who) const {
+    if (grads_pending_ || in_backward_ || reduced_) {
+      detail::throw_invalid("ZeroOptimizer::" + std::string(who) +
+                            ": gradients were reported since the last step(); a checkpoint holds weights and optimizer "
+                            "states, not gradients. Call it after step() or zero_grad()");
+    }
+  }
+
+  // One id for every file of a save, so that a load can tell files of two saves apart.
+  std::uint64_t agreed_save_id() {
+    std::random_device rd;
+    // 52 random bits: exact in a double, which every communicator reduces.
+    double id = static_cast<double>(((std::uint64_t{rd()} << 32) ^ rd()) & ((std::uint64_t{1} << 52) - 1));
+    if (world_ > 1) backend_.all_reduce_host(comm_, &id, 1, comm::reduce_op::max);
+    return static_cast<std::uint64_t>(id);
+  }
+
+  checkpoint::shard_header checkpoint_header(std::uint64_t id) const {
+    checkpoint::shard_header h;
+    h.save_id = id;
+    h.rank = static_cast<std::uint32_t>(rank_);
+    h.world = static_cast<std::uint32_t>(world_);
+    h.files = zero_stage == 0 ? 1u : static_cast<std::uint32_t>(world_);
+    h.stage = static_cast<std::uint32_t>(zero_stage);
+    h.param = dtype_of_v<param_type>;
+    h.master = dtype_of_v<master_type>;
+    h.state = dtype_of_v<state_type>;
+    h.has_master = !Policy::master_is_param;
+    h.n_states = static_cast<std::uint32_t>(n_states);
+    h.optimizer = std::string(Optimizer::name);
+    h.steps = steps_;
+    if (scaler_) {
+      const loss_scaler::state st = scaler_->save();
+      h.scaler = checkpoint::scaler_record{st.scale, st.hysteresis_left, st.clean_steps, st.last_overflow_iter, st.iter};
+    }
+    for (std::size_t i = 0; i < num_params(); ++i) h.numels.push_back(numel(i));
+    return h;
+  }
+
+  std::vector<host_piece> download_shard() {
+    if constexpr (offloaded) wait_uploads();  // the device parameters are read next
+    std::vector<host_piece> out;
+    for (const flat_range& r : shard_pieces()) {
+      host_piece& p = out.emplace_back(r);
+      const std::uint64_t n = r.size(), at = r.begin - shard_.begin;
+      backend_.download(p.params.data(), shard_params(r), n);
+      if constexpr (offloaded) {
+        if constexpr (!Policy::master_is_param) host_.copy(p.master.data(), h_master_.data() + at, n);
+        for (int k = 0; k < n_states; ++k) host_.copy(p.states[k].data(), h_states_[k].data() + at, n);
+      } else {
+        if constexpr (!Policy::master_is_param) backend_.download(p.master.data(), master_.data() + at, n);
+        for (int k = 0; k < n_states; ++k) backend_.download(p.states[k].data(), states_[k].data() + at, n);
+      }
+    }
+    return out;
+  }
+
+  // The checks a checkpoint's first file must pass to load here.
+  void check_loadable(const checkpoint::shard_header& h, const std::filesystem::path& path) const {
+    const std::string where = "ZeroOptimizer::load_checkpoint: " + checkpoint::detail::quoted(path);
+    if (h.numels.size() != num_params()) {
+      detail::throw_invalid(where + " holds " + std::to_string(h.numels.size()) + " parameters; this optimizer has " +
+                            std::to_string(num_params()) +
+                            ". Load it into a model with the same parameters, in the same order");
+    }
+    for (std::size_t i = 0; i < num_params(); ++i) {
+      if (h.numels[i] != numel(i)) {
+        detail::throw_invalid(where + ": parameter " + std::to_string(i) + " has " + std::to_string(h.numels[i]) +
+                              " elements there and " + std::to_string(numel(i)) +
+                              " here. Load it into a model with the same parameters, in the same order");
+      }
+    }
+    const auto adam_family = [](std::string_view n) { return n == "Adam" || n == "AdamW"; };
+    const bool same = h.optimizer == Optimizer::name || (adam_family(h.optimizer) && adam_family(Optimizer::name));
+    if (!same || h.n_states != static_cast<std::uint32_t>(n_states)) {
+      detail::throw_invalid(where + " holds " + h.optimizer + " states (" + std::to_string(h.n_states) +
+                            " per element); this optimizer is " + std::string(Optimizer::name) +
+                            ". Load it with the optimizer it was saved with (Adam and AdamW share their states)");
+    }
+    if (h.files == 0 || h.files > h.world || h.rank != 0) {
+      detail::throw_invalid(where + " says it is rank " + std::to_string(h.rank) + "'s file of " +
+                            std::to_string(h.files) + " at world size " + std::to_string(h.world) +
+                            "; the file is corrupt or renamed. Save the checkpoint again");
+    }
+  }
+
+  // Reads this rank's pieces of the checkpoint in `dir` into host memory; changes nothing.
+  void read_checkpoint(const std::filesystem::path& dir, std::vector<host_piece>& pieces, std::uint64_t& steps,
+                       std::optional<loss_scaler>& scaler) const {
+    std::vector<std::filesystem::path> paths{checkpoint::shard_path(dir, 0)};
+    std::vector<std::ifstream> files(1);
+    std::vector<checkpoint::shard_header> heads{checkpoint::read_header(files[0], paths[0])};
+    check_loadable(heads[0], paths[0]);
+    heads.reserve(heads[0].files);  // h0 stays valid
+    const checkpoint::shard_header& h0 = heads[0];
+    for (std::uint32_t k = 1; k < h0.files; ++k) {
+      paths.push_back(checkpoint::shard_path(dir, k));
+      files.emplace_back();
+      heads.push_back(checkpoint::read_header(files.back(), paths.back()));
+      const checkpoint::shard_header& h = heads.back();
+      const char* differs = h.save_id != h0.save_id ? "save id"
+                            : h.rank != k              ? "rank"
+                            : h.files != h0.files      ? "file count"
+                            : h.numels != h0.numels    ? "parameter sizes"
+                            : h.steps != h0.steps      ? "step count"
+                            : h.param != h0.param || h.master != h0.master || h.state != h0.state ||
+                                      h.has_master != h0.has_master || h.n_states != h0.n_states
+                                ? "dtypes"
+                                : nullptr;
+      if (differs) {
+        detail::throw_invalid("ZeroOptimizer::load_checkpoint: " + checkpoint::detail::quoted(paths.back()) +
+                              " does not belong to the save that wrote " + checkpoint::detail::quoted(paths[0]) +
+                              " (its " + differs +
+                              " differs: a save that failed midway, or files of two checkpoints in one directory); "
+                              "load a checkpoint whose save completed");
+      }
+    }
+    if (scaler_ && h0.scaler) {
+      loss_scaler s = *scaler_;
+      const checkpoint::scaler_record& r = *h0.scaler;
+      s.load(loss_scaler::state{r.scale, r.hysteresis_left, r.clean_steps, r.last_overflow_iter, r.iter});
+      scaler = std::move(s);
+    }
+    steps = h0.steps;
+
+    // Per parameter, the records that hold its elements.
+    std::vector<std::vector<std::pair<std::size_t, std::size_t>>> holders(num_params());
+    for (std::size_t f = 0; f < heads.size(); ++f) {
+      for (std::size_t r = 0; r < heads[f].records.size(); ++r) holders[heads[f].records[r].param].emplace_back(f, r);
+    }
+    const std::vector<std::size_t> user = user_of_slot();
+    for (const flat_range& range : shard_pieces()) {
+      host_piece& p = pieces.emplace_back(range);
+      for (const segment& sg : layout_.segments(range)) {
+        const std::size_t i = user[sg.param];
+        const flat_range want{sg.param_offset, sg.param_offset + sg.count};
+        std::uint64_t found = 0;
+        for (const auto& [f, r] : holders[i]) {
+          const checkpoint::record& rec = heads[f].records[r];
+          const flat_range got = intersect(want, flat_range{rec.begin, rec.begin + rec.count});
+          if (got.empty()) continue;
+          const std::uint64_t n = got.size(), first = got.begin - rec.begin;
+          const std::uint64_t at = sg.flat_offset - range.begin + (got.begin - want.begin);
+          const auto read = [&]<class T>(int which, T* dst) {
+            const checkpoint::shard_header& h = heads[f];
+            const dtype d = which == 0 ? h.param : (h.has_master && which == 1 ? h.master : h.state);
+            visit_dtype(d, [&]<class S>(S*) {
+              std::vector<S> raw(n);
+              checkpoint::read_elements(files[f], paths[f], h, rec, which, first, n, raw.data());
+              host_.convert(dst + at, raw.data(), n);
+            });
+          };
+          const bool saved_master = heads[f].has_master;
+          if constexpr (Policy::master_is_param) {
+            read(saved_master ? 1 : 0, p.params.data());  // the saved master is the finer source
+          } else {
+            read(0, p.params.data());
+            read(saved_master ? 1 : 0, p.master.data());
+          }
+          for (int k = 0; k < n_states; ++k) read((saved_master ? 2 : 1) + k, p.states[k].data());
+          found += n;
+        }
+        if (found != sg.count) {
+          detail::throw_invalid("ZeroOptimizer::load_checkpoint: " + checkpoint::detail::quoted(dir) + " holds " +
+                                std::to_string(found) + " of the " + std::to_string(sg.count) + " elements [" +
+                                std::to_string(want.begin) + ", " + std::to_string(want.end) + ") of parameter " +
+                                std::to_string(i) + " this rank needs; its shard files are " +
+                                (found < sg.count ? "incomplete" : "inconsistent (records overlap)") +
+                                ". Load a checkpoint whose save completed");
+        }
+      }
+    }
   }
 
   std::size_t slot(std::size_t i) const {
@@ -750,6 +1078,7 @@ class ZeroOptimizer {
   }
 
   void zero_all_grads() {
+    grads_pending_ = false;
     backend_.zero(grads_.data(), grads_.size());
     // Stage 1 overwrites the host partition with each step's reduced shard instead.
     if constexpr (offloaded && zero_stage >= 2) host_.zero(h_grads_.data(), h_grads_.size());
@@ -1100,6 +1429,7 @@ class ZeroOptimizer {
   std::uint64_t steps_ = 0;
   bool in_backward_ = false;
   bool reduced_ = false;  // reduce_gradients() ran for this step
+  bool grads_pending_ = false;  // gradients reported since the last step() or zero_grad()
 
   flat_layout layout_;
   std::vector<std::size_t> slot_of_;  // parameter index -> position in the flat buffers
