@@ -58,7 +58,7 @@ struct shared_dir {
   }
   ~shared_dir() {
     MPI_Barrier(MPI_COMM_WORLD);
-    if (world().rank() == 0 && !std::getenv("KEEPCK")) fs::remove_all(path);
+    if (world().rank() == 0) fs::remove_all(path);
   }
 };
 

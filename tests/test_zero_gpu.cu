@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -39,9 +40,8 @@ struct snapshot {
   std::vector<double> norms;
 };
 
-template <class Policy, class Opt, int Stage, class Comm, class Backend, class Offload = offload_none>
-snapshot train(Comm& comm, Backend backend, const std::vector<std::uint64_t>& numels, bool pinned = true,
-               const std::vector<dtype>& wire = {}) {
+template <class Policy>
+zero_options test_options(bool pinned, const std::vector<dtype>& wire) {
   zero_options zo;
   zo.wire_dtypes = wire;
   zo.pin_memory = pinned;
@@ -51,8 +51,35 @@ snapshot train(Comm& comm, Backend backend, const std::vector<std::uint64_t>& nu
   zo.loss_scaling = Policy::needs_loss_scaling;
   zo.gradient_clipping = 1.0;
   zo.seed = 7;
+  return zo;
+}
+
+// Parameters, master weights and first moments of z (world size 1: the whole model).
+template <class Z, class Backend>
+snapshot read_back(Z& z, Backend& backend) {
+  snapshot out;
+  backend.synchronize();
+  const std::size_t n = z.num_params();
+  if constexpr (Z::zero_stage == 3) z.gather(0, n);
+  for (std::size_t p = 0; p < n; ++p) {
+    const auto s = z.param(p);
+    std::vector<typename Z::param_type> h(s.size());
+    backend.download(h.data(), s.data(), s.size());
+    for (auto v : h) out.params.push_back(to_float(v));
+  }
+  if constexpr (Z::zero_stage == 3) z.release(0, n);
+  z.read_master_shard([&](std::uint64_t, float v) { out.master.push_back(v); });
+  z.read_state_shard(0, [&](std::uint64_t, float v) { out.s0.push_back(v); });
+  return out;
+}
+
+// Four steps of two backward passes; with `save_to`, a checkpoint at the end.
+template <class Policy, class Opt, int Stage, class Comm, class Backend, class Offload = offload_none>
+snapshot train(Comm& comm, Backend backend, const std::vector<std::uint64_t>& numels, bool pinned = true,
+               const std::vector<dtype>& wire = {}, const std::string& save_to = "") {
   typename Opt::options o;
-  ZeroOptimizer<Policy, Opt, stage<Stage>, Comm, Backend, Offload> z(comm, numels, o, zo, backend);
+  ZeroOptimizer<Policy, Opt, stage<Stage>, Comm, Backend, Offload> z(comm, numels, o, test_options<Policy>(pinned, wire),
+                                                                     backend);
   using G = typename Policy::grad_type;
   // Host staging, then the backend's memory (device or host alike through upload()).
   auto to_backend = [&](const std::vector<float>& v) {
@@ -69,7 +96,7 @@ snapshot train(Comm& comm, Backend backend, const std::vector<std::uint64_t>& nu
     backend.upload(b.data(), init.data(), init.size());
     z.load_param(p, b.data());
   }
-  snapshot out;
+  std::vector<double> norms;
   for (std::uint64_t step = 1; step <= 4; ++step) {
     for (int pass = 0; pass < 2; ++pass) {
       for (std::size_t p = numels.size(); p-- > 0;) {
@@ -81,19 +108,21 @@ snapshot train(Comm& comm, Backend backend, const std::vector<std::uint64_t>& nu
       }
       z.end_backward();
     }
-    out.norms.push_back(z.step().grad_norm);
+    norms.push_back(z.step().grad_norm);
   }
-  backend.synchronize();
-  if constexpr (Stage == 3) z.gather(0, numels.size());
-  for (std::size_t p = 0; p < numels.size(); ++p) {
-    const auto s = z.param(p);
-    std::vector<typename Policy::param_type> h(s.size());
-    backend.download(h.data(), s.data(), s.size());
-    for (auto v : h) out.params.push_back(to_float(v));
-  }
-  z.read_master_shard([&](std::uint64_t, float v) { out.master.push_back(v); });
-  z.read_state_shard(0, [&](std::uint64_t, float v) { out.s0.push_back(v); });
+  if (!save_to.empty()) z.save_checkpoint(save_to);
+  snapshot out = read_back(z, backend);
+  out.norms = norms;
   return out;
+}
+
+// A fresh optimizer that loads the checkpoint in `dir`.
+template <class Policy, class Opt, int Stage, class Comm, class Backend, class Offload = offload_none>
+snapshot load_from(Comm& comm, Backend backend, const std::vector<std::uint64_t>& numels, const std::string& dir) {
+  ZeroOptimizer<Policy, Opt, stage<Stage>, Comm, Backend, Offload> z(comm, numels, typename Opt::options{},
+                                                                     test_options<Policy>(true, {}), backend);
+  z.load_checkpoint(dir);
+  return read_back(z, backend);
 }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
@@ -214,6 +243,37 @@ TEST_CASE("ZeRO on CUDA with cuda_local_communicator (no NCCL) equals the host b
   compare_backends<policies::bf16_fp32_master, optim::adamw, 2>(true, {}, device_comm::local);
   compare_backends<policies::fp16_fp32_master, optim::adamw, 3>(true, {}, device_comm::local);
   compare_backends<policies::bf16_fp32_master, optim::adamw, 2, offload_cpu>(true, {}, device_comm::local);
+}
+
+TEST_CASE("Checkpoints move between the CUDA and the host backend, bit for bit", "[gpu][zero]") {
+  require_device();
+  const std::vector<std::uint64_t> numels{70001, 0, 33, 12345, 7, 100000};
+  const std::string dir_dev = std::filesystem::temp_directory_path() / "mpzero_gpu_ckpt_dev";
+  const std::string dir_host = std::filesystem::temp_directory_path() / "mpzero_gpu_ckpt_host";
+  std::filesystem::create_directories(dir_dev);
+  std::filesystem::create_directories(dir_host);
+  using P = policies::bf16_all_sr;
+  cudaStream_t stream = nullptr;
+  MPZERO_CUDA_CHECK(cudaStreamCreate(&stream));
+  comm::local_communicator local;
+  comm::cuda_local_communicator copies(stream);
+  // Saved on the device at stage 2 (through the offload path at stage 1 too), loaded on the host at stage 3.
+  const snapshot dev = train<P, optim::adamw, 2, comm::cuda_local_communicator, cuda_backend>(
+      copies, cuda_backend{stream}, numels, true, {}, dir_dev);
+  const snapshot on_host = load_from<P, optim::adamw, 3>(local, host_backend{}, numels, dir_dev);
+  REQUIRE(same_bits(on_host.params, dev.params));
+  REQUIRE(same_bits(on_host.master, dev.master));
+  REQUIRE(same_bits(on_host.s0, dev.s0));
+  // Saved on the host, loaded on the device (with offload: host states, device parameters).
+  const snapshot host = train<P, optim::adamw, 1>(local, host_backend{}, numels, true, {}, dir_host);
+  const snapshot on_dev = load_from<P, optim::adamw, 1, comm::cuda_local_communicator, cuda_backend, offload_cpu>(
+      copies, cuda_backend{stream}, numels, dir_host);
+  REQUIRE(same_bits(on_dev.params, host.params));
+  REQUIRE(same_bits(on_dev.master, host.master));
+  REQUIRE(same_bits(on_dev.s0, host.s0));
+  MPZERO_CUDA_CHECK(cudaStreamDestroy(stream));
+  std::filesystem::remove_all(dir_dev);
+  std::filesystem::remove_all(dir_host);
 }
 
 TEST_CASE("ZeroOptimizer refuses a communicator that reads the other memory space", "[zero]") {

@@ -20,3 +20,8 @@ if(TARGET mpzero_torch AND MPZERO_TORCH_CUDA AND MPZERO_NCCL_FOUND)
   target_compile_definitions(test_torch_gpu PRIVATE USE_C10D_NCCL USE_CUDA)
   set_tests_properties(test_torch_gpu.torch PROPERTIES ENVIRONMENT OMP_NUM_THREADS=1)
 endif()
+# engine.save_checkpoint / load_checkpoint: resume bit for bit, other stages and world
+# sizes, module-only, refusals.
+if(TARGET mpzero_torch AND MPI_CXX_FOUND)
+  mpzero_add_test(test_torch_checkpoint SOURCES test_torch_checkpoint.cpp TAGS checkpoint MPI 1 2 LIBS mpzero::torch)
+endif()

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <charconv>
+#include <cstdint>
+#include <exception>
 #include <stdexcept>
 #include <string>
 
@@ -29,6 +31,28 @@ inline std::string format_double(double v) {
   char buf[32];
   const auto r = std::to_chars(buf, buf + sizeof buf, v);
   return std::string(buf, r.ptr);
+}
+
+// A collective operation whose local part may fail on some ranks only: runs `local`,
+// then every rank learns whether any rank failed (max_over_ranks(v) returns the largest
+// v over the ranks; it is the one collective, called exactly once on every rank). This
+// rank's own exception is rethrown; a rank whose part succeeded throws mpzero::error
+// naming the rank that failed, so no rank goes on into a collective the others skip.
+template <class MaxOverRanks, class Local>
+void agree_on_failure(int rank, int world, MaxOverRanks&& max_over_ranks, const std::string& who,
+                      const std::string& consequence, Local&& local) {
+  std::exception_ptr failure;
+  try {
+    local();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  const std::int32_t failed = max_over_ranks(static_cast<std::int32_t>(failure ? rank + 1 : 0));
+  if (failure) std::rethrow_exception(failure);
+  if (failed != 0) {
+    throw error("mpzero: " + who + ": rank " + std::to_string(failed - 1) + " of " + std::to_string(world) +
+                " failed (its exception says why); " + consequence);
+  }
 }
 
 }  // namespace detail

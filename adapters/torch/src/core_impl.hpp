@@ -146,6 +146,21 @@ class core_impl final : public zero_core {
     return out;
   }
 
+  void save_checkpoint(const std::string& dir) override {
+    typename Context::scope s(ctx_);
+    z_->save_checkpoint(dir);
+  }
+  void load_checkpoint(const std::string& dir) override {
+    typename Context::scope s(ctx_);
+    z_->load_checkpoint(dir);
+  }
+  std::int32_t max_over_ranks(std::int32_t v) override {
+    if (comm_.size() == 1) return v;
+    typename Context::scope s(ctx_);
+    backend_.all_reduce_host(comm_, &v, 1, comm::reduce_op::max);
+    return v;
+  }
+
   step_report step() override {
     typename Context::scope s(ctx_);
     return z_->step();

@@ -8,12 +8,17 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <cmath>
 #include <cstddef>
+#include <filesystem>
+#include <fstream>
 #include <limits>
+#include <system_error>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
@@ -52,6 +57,56 @@ std::string shape_of(const at::Tensor& t) {
 }
 
 [[noreturn]] void fail(const std::string& what) { throw mpzero::invalid_argument("mpzero::torch: " + what); }
+
+// ---- checkpoint files ------------------------------------------------------------------
+namespace fs = std::filesystem;
+
+std::string quoted(const fs::path& p) { return "'" + p.string() + "'"; }
+
+// Writes `bytes` beside `path` and renames it into place: the file is whole or absent.
+void write_atomically(const fs::path& path, std::string_view bytes) {
+  fs::path tmp = path;
+  tmp += ".tmp";
+  bool ok = false;
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    ok = out && out.write(bytes.data(), static_cast<std::streamsize>(bytes.size())) && out.flush();
+  }
+  std::error_code ec;
+  if (!ok) {
+    const std::string reason = std::error_code(errno, std::generic_category()).message();
+    fs::remove(tmp, ec);
+    throw mpzero::error("mpzero::torch: cannot write " + quoted(tmp) + " (" + reason +
+                        "); check that the directory is writable and has room");
+  }
+  fs::rename(tmp, path, ec);
+  if (ec) throw mpzero::error("mpzero::torch: cannot rename " + quoted(tmp) + " to " + quoted(path) + " (" + ec.message() + ")");
+}
+
+std::string read_file(const fs::path& path, const std::string& what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    std::error_code ec;
+    fail("load_checkpoint: cannot read " + what + " " + quoted(path) + " (" +
+         (fs::exists(path, ec) ? std::error_code(errno, std::generic_category()).message() : std::string("no such file")) +
+         "); pass the directory save_checkpoint wrote and its tag");
+  }
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void check_tag(const std::string& who, const std::string& tag) {
+  if (tag.empty() || tag == "." || tag == ".." || tag.find_first_of("/\\") != std::string::npos) {
+    fail(who + ": the checkpoint tag '" + tag +
+         "' is not a directory name; use a name without '/', such as global_step100");
+  }
+}
+
+// 30 bits of FNV-1a: enough to tell two tags apart, and negatable without overflow.
+std::int32_t tag_hash(const std::string& tag) {
+  std::uint32_t h = 2166136261u;
+  for (unsigned char c : tag) h = (h ^ c) * 16777619u;
+  return static_cast<std::int32_t>(h & 0x3fffffffu);
+}
 
 // The reentrant depth of the graph task running on this thread: 0 for a backward
 // called by user code, > 0 for a backward started inside another backward (reentrant
@@ -172,6 +227,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   void zero_grad() {
     drop_stale_passes();
     core_->zero_grad();
+    grads_since_step_ = false;
     for (auto& p : params_) p.mutable_grad().reset();
   }
   bool is_boundary() const {
@@ -191,6 +247,38 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     std::vector<float> g = core_->full_grad(i);
     return ::torch::tensor(at::ArrayRef<float>(g), ::torch::kFloat).reshape(params_[i].sizes()).to(device_);
   }
+
+  // ---- checkpoints ---------------------------------------------------------------------
+  void save_checkpoint(const std::string& save_dir, const std::string& tag, const nlohmann::json& client_state,
+                       bool save_latest);
+  std::optional<engine_base::loaded_checkpoint> load_checkpoint(const std::string& load_dir, const std::string& tag,
+                                                                bool module_only);
+  // Runs `local` on this rank; every rank then learns whether any failed.
+  template <class F>
+  void agree(const std::string& who, const std::string& consequence, F&& local) {
+    mpzero::detail::agree_on_failure(
+        comm_.rank(), comm_.size(), [&](std::int32_t v) { return core_->max_over_ranks(v); }, "engine." + who,
+        consequence, std::forward<F>(local));
+  }
+  // Throws on every rank unless every rank passed the same `value` (a hash of it).
+  void same_on_every_rank(const std::string& who, const std::string& what, const std::string& value) {
+    const std::int32_t h = tag_hash(value);
+    if (core_->max_over_ranks(h) != -core_->max_over_ranks(-h)) {
+      fail("engine." + who + ": the ranks passed different " + what + " (this rank: '" + value +
+           "'); every rank passes the same one");
+    }
+  }
+  void require_boundary(const std::string& who) const {
+    if (grads_since_step_) {
+      fail("engine." + who + ": gradients are accumulated toward the next optimizer step (micro-step " +
+           std::to_string(micro_steps_) + ", gradient_accumulation_steps = " +
+           std::to_string(cfg_.gradient_accumulation_steps) +
+           "); a checkpoint holds no gradients. Call it at an accumulation boundary (after the step() that updates), "
+           "or drop them with zero_grad() first");
+    }
+  }
+  nlohmann::json engine_json(const std::string& tag, const nlohmann::json& client_state) const;
+  std::string module_bytes() const;
 
   // ---- streams (CUDA parameters) ------------------------------------------------------
   // The core queues its work on torch's current stream of the parameters' device as it
@@ -247,6 +335,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::optional<bool> boundary_override_;
   step_report last_{};
   bool stepped_ = false;
+  bool grads_since_step_ = false;  // the core holds gradients toward the next step
 };
 
 namespace {
@@ -501,6 +590,7 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
   // Produced on another stream: the caching allocator must not reuse g before the core has read it.
   if (core_waits()) g.record_stream(*core_stream_);
   core_->accumulate_grad(i, g.data_ptr(), *t, p.scale_wrt_gas ? inv_gas_ : 1.0f);
+  grads_since_step_ = true;
   // The core holds the gradient now; release autograd's copy.
   param.mutable_grad().reset();
 }
@@ -565,8 +655,205 @@ void engine_state::step() {
       ++scheduler_steps_;
     }
     for (auto& p : params_) p.mutable_grad().reset();
+    grads_since_step_ = false;
   }
   ++micro_steps_;
+}
+
+nlohmann::json engine_state::engine_json(const std::string& tag, const nlohmann::json& client_state) const {
+  nlohmann::json params = nlohmann::json::array();
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    params.push_back({{"name", names_[i]}, {"shape", params_[i].sizes().vec()}});
+  }
+  return {{"format", "mpzero engine checkpoint"},
+          {"version", 1},
+          {"tag", tag},
+          {"global_steps", global_steps_},
+          {"micro_steps", micro_steps_},
+          {"skipped_steps", skipped_steps_},
+          {"scheduler_steps", scheduler_steps_},
+          {"world_size", comm_.size()},
+          {"zero_stage", cfg_.zero.stage},
+          {"precision", core_->spec().describe()},
+          {"parameters", params},
+          {"client_state", client_state}};
+}
+
+// The module's parameters and buffers as DeepSpeed's model_states file holds them:
+// {"module": {name: tensor}, "global_steps": N}, in torch's pickle format.
+std::string engine_state::module_bytes() const {
+  c10::Dict<std::string, at::Tensor> state;
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) state.insert(item.key(), item.value().detach().cpu());
+  for (const auto& item : module_->named_buffers(/*recurse=*/true)) state.insert(item.key(), item.value().detach().cpu());
+  c10::impl::GenericDict top(c10::StringType::get(), c10::AnyType::get());
+  top.insert("module", state);
+  top.insert("global_steps", static_cast<std::int64_t>(global_steps_));
+  const std::vector<char> bytes = ::torch::jit::pickle_save(top);
+  return std::string(bytes.begin(), bytes.end());
+}
+
+void engine_state::save_checkpoint(const std::string& save_dir, const std::string& tag_arg,
+                                   const nlohmann::json& client_state, bool save_latest) {
+  const std::string tag = tag_arg.empty() ? "global_step" + std::to_string(global_steps_) : tag_arg;
+  same_on_every_rank("save_checkpoint", "tags", tag);
+  const fs::path dir = fs::path(save_dir) / tag;
+  agree("save_checkpoint", "nothing was saved", [&] {
+    check_tag("engine.save_checkpoint", tag);
+    require_boundary("save_checkpoint");
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) {
+      fail("engine.save_checkpoint: cannot create " + quoted(dir) + " (" + ec.message() +
+           "); pass a save_dir that is writable and reachable from every rank");
+    }
+    if (comm_.rank() == 0) {
+      write_atomically(dir / "mpzero_engine.json", engine_json(tag, client_state).dump(2));
+      write_atomically(dir / "model_states.pt", module_bytes());
+    }
+  });
+  core_->save_checkpoint(dir.string());
+  if (save_latest) {
+    agree("save_checkpoint", "the checkpoint is complete, but 'latest' does not name it", [&] {
+      if (comm_.rank() == 0) write_atomically(fs::path(save_dir) / "latest", tag);
+    });
+  }
+}
+
+std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(const std::string& load_dir,
+                                                                            const std::string& tag_arg,
+                                                                            bool module_only) {
+  const fs::path root(load_dir);
+  std::string tag = tag_arg;
+  std::int32_t no_latest = 0;
+  agree("load_checkpoint", "nothing was loaded", [&] {
+    if (!tag.empty()) return;
+    std::error_code ec;
+    if (!fs::exists(root / "latest", ec)) {
+      no_latest = 1;
+      return;
+    }
+    tag = read_file(root / "latest", "the latest tag");
+    while (!tag.empty() && std::isspace(static_cast<unsigned char>(tag.back()))) tag.pop_back();
+  });
+  if (tag_arg.empty()) {
+    const std::int32_t any = core_->max_over_ranks(no_latest), all = -core_->max_over_ranks(-no_latest);
+    if (any != all) {
+      fail("engine.load_checkpoint: " + quoted(root / "latest") + " exists on some ranks only (on this one: " +
+           (no_latest ? "no" : "yes") + "); checkpoints need a directory every rank can read");
+    }
+    if (all) return std::nullopt;  // nothing saved there yet, as DeepSpeed
+  }
+  same_on_every_rank("load_checkpoint", "tags", tag);
+  const fs::path dir = root / tag;
+
+  // Read and check everything before anything changes.
+  struct copy {
+    ::torch::Tensor dst, src;
+  };
+  std::vector<copy> copies;
+  std::vector<::torch::Tensor> trainable(params_.size());
+  nlohmann::json client_state;
+  std::uint64_t counters[4] = {};
+  agree("load_checkpoint", "nothing was loaded", [&] {
+    check_tag("engine.load_checkpoint", tag);
+    require_boundary("load_checkpoint");
+    const fs::path meta_path = dir / "mpzero_engine.json";
+    nlohmann::json meta;
+    try {
+      meta = nlohmann::json::parse(read_file(meta_path, "the engine state"));
+      const auto& ps = meta.at("parameters");
+      if (ps.size() != params_.size()) {
+        fail("engine.load_checkpoint: " + quoted(meta_path) + " lists " + std::to_string(ps.size()) +
+             " trainable parameters; this engine has " + std::to_string(params_.size()) +
+             ". Load a checkpoint of this model");
+      }
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        const auto name = ps[i].at("name").get<std::string>();
+        const auto shape = ps[i].at("shape").get<std::vector<std::int64_t>>();
+        if (name != names_[i] || shape != params_[i].sizes().vec()) {
+          std::ostringstream saved_shape;
+          saved_shape << c10::IntArrayRef(shape);
+          fail("engine.load_checkpoint: trainable parameter " + std::to_string(i) + " is '" + name + "' of shape " +
+               saved_shape.str() + " in " + quoted(meta_path) + ", '" + names_[i] + "' of shape " +
+               shape_of(params_[i]) + " here. Load a checkpoint of this model");
+        }
+      }
+      const char* keys[4] = {"global_steps", "micro_steps", "skipped_steps", "scheduler_steps"};
+      for (int k = 0; k < 4; ++k) counters[k] = meta.at(keys[k]).get<std::uint64_t>();
+      client_state = meta.value("client_state", nlohmann::json::object());
+    } catch (const nlohmann::json::exception& e) {
+      fail("engine.load_checkpoint: " + quoted(meta_path) + " is not an engine state save_checkpoint wrote (" +
+           e.what() + ")");
+    }
+
+    const fs::path module_path = dir / "model_states.pt";
+    std::unordered_map<std::string, ::torch::Tensor> saved;
+    try {
+      const std::string bytes = read_file(module_path, "the module state");
+      const c10::IValue top = ::torch::jit::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+      for (const auto& e : top.toGenericDict().at("module").toGenericDict()) {
+        saved.emplace(e.key().toStringRef(), e.value().toTensor());
+      }
+    } catch (const c10::Error& e) {
+      fail("engine.load_checkpoint: " + quoted(module_path) + " is not a module state save_checkpoint wrote (" +
+           e.what_without_backtrace() + ")");
+    } catch (const std::out_of_range& e) {  // no "module" entry
+      fail("engine.load_checkpoint: " + quoted(module_path) + " is not a module state save_checkpoint wrote (" +
+           e.what() + ")");
+    }
+    std::unordered_set<std::string> used;
+    auto take = [&](const std::string& name, const ::torch::Tensor& like) {
+      auto it = saved.find(name);
+      if (it == saved.end()) {
+        fail("engine.load_checkpoint: " + quoted(module_path) + " has no '" + name +
+             "', which this model has. Load a checkpoint of this model");
+      }
+      if (it->second.sizes() != like.sizes()) {
+        fail("engine.load_checkpoint: '" + name + "' has shape " + shape_of(it->second) + " in " + quoted(module_path) +
+             " and " + shape_of(like) + " here. Load a checkpoint of this model");
+      }
+      used.insert(name);
+      return it->second;
+    };
+    for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+      const ::torch::Tensor src = take(item.key(), item.value());
+      auto managed = index_.find(item.value().unsafeGetTensorImpl());
+      if (managed == index_.end()) {
+        copies.push_back({item.value(), src});  // frozen
+      } else if (module_only) {
+        trainable[managed->second] = src;
+      }
+    }
+    for (const auto& item : module_->named_buffers(/*recurse=*/true)) copies.push_back({item.value(), take(item.key(), item.value())});
+    for (const auto& [name, t] : saved) {
+      if (!used.count(name)) {
+        fail("engine.load_checkpoint: " + quoted(module_path) + " holds '" + name +
+             "', which this model does not have. Load a checkpoint of this model");
+      }
+    }
+  });
+
+  core_waits();
+  if (module_only) {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const ::torch::Tensor v = trainable[i].to(at::kCPU, at::kFloat).contiguous();
+      core_->load_param(i, v.data_ptr<float>(), dtype::fp32);
+    }
+  } else {
+    core_->load_checkpoint(dir.string());  // collective; throws on every rank, changing nothing, if any rank fails
+    global_steps_ = counters[0];
+    micro_steps_ = counters[1];
+    skipped_steps_ = counters[2];
+    scheduler_steps_ = counters[3];
+  }
+  join_core();
+  {
+    ::torch::NoGradGuard ng;
+    for (auto& c : copies) c.dst.copy_(c.src);
+  }
+  stepped_ = false;
+  last_ = {};
+  return engine_base::loaded_checkpoint{dir.string(), client_state};
 }
 
 std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Module> module,
@@ -639,6 +926,15 @@ std::uint64_t engine_base::gradient_accumulation_steps() const { return st_->cfg
 const mpzero::torch::config& engine_base::config() const { return st_->cfg_; }
 int engine_base::rank() const { return st_->comm_.rank(); }
 int engine_base::world_size() const { return st_->comm_.size(); }
+void engine_base::save_checkpoint(const std::string& save_dir, const std::string& tag, const nlohmann::json& client_state,
+                                  bool save_latest) {
+  st_->save_checkpoint(save_dir, tag, client_state, save_latest);
+}
+std::optional<engine_base::loaded_checkpoint> engine_base::load_checkpoint(const std::string& load_dir,
+                                                                           const std::string& tag,
+                                                                           bool load_module_only) {
+  return st_->load_checkpoint(load_dir, tag, load_module_only);
+}
 const std::vector<::torch::Tensor>& engine_base::parameters() const { return st_->params_; }
 const std::vector<std::string>& engine_base::parameter_names() const { return st_->names_; }
 ::torch::Tensor engine_base::full_grad(const ::torch::Tensor& param) { return st_->full_grad(st_->index_of(param, "full_grad")); }

@@ -764,23 +764,15 @@ class ZeroOptimizer {
     return user;
   }
 
-  // Runs f; then every rank learns whether any rank failed. This rank's own exception is
-  // rethrown; a rank whose f succeeded throws an error naming the rank that failed.
+  // Runs f, then every rank learns whether any rank failed (detail::agree_on_failure).
   template <class F>
   void agree(const char* who, const std::string& consequence, F&& f) {
-    std::exception_ptr failure;
-    try {
-      f();
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    std::int32_t failed = failure ? rank_ + 1 : 0;
-    if (world_ > 1) backend_.all_reduce_host(comm_, &failed, 1, comm::reduce_op::max);
-    if (failure) std::rethrow_exception(failure);
-    if (failed) {
-      throw error("mpzero: ZeroOptimizer::" + std::string(who) + ": rank " + std::to_string(failed - 1) + " of " +
-                  std::to_string(world_) + " failed (its exception says why); " + consequence);
-    }
+    const auto max_over_ranks = [&](std::int32_t v) {
+      if (world_ > 1) backend_.all_reduce_host(comm_, &v, 1, comm::reduce_op::max);
+      return v;
+    };
+    detail::agree_on_failure(rank_, world_, max_over_ranks, "ZeroOptimizer::" + std::string(who), consequence,
+                             std::forward<F>(f));
   }
 
   void require_no_pending_grads(const char* who) const {

@@ -119,6 +119,30 @@ class engine_base {
 
   // ---- inspection ------------------------------------------------------------------
   // The managed (trainable) parameters, in the core's order, and their names.
+  // ---- checkpoints: DeepSpeed's save_checkpoint / load_checkpoint -------------------
+  // save_checkpoint writes <save_dir>/<tag>/ (tag "global_step<N>" by default): the ZeRO
+  // shards of every rank (zero_shard_<rank>.mpz: parameters, master weights, optimizer
+  // states, step count, loss scaler), mpzero_engine.json (counters, parameter names and
+  // shapes, client_state) and model_states.pt (the module's parameters and buffers,
+  // {"module": {name: tensor}}, readable by torch::pickle_load and Python's torch.load);
+  // then, with save_latest, <save_dir>/latest names the tag. Call it at an accumulation
+  // boundary (after the step() that updates): gradients are not saved. Every rank calls
+  // it with the same arguments; save_dir must be a directory every rank can reach.
+  void save_checkpoint(const std::string& save_dir, const std::string& tag = "",
+                       const nlohmann::json& client_state = nlohmann::json::object(), bool save_latest = true);
+  struct loaded_checkpoint {
+    std::string path;            // <load_dir>/<tag>
+    nlohmann::json client_state;  // as saved
+  };
+  // Restores a checkpoint of the same model (parameter names and shapes) at any world
+  // size, ZeRO stage or precision configuration. An empty tag reads <load_dir>/latest;
+  // without that file, nothing is loaded and the result is empty (DeepSpeed returns
+  // None). load_module_only: only the module's values (fresh optimizer states and
+  // counters; the master weights start from the parameters). Collective; a failure
+  // throws on every rank and changes nothing.
+  std::optional<loaded_checkpoint> load_checkpoint(const std::string& load_dir, const std::string& tag = "",
+                                                   bool load_module_only = false);
+
   const std::vector<::torch::Tensor>& parameters() const;
   const std::vector<std::string>& parameter_names() const;
   // A parameter's gradient as the step will use it: reduced, averaged over ranks,

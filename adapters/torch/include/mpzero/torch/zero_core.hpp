@@ -71,6 +71,13 @@ class zero_core {
   // Every parameter's master weights, whole, on every rank (collective).
   virtual std::vector<std::vector<float>> full_master() = 0;
 
+  // ZeroOptimizer::save_checkpoint / load_checkpoint into / from directory `dir`
+  // (collective; a failure throws on every rank, and a failed load changes nothing).
+  virtual void save_checkpoint(const std::string& dir) = 0;
+  virtual void load_checkpoint(const std::string& dir) = 0;
+  // The largest `v` over all ranks (collective): how ranks agree that all went well.
+  virtual std::int32_t max_over_ranks(std::int32_t v) = 0;
+
   virtual step_report step() = 0;
   virtual void set_lr(double lr) = 0;
   virtual double loss_scale() const = 0;
