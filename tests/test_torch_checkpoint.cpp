@@ -6,6 +6,7 @@
 // another stage and world size, module-only, and every bad input is refused on every
 // rank with a message, changing nothing.
 #include "support/torch_mpi.hpp"  // LibTorch, then Catch and MPI
+#include "support/shared_dir.hpp"
 #include "support/torch_reference.hpp"
 
 #include <cmath>
@@ -42,24 +43,7 @@ struct CkNetImpl : two_linear {
 };
 TORCH_MODULE(CkNet);
 
-// A directory every rank agrees on (rank 0 makes it), removed at the end of the scope.
-struct shared_dir {
-  fs::path path;
-  shared_dir() {
-    char buf[256] = {};
-    if (R() == 0) {
-      std::string t = (fs::temp_directory_path() / "mpzero_engine_ckpt_XXXXXX").string();
-      if (mkdtemp(t.data()) == nullptr) FAIL("mkdtemp failed");
-      std::strncpy(buf, t.c_str(), sizeof buf - 1);
-    }
-    MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
-    path = buf;
-  }
-  ~shared_dir() {
-    MPI_Barrier(MPI_COMM_WORLD);
-    if (R() == 0) fs::remove_all(path);
-  }
-};
+using mpzero::testing::shared_dir;
 
 json config(int stage, const std::string& prec) {
   json extra = {{"scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_num_steps", 10}}}}}};
@@ -257,7 +241,33 @@ TEST_CASE("engine checkpoint: bad input is refused on every rank with a message,
   SECTION("a different tag on each rank") {
     if (W() > 1) {
       REQUIRE_THAT(error_of([&] { e.save_checkpoint(dir.path.string(), "t" + std::to_string(R())); }),
-                   Catch::Contains("the ranks passed different tags"));
+                   Catch::Contains("the ranks passed different arguments (this rank: tag 't" + std::to_string(R()) +
+                                   "', save_latest true)"));
+    }
+  }
+  SECTION("arguments that differ between ranks") {
+    if (W() > 1) {
+      REQUIRE_THAT(error_of([&] { e.load_checkpoint(dir.path.string(), "", /*load_module_only=*/R() == 0); }),
+                   Catch::Contains("the ranks passed different arguments") && Catch::Contains("load_module_only"));
+      REQUIRE_THAT(error_of([&] { e.save_checkpoint(dir.path.string(), "x", json::object(), R() == 0); }),
+                   Catch::Contains("the ranks passed different arguments") && Catch::Contains("save_latest"));
+    }
+  }
+  SECTION("engine files of another save than the shards beside them") {
+    e.save_checkpoint(dir.path.string(), "other");
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (R() == 0) {
+      for (const char* f : {"mpzero_engine.json", "model_states.pt"}) {
+        fs::copy_file(dir.path / "other" / f, dir.path / "global_step1" / f, fs::copy_options::overwrite_existing);
+      }
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    REQUIRE_THAT(error_of([&] { e.load_checkpoint(dir.path.string(), "global_step1"); }),
+                 Catch::Contains("come from different saves"));
+    if (R() == 0) fs::copy_file(dir.path / "other" / "zero_shard_00000.mpz", dir.path / "global_step1" / "zero_shard_00000.mpz", fs::copy_options::overwrite_existing);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (W() == 1) {  // now the engine files and the only shard agree again
+      REQUIRE(e.load_checkpoint(dir.path.string(), "global_step1").has_value());
     }
   }
   SECTION("a damaged module file") {

@@ -146,9 +146,9 @@ class core_impl final : public zero_core {
     return out;
   }
 
-  void save_checkpoint(const std::string& dir) override {
+  std::uint64_t save_checkpoint(const std::string& dir) override {
     typename Context::scope s(ctx_);
-    z_->save_checkpoint(dir);
+    return z_->save_checkpoint(dir);
   }
   void load_checkpoint(const std::string& dir) override {
     typename Context::scope s(ctx_);

@@ -25,6 +25,7 @@
 
 #include <mpzero/torch/lr_schedule.hpp>
 #include <mpzero/torch/zero_core.hpp>
+#include <mpzero/zero/checkpoint.hpp>
 
 namespace mpzero::torch {
 
@@ -260,12 +261,14 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
         comm_.rank(), comm_.size(), [&](std::int32_t v) { return core_->max_over_ranks(v); }, "engine." + who,
         consequence, std::forward<F>(local));
   }
-  // Throws on every rank unless every rank passed the same `value` (a hash of it).
-  void same_on_every_rank(const std::string& who, const std::string& what, const std::string& value) {
+  // Throws on every rank unless every rank has the same `value` (compared by hash);
+  // `shown` is how the message spells this rank's value.
+  void same_on_every_rank(const std::string& who, const std::string& what, const std::string& value,
+                          const std::string& shown) {
     const std::int32_t h = tag_hash(value);
     if (core_->max_over_ranks(h) != -core_->max_over_ranks(-h)) {
-      fail("engine." + who + ": the ranks passed different " + what + " (this rank: '" + value +
-           "'); every rank passes the same one");
+      fail("engine." + who + ": the ranks passed different " + what + " (this rank: " + shown +
+           "); pass the same on every rank");
     }
   }
   void require_boundary(const std::string& who) const {
@@ -277,8 +280,8 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
            "or drop them with zero_grad() first");
     }
   }
-  nlohmann::json engine_json(const std::string& tag, const nlohmann::json& client_state) const;
-  std::string module_bytes() const;
+  nlohmann::json engine_json(const std::string& tag, const nlohmann::json& client_state, std::uint64_t save_id) const;
+  std::string module_bytes(std::uint64_t save_id) const;
 
   // ---- streams (CUDA parameters) ------------------------------------------------------
   // The core queues its work on torch's current stream of the parameters' device as it
@@ -660,7 +663,8 @@ void engine_state::step() {
   ++micro_steps_;
 }
 
-nlohmann::json engine_state::engine_json(const std::string& tag, const nlohmann::json& client_state) const {
+nlohmann::json engine_state::engine_json(const std::string& tag, const nlohmann::json& client_state,
+                                         std::uint64_t save_id) const {
   nlohmann::json params = nlohmann::json::array();
   for (std::size_t i = 0; i < params_.size(); ++i) {
     params.push_back({{"name", names_[i]}, {"shape", params_[i].sizes().vec()}});
@@ -675,19 +679,22 @@ nlohmann::json engine_state::engine_json(const std::string& tag, const nlohmann:
           {"world_size", comm_.size()},
           {"zero_stage", cfg_.zero.stage},
           {"precision", core_->spec().describe()},
+          {"save_id", save_id},
           {"parameters", params},
           {"client_state", client_state}};
 }
 
 // The module's parameters and buffers as DeepSpeed's model_states file holds them:
-// {"module": {name: tensor}, "global_steps": N}, in torch's pickle format.
-std::string engine_state::module_bytes() const {
+// {"module": {name: tensor}, "global_steps": N}, in torch's pickle format, and the save
+// id that ties it to its shards.
+std::string engine_state::module_bytes(std::uint64_t save_id) const {
   c10::Dict<std::string, at::Tensor> state;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) state.insert(item.key(), item.value().detach().cpu());
   for (const auto& item : module_->named_buffers(/*recurse=*/true)) state.insert(item.key(), item.value().detach().cpu());
   c10::impl::GenericDict top(c10::StringType::get(), c10::AnyType::get());
   top.insert("module", state);
   top.insert("global_steps", static_cast<std::int64_t>(global_steps_));
+  top.insert("mpzero_save_id", static_cast<std::int64_t>(save_id));  // < 2^52
   const std::vector<char> bytes = ::torch::jit::pickle_save(top);
   return std::string(bytes.begin(), bytes.end());
 }
@@ -695,7 +702,9 @@ std::string engine_state::module_bytes() const {
 void engine_state::save_checkpoint(const std::string& save_dir, const std::string& tag_arg,
                                    const nlohmann::json& client_state, bool save_latest) {
   const std::string tag = tag_arg.empty() ? "global_step" + std::to_string(global_steps_) : tag_arg;
-  same_on_every_rank("save_checkpoint", "tags", tag);
+  // Equal arguments everywhere, or the ranks would issue different collectives below.
+  same_on_every_rank("save_checkpoint", "arguments", tag + (save_latest ? "\n1" : "\n0"),
+                     "tag '" + tag + "', save_latest " + (save_latest ? "true" : "false"));
   const fs::path dir = fs::path(save_dir) / tag;
   agree("save_checkpoint", "nothing was saved", [&] {
     check_tag("engine.save_checkpoint", tag);
@@ -706,12 +715,18 @@ void engine_state::save_checkpoint(const std::string& save_dir, const std::strin
       fail("engine.save_checkpoint: cannot create " + quoted(dir) + " (" + ec.message() +
            "); pass a save_dir that is writable and reachable from every rank");
     }
+  });
+  core_waits();  // the core reads its buffers after what torch's current stream queued
+  join_core();   // and module_bytes reads the parameters after the core's last step
+  // The shards first, then the files that name their save id: a load refuses engine files
+  // of another save than the shards beside them.
+  const std::uint64_t id = core_->save_checkpoint(dir.string());
+  agree("save_checkpoint", "the shard files were written, but the checkpoint is incomplete", [&] {
     if (comm_.rank() == 0) {
-      write_atomically(dir / "mpzero_engine.json", engine_json(tag, client_state).dump(2));
-      write_atomically(dir / "model_states.pt", module_bytes());
+      write_atomically(dir / "model_states.pt", module_bytes(id));
+      write_atomically(dir / "mpzero_engine.json", engine_json(tag, client_state, id).dump(2));
     }
   });
-  core_->save_checkpoint(dir.string());
   if (save_latest) {
     agree("save_checkpoint", "the checkpoint is complete, but 'latest' does not name it", [&] {
       if (comm_.rank() == 0) write_atomically(fs::path(save_dir) / "latest", tag);
@@ -722,6 +737,8 @@ void engine_state::save_checkpoint(const std::string& save_dir, const std::strin
 std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(const std::string& load_dir,
                                                                             const std::string& tag_arg,
                                                                             bool module_only) {
+  same_on_every_rank("load_checkpoint", "arguments", tag_arg + (module_only ? "\n1" : "\n0"),
+                     "tag '" + tag_arg + "', load_module_only " + (module_only ? "true" : "false"));
   const fs::path root(load_dir);
   std::string tag = tag_arg;
   std::int32_t no_latest = 0;
@@ -743,7 +760,7 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
     }
     if (all) return std::nullopt;  // nothing saved there yet, as DeepSpeed
   }
-  same_on_every_rank("load_checkpoint", "tags", tag);
+  same_on_every_rank("load_checkpoint", "tags", tag, "'" + tag + "', from 'latest'");
   const fs::path dir = root / tag;
 
   // Read and check everything before anything changes.
@@ -759,15 +776,19 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
     require_boundary("load_checkpoint");
     const fs::path meta_path = dir / "mpzero_engine.json";
     nlohmann::json meta;
+    std::uint64_t save_id = 0;
     try {
       meta = nlohmann::json::parse(read_file(meta_path, "the engine state"));
+      save_id = meta.at("save_id").get<std::uint64_t>();
       const auto& ps = meta.at("parameters");
-      if (ps.size() != params_.size()) {
+      if (module_only) {
+        // Matched by name against model_states.pt below; which ones train may differ.
+      } else if (ps.size() != params_.size()) {
         fail("engine.load_checkpoint: " + quoted(meta_path) + " lists " + std::to_string(ps.size()) +
              " trainable parameters; this engine has " + std::to_string(params_.size()) +
              ". Load a checkpoint of this model");
       }
-      for (std::size_t i = 0; i < params_.size(); ++i) {
+      for (std::size_t i = 0; i < (module_only ? 0 : params_.size()); ++i) {
         const auto name = ps[i].at("name").get<std::string>();
         const auto shape = ps[i].at("shape").get<std::vector<std::int64_t>>();
         if (name != names_[i] || shape != params_[i].sizes().vec()) {
@@ -786,12 +807,25 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
            e.what() + ")");
     }
 
+    if (!module_only) {
+      const fs::path shard = checkpoint::shard_path(dir, 0);
+      std::ifstream in;
+      if (checkpoint::read_header(in, shard).save_id != save_id) {
+        fail("engine.load_checkpoint: " + quoted(meta_path) + " and " + quoted(shard) +
+             " come from different saves (a save that failed midway); load a checkpoint whose save completed");
+      }
+    }
     const fs::path module_path = dir / "model_states.pt";
     std::unordered_map<std::string, ::torch::Tensor> saved;
     try {
       const std::string bytes = read_file(module_path, "the module state");
       const c10::IValue top = ::torch::jit::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
-      for (const auto& e : top.toGenericDict().at("module").toGenericDict()) {
+      const auto dict = top.toGenericDict();
+      if (static_cast<std::uint64_t>(dict.at("mpzero_save_id").toInt()) != save_id) {
+        fail("engine.load_checkpoint: " + quoted(module_path) + " and " + quoted(meta_path) +
+             " come from different saves (a save that failed midway); load a checkpoint whose save completed");
+      }
+      for (const auto& e : dict.at("module").toGenericDict()) {
         saved.emplace(e.key().toStringRef(), e.value().toTensor());
       }
     } catch (const c10::Error& e) {

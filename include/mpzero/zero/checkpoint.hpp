@@ -271,6 +271,7 @@ inline shard_header read_header(std::ifstream& in, const std::filesystem::path& 
   for (auto& n : h.numels) n = r.get<std::uint64_t>("the parameter sizes");
   const auto n_records = r.get<std::uint64_t>("the record count");
   if (n_records > file_size / (4 * sizeof(std::uint64_t))) r.truncated("the records");
+  const std::uint64_t data_begin = static_cast<std::uint64_t>(in.tellg()) + n_records * 4 * sizeof(std::uint64_t);
   h.records.resize(static_cast<std::size_t>(n_records));
   for (record& rec : h.records) {
     rec.param = r.get<std::uint64_t>("a record");
@@ -279,7 +280,7 @@ inline shard_header read_header(std::ifstream& in, const std::filesystem::path& 
     rec.data_offset = r.get<std::uint64_t>("a record");
     const bool in_param = rec.param < n_params && rec.begin <= h.numels[rec.param] &&
                           rec.count <= h.numels[rec.param] - rec.begin;
-    if (!in_param || rec.data_offset > file_size || rec.count > file_size || rec.count * h.element_bytes() > file_size - rec.data_offset) {
+    if (!in_param || rec.data_offset < data_begin || rec.data_offset > file_size || rec.count > file_size || rec.count * h.element_bytes() > file_size - rec.data_offset) {
       mpzero::detail::throw_invalid("checkpoint: " + detail::quoted(path) + " has a record (parameter " +
                                     std::to_string(rec.param) + ", elements " + std::to_string(rec.begin) + " + " +
                                     std::to_string(rec.count) +

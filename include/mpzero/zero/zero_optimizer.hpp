@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <deque>
@@ -549,7 +550,10 @@ class ZeroOptimizer {
   // every rank; a failed load changes nothing, and a failed save leaves every file that
   // was there whole (each is written beside its name and renamed into place), though
   // the set of files may then mix two saves, which load_checkpoint detects.
-  void save_checkpoint(const std::filesystem::path& dir) {
+  // save_checkpoint returns the save id every file of this save carries
+  // (checkpoint::shard_header::save_id), for callers that write files of their own beside
+  // the shards and want a load to tell whether they belong together.
+  std::uint64_t save_checkpoint(const std::filesystem::path& dir) {
     const std::uint64_t id = agreed_save_id();
     agree("save_checkpoint", "the checkpoint in " + checkpoint::detail::quoted(dir) + " is incomplete", [&] {
       require_no_pending_grads("save_checkpoint");
@@ -581,6 +585,7 @@ class ZeroOptimizer {
                                 for (const auto& st : p.states) put(st.data());
                               });
     });
+    return id;
   }
 
   void load_checkpoint(const std::filesystem::path& dir) {
@@ -785,9 +790,16 @@ class ZeroOptimizer {
 
   // One id for every file of a save, so that a load can tell files of two saves apart.
   std::uint64_t agreed_save_id() {
-    std::random_device rd;
-    // 52 random bits: exact in a double, which every communicator reduces.
-    double id = static_cast<double>(((std::uint64_t{rd()} << 32) ^ rd()) & ((std::uint64_t{1} << 52) - 1));
+    std::uint64_t bits = 0;
+    try {
+      std::random_device rd;
+      bits = (std::uint64_t{rd()} << 32) ^ rd();
+    } catch (...) {  // no entropy source: the clock and the rank (a throw here would skip the all-reduce)
+      bits = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) * 0x9E3779B97F4A7C15ull ^
+             static_cast<std::uint64_t>(rank_);
+    }
+    // 52 bits: exact in a double, which every communicator reduces.
+    double id = static_cast<double>(bits & ((std::uint64_t{1} << 52) - 1));
     if (world_ > 1) backend_.all_reduce_host(comm_, &id, 1, comm::reduce_op::max);
     return static_cast<std::uint64_t>(id);
   }
@@ -864,16 +876,20 @@ class ZeroOptimizer {
   // Reads this rank's pieces of the checkpoint in `dir` into host memory; changes nothing.
   void read_checkpoint(const std::filesystem::path& dir, std::vector<host_piece>& pieces, std::uint64_t& steps,
                        std::optional<loss_scaler>& scaler) const {
+    // Headers first, one file open at a time (a save of thousands of ranks must not
+    // exhaust file descriptors); the data is read later from the files that hold it.
     std::vector<std::filesystem::path> paths{checkpoint::shard_path(dir, 0)};
-    std::vector<std::ifstream> files(1);
-    std::vector<checkpoint::shard_header> heads{checkpoint::read_header(files[0], paths[0])};
-    check_loadable(heads[0], paths[0]);
-    heads.reserve(heads[0].files);  // h0 stays valid
-    const checkpoint::shard_header& h0 = heads[0];
+    std::vector<checkpoint::shard_header> heads;
+    {
+      std::ifstream in;
+      heads.push_back(checkpoint::read_header(in, paths[0]));
+    }
+    const checkpoint::shard_header h0 = heads[0];
+    check_loadable(h0, paths[0]);
     for (std::uint32_t k = 1; k < h0.files; ++k) {
       paths.push_back(checkpoint::shard_path(dir, k));
-      files.emplace_back();
-      heads.push_back(checkpoint::read_header(files.back(), paths.back()));
+      std::ifstream in;
+      heads.push_back(checkpoint::read_header(in, paths.back()));
       const checkpoint::shard_header& h = heads.back();
       const char* differs = h.save_id != h0.save_id ? "save id"
                             : h.rank != k              ? "rank"
@@ -900,11 +916,28 @@ class ZeroOptimizer {
     }
     steps = h0.steps;
 
-    // Per parameter, the records that hold its elements.
+    // Per parameter, the records that hold its elements, in element order; they must not
+    // overlap (a corrupt set could otherwise cover a gap by counting elements twice).
     std::vector<std::vector<std::pair<std::size_t, std::size_t>>> holders(num_params());
     for (std::size_t f = 0; f < heads.size(); ++f) {
       for (std::size_t r = 0; r < heads[f].records.size(); ++r) holders[heads[f].records[r].param].emplace_back(f, r);
     }
+    for (std::size_t i = 0; i < holders.size(); ++i) {
+      auto& list = holders[i];
+      const auto begin_of = [&](const std::pair<std::size_t, std::size_t>& x) { return heads[x.first].records[x.second].begin; };
+      std::sort(list.begin(), list.end(), [&](const auto& a, const auto& b) { return begin_of(a) < begin_of(b); });
+      for (std::size_t k = 1; k < list.size(); ++k) {
+        const checkpoint::record& prev = heads[list[k - 1].first].records[list[k - 1].second];
+        if (prev.begin + prev.count > begin_of(list[k])) {
+          detail::throw_invalid("ZeroOptimizer::load_checkpoint: two records of parameter " + std::to_string(i) +
+                                " overlap (in " + checkpoint::detail::quoted(paths[list[k - 1].first]) + " and " +
+                                checkpoint::detail::quoted(paths[list[k].first]) +
+                                "); the checkpoint is corrupt. Load a checkpoint whose save completed");
+        }
+      }
+    }
+    std::ifstream file;  // the one open file, paths[open]
+    std::size_t open = paths.size();
     const std::vector<std::size_t> user = user_of_slot();
     for (const flat_range& range : shard_pieces()) {
       host_piece& p = pieces.emplace_back(range);
@@ -923,7 +956,11 @@ class ZeroOptimizer {
             const dtype d = which == 0 ? h.param : (h.has_master && which == 1 ? h.master : h.state);
             visit_dtype(d, [&]<class S>(S*) {
               std::vector<S> raw(n);
-              checkpoint::read_elements(files[f], paths[f], h, rec, which, first, n, raw.data());
+              if (open != f) {
+                file = std::ifstream(paths[f], std::ios::binary);
+                open = f;
+              }
+              checkpoint::read_elements(file, paths[f], h, rec, which, first, n, raw.data());
               host_.convert(dst + at, raw.data(), n);
             });
           };
@@ -931,7 +968,10 @@ class ZeroOptimizer {
           if constexpr (Policy::master_is_param) {
             read(saved_master ? 1 : 0, p.params.data());  // the saved master is the finer source
           } else {
-            read(0, p.params.data());
+            // The saved parameters when the dtype is the same (bit for bit, stochastic rounding
+            // included); otherwise rounded once from the saved master.
+            const bool same_param = heads[f].param == dtype_of_v<param_type>;
+            read(saved_master && !same_param ? 1 : 0, p.params.data());
             read(saved_master ? 1 : 0, p.master.data());
           }
           for (int k = 0; k < n_states; ++k) read((saved_master ? 2 : 1) + k, p.states[k].data());

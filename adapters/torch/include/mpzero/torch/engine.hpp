@@ -117,8 +117,6 @@ class engine_base {
   int rank() const;
   int world_size() const;
 
-  // ---- inspection ------------------------------------------------------------------
-  // The managed (trainable) parameters, in the core's order, and their names.
   // ---- checkpoints: DeepSpeed's save_checkpoint / load_checkpoint -------------------
   // save_checkpoint writes <save_dir>/<tag>/ (tag "global_step<N>" by default): the ZeRO
   // shards of every rank (zero_shard_<rank>.mpz: parameters, master weights, optimizer
@@ -137,12 +135,16 @@ class engine_base {
   // Restores a checkpoint of the same model (parameter names and shapes) at any world
   // size, ZeRO stage or precision configuration. An empty tag reads <load_dir>/latest;
   // without that file, nothing is loaded and the result is empty (DeepSpeed returns
-  // None). load_module_only: only the module's values (fresh optimizer states and
-  // counters; the master weights start from the parameters). Collective; a failure
-  // throws on every rank and changes nothing.
+  // None). load_module_only: only the module's values, by name (which parameters are
+  // trainable may differ); the master weights start from the loaded parameters, and the
+  // optimizer states and counters are left as they are (fresh in a new engine), as in
+  // DeepSpeed. Collective, with the same arguments on every rank; a failure throws on
+  // every rank and changes nothing.
   std::optional<loaded_checkpoint> load_checkpoint(const std::string& load_dir, const std::string& tag = "",
                                                    bool load_module_only = false);
 
+  // ---- inspection ------------------------------------------------------------------
+  // The managed (trainable) parameters, in the core's order, and their names.
   const std::vector<::torch::Tensor>& parameters() const;
   const std::vector<std::string>& parameter_names() const;
   // A parameter's gradient as the step will use it: reduced, averaged over ranks,

@@ -73,7 +73,8 @@ class zero_core {
 
   // ZeroOptimizer::save_checkpoint / load_checkpoint into / from directory `dir`
   // (collective; a failure throws on every rank, and a failed load changes nothing).
-  virtual void save_checkpoint(const std::string& dir) = 0;
+  // save_checkpoint returns the save id its shard files carry.
+  virtual std::uint64_t save_checkpoint(const std::string& dir) = 0;
   virtual void load_checkpoint(const std::string& dir) = 0;
   // The largest `v` over all ranks (collective): how ranks agree that all went well.
   virtual std::int32_t max_over_ranks(std::int32_t v) = 0;
