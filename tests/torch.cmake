@@ -24,15 +24,7 @@ endif()
 # sizes, module-only, refusals.
 if(TARGET mpzero_torch AND MPI_CXX_FOUND)
   mpzero_add_test(test_torch_checkpoint SOURCES test_torch_checkpoint.cpp TAGS checkpoint MPI 1 2 LIBS mpzero::torch)
-  # The interpreter that has torch, by absolute path: under mpirun, `python3` may resolve
-  # to another one (seen in CI: pyenv's shim is not what mpirun's children find).
-  find_package(Python3 COMPONENTS Interpreter QUIET)
-  if(Python3_Interpreter_FOUND)
-    execute_process(COMMAND "${Python3_EXECUTABLE}" -c "import sys, torch; print(sys.executable)"
-                    OUTPUT_VARIABLE _mpzero_torch_python OUTPUT_STRIP_TRAILING_WHITESPACE
-                    RESULT_VARIABLE _rc ERROR_QUIET)
-    if(_rc EQUAL 0 AND _mpzero_torch_python)
-      target_compile_definitions(test_torch_checkpoint PRIVATE MPZERO_TEST_PYTHON="${_mpzero_torch_python}")
-    endif()
+  if(MPZERO_TORCH_PYTHON)  # adapters/torch/torch.cmake: the interpreter LibTorch came from
+    target_compile_definitions(test_torch_checkpoint PRIVATE MPZERO_TEST_PYTHON="${MPZERO_TORCH_PYTHON}")
   endif()
 endif()

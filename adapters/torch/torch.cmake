@@ -21,18 +21,33 @@ option(MPZERO_TORCH_FIND_PACKAGE "Find LibTorch with find_package(Torch) (needs 
        ${_mpzero_torch_fp_default})
 
 set(_mpzero_torch_prefix "")
+set(_mpzero_torch_dir "")
+find_package(Python3 COMPONENTS Interpreter QUIET)
+if(Python3_Interpreter_FOUND)
+  execute_process(COMMAND "${Python3_EXECUTABLE}" -c
+                          "import os, sys, torch; print(os.path.dirname(torch.__file__)); print(sys.executable)"
+                  OUTPUT_VARIABLE _mpzero_torch_py RESULT_VARIABLE _mpzero_torch_rc
+                  OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+  if(_mpzero_torch_rc EQUAL 0)
+    string(REPLACE "\n" ";" _mpzero_torch_py "${_mpzero_torch_py}")
+    list(GET _mpzero_torch_py 0 _mpzero_torch_dir)
+    list(GET _mpzero_torch_py 1 _mpzero_torch_exe)
+  endif()
+endif()
 if(Torch_DIR AND EXISTS "${Torch_DIR}")
   get_filename_component(_mpzero_torch_prefix "${Torch_DIR}/../../.." ABSOLUTE)
-else()
-  find_package(Python3 COMPONENTS Interpreter QUIET)
-  if(Python3_Interpreter_FOUND)
-    execute_process(COMMAND "${Python3_EXECUTABLE}" -c "import os, torch; print(os.path.dirname(torch.__file__))"
-                    OUTPUT_VARIABLE _mpzero_torch_py RESULT_VARIABLE _mpzero_torch_rc
-                    OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-    if(_mpzero_torch_rc EQUAL 0 AND EXISTS "${_mpzero_torch_py}/share/cmake/Torch")
-      set(_mpzero_torch_prefix "${_mpzero_torch_py}")
-      set(Torch_DIR "${_mpzero_torch_py}/share/cmake/Torch" CACHE PATH "LibTorch's CMake package directory")
-    endif()
+elseif(_mpzero_torch_dir AND EXISTS "${_mpzero_torch_dir}/share/cmake/Torch")
+  set(_mpzero_torch_prefix "${_mpzero_torch_dir}")
+  set(Torch_DIR "${_mpzero_torch_dir}/share/cmake/Torch" CACHE PATH "LibTorch's CMake package directory")
+endif()
+# The interpreter whose torch LibTorch comes from, by absolute path (under mpirun,
+# `python3` may resolve to another one): tests that read checkpoints from Python use it.
+unset(MPZERO_TORCH_PYTHON CACHE)
+if(_mpzero_torch_dir AND _mpzero_torch_prefix)
+  get_filename_component(_mpzero_torch_dir "${_mpzero_torch_dir}" REALPATH)
+  get_filename_component(_mpzero_torch_real "${_mpzero_torch_prefix}" REALPATH)
+  if(_mpzero_torch_dir STREQUAL _mpzero_torch_real)
+    set(MPZERO_TORCH_PYTHON "${_mpzero_torch_exe}" CACHE INTERNAL "python3 with the torch LibTorch comes from")
   endif()
 endif()
 

@@ -154,6 +154,7 @@ class core_impl final : public zero_core {
     typename Context::scope s(ctx_);
     z_->load_checkpoint(dir);
   }
+  bool grads_pending() const override { return z_->grads_pending(); }
   std::int32_t max_over_ranks(std::int32_t v) override {
     if (comm_.size() == 1) return v;
     typename Context::scope s(ctx_);

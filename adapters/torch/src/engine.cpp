@@ -64,24 +64,11 @@ namespace fs = std::filesystem;
 
 std::string quoted(const fs::path& p) { return "'" + p.string() + "'"; }
 
-// Writes `bytes` beside `path` and renames it into place: the file is whole or absent.
+// The whole of `bytes` in a new file at `path` (checkpoint::write_atomically).
 void write_atomically(const fs::path& path, std::string_view bytes) {
-  fs::path tmp = path;
-  tmp += ".tmp";
-  bool ok = false;
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    ok = out && out.write(bytes.data(), static_cast<std::streamsize>(bytes.size())) && out.flush();
-  }
-  std::error_code ec;
-  if (!ok) {
-    const std::string reason = std::error_code(errno, std::generic_category()).message();
-    fs::remove(tmp, ec);
-    throw mpzero::error("mpzero::torch: cannot write " + quoted(tmp) + " (" + reason +
-                        "); check that the directory is writable and has room");
-  }
-  fs::rename(tmp, path, ec);
-  if (ec) throw mpzero::error("mpzero::torch: cannot rename " + quoted(tmp) + " to " + quoted(path) + " (" + ec.message() + ")");
+  checkpoint::write_atomically(path, [&](std::ofstream& out) {
+    return static_cast<bool>(out.write(bytes.data(), static_cast<std::streamsize>(bytes.size())));
+  });
 }
 
 std::string read_file(const fs::path& path, const std::string& what) {
@@ -102,10 +89,10 @@ void check_tag(const std::string& who, const std::string& tag) {
   }
 }
 
-// 30 bits of FNV-1a: enough to tell two tags apart, and negatable without overflow.
-std::int32_t tag_hash(const std::string& tag) {
+// 30 bits of FNV-1a: enough to tell two arguments apart, and negatable without overflow.
+std::int32_t hash30(const std::string& value) {
   std::uint32_t h = 2166136261u;
-  for (unsigned char c : tag) h = (h ^ c) * 16777619u;
+  for (unsigned char c : value) h = (h ^ c) * 16777619u;
   return static_cast<std::int32_t>(h & 0x3fffffffu);
 }
 
@@ -228,7 +215,6 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   void zero_grad() {
     drop_stale_passes();
     core_->zero_grad();
-    grads_since_step_ = false;
     for (auto& p : params_) p.mutable_grad().reset();
   }
   bool is_boundary() const {
@@ -265,14 +251,14 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   // `shown` is how the message spells this rank's value.
   void same_on_every_rank(const std::string& who, const std::string& what, const std::string& value,
                           const std::string& shown) {
-    const std::int32_t h = tag_hash(value);
+    const std::int32_t h = hash30(value);
     if (core_->max_over_ranks(h) != -core_->max_over_ranks(-h)) {
       fail("engine." + who + ": the ranks passed different " + what + " (this rank: " + shown +
            "); pass the same on every rank");
     }
   }
   void require_boundary(const std::string& who) const {
-    if (grads_since_step_) {
+    if (core_->grads_pending()) {
       fail("engine." + who + ": gradients are accumulated toward the next optimizer step (micro-step " +
            std::to_string(micro_steps_) + ", gradient_accumulation_steps = " +
            std::to_string(cfg_.gradient_accumulation_steps) +
@@ -338,7 +324,6 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::optional<bool> boundary_override_;
   step_report last_{};
   bool stepped_ = false;
-  bool grads_since_step_ = false;  // the core holds gradients toward the next step
 };
 
 namespace {
@@ -593,7 +578,6 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
   // Produced on another stream: the caching allocator must not reuse g before the core has read it.
   if (core_waits()) g.record_stream(*core_stream_);
   core_->accumulate_grad(i, g.data_ptr(), *t, p.scale_wrt_gas ? inv_gas_ : 1.0f);
-  grads_since_step_ = true;
   // The core holds the gradient now; release autograd's copy.
   param.mutable_grad().reset();
 }
@@ -658,7 +642,6 @@ void engine_state::step() {
       ++scheduler_steps_;
     }
     for (auto& p : params_) p.mutable_grad().reset();
-    grads_since_step_ = false;
   }
   ++micro_steps_;
 }
@@ -780,15 +763,15 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
     try {
       meta = nlohmann::json::parse(read_file(meta_path, "the engine state"));
       save_id = meta.at("save_id").get<std::uint64_t>();
+      // A full load needs the same trainable parameters; a module-only load matches
+      // model_states.pt by name below, so which ones train may differ.
       const auto& ps = meta.at("parameters");
-      if (module_only) {
-        // Matched by name against model_states.pt below; which ones train may differ.
-      } else if (ps.size() != params_.size()) {
+      if (!module_only && ps.size() != params_.size()) {
         fail("engine.load_checkpoint: " + quoted(meta_path) + " lists " + std::to_string(ps.size()) +
              " trainable parameters; this engine has " + std::to_string(params_.size()) +
              ". Load a checkpoint of this model");
       }
-      for (std::size_t i = 0; i < (module_only ? 0 : params_.size()); ++i) {
+      for (std::size_t i = 0; !module_only && i < params_.size(); ++i) {
         const auto name = ps[i].at("name").get<std::string>();
         const auto shape = ps[i].at("shape").get<std::vector<std::int64_t>>();
         if (name != names_[i] || shape != params_[i].sizes().vec()) {
@@ -807,13 +790,14 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
            e.what() + ")");
     }
 
+    const auto different_saves = [&](const fs::path& other) {
+      fail("engine.load_checkpoint: " + quoted(meta_path) + " and " + quoted(other) +
+           " come from different saves (a save that failed midway); load a checkpoint whose save completed");
+    };
     if (!module_only) {
       const fs::path shard = checkpoint::shard_path(dir, 0);
       std::ifstream in;
-      if (checkpoint::read_header(in, shard).save_id != save_id) {
-        fail("engine.load_checkpoint: " + quoted(meta_path) + " and " + quoted(shard) +
-             " come from different saves (a save that failed midway); load a checkpoint whose save completed");
-      }
+      if (checkpoint::read_header(in, shard).save_id != save_id) different_saves(shard);
     }
     const fs::path module_path = dir / "model_states.pt";
     std::unordered_map<std::string, ::torch::Tensor> saved;
@@ -821,10 +805,7 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
       const std::string bytes = read_file(module_path, "the module state");
       const c10::IValue top = ::torch::jit::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
       const auto dict = top.toGenericDict();
-      if (static_cast<std::uint64_t>(dict.at("mpzero_save_id").toInt()) != save_id) {
-        fail("engine.load_checkpoint: " + quoted(module_path) + " and " + quoted(meta_path) +
-             " come from different saves (a save that failed midway); load a checkpoint whose save completed");
-      }
+      if (static_cast<std::uint64_t>(dict.at("mpzero_save_id").toInt()) != save_id) different_saves(module_path);
       for (const auto& e : dict.at("module").toGenericDict()) {
         saved.emplace(e.key().toStringRef(), e.value().toTensor());
       }

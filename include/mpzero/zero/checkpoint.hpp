@@ -73,8 +73,10 @@ struct shard_header {
   std::uint64_t element_bytes() const noexcept {
     return size_of(param) + (has_master ? size_of(master) : 0) + n_states * size_of(state);
   }
-  // Byte offset of array `which` (0: parameters, 1: master, 2 + k: state k; without a
-  // master, state k is 1 + k) for element `k` of record r.
+  // The dtype of array `which` (0: parameters, 1: master, 2 + k: state k; without a
+  // master, state k is 1 + k).
+  dtype array_dtype(int which) const noexcept { return which == 0 ? param : (has_master && which == 1 ? master : state); }
+  // Byte offset of array `which` for element `k` of record r.
   std::uint64_t array_offset(const record& r, int which, std::uint64_t k) const noexcept {
     std::uint64_t off = r.data_offset;
     if (which == 0) return off + k * size_of(param);
@@ -134,6 +136,39 @@ inline dtype checked_dtype(std::uint8_t v, const std::filesystem::path& path, co
 
 }  // namespace detail
 
+// Creates `path` through write(std::ofstream&), which returns false or leaves the stream
+// failed on error: the file is written beside its name and renamed into place, so it is
+// whole or absent. Throws mpzero::error naming the path and the system's reason.
+template <class Write>
+void write_atomically(const std::filesystem::path& path, Write&& write) {
+  std::filesystem::path tmp = path;
+  tmp += ".tmp";
+  bool opened = false, ok = false;
+  std::error_code ec;
+  try {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    opened = static_cast<bool>(out);
+    ok = opened && write(out) && out.flush();
+  } catch (...) {  // write() refused: no half-written file stays behind
+    std::filesystem::remove(tmp, ec);
+    throw;
+  }
+  if (!ok) {
+    const std::string reason = std::error_code(errno, std::generic_category()).message();
+    std::filesystem::remove(tmp, ec);
+    throw mpzero::error("mpzero: checkpoint: cannot " + std::string(opened ? "write " : "create ") + detail::quoted(tmp) +
+                        " (" + reason +
+                        "); check that the directory exists, is writable and has room");
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    const std::string reason = ec.message();
+    std::filesystem::remove(tmp, ec);
+    throw mpzero::error("mpzero: checkpoint: cannot rename " + detail::quoted(tmp) + " to " + detail::quoted(path) +
+                        " (" + reason + ")");
+  }
+}
+
 // Writes `h` (its records' data offsets are filled in here) and then, for each record in
 // order, write_data(record index, std::string& out), which appends exactly the record's
 // bytes. The file appears complete or not at all: it is written beside its final name
@@ -169,42 +204,21 @@ void write_shard(const std::filesystem::path& path, shard_header h, WriteData&& 
     put(head, r.param), put(head, r.begin), put(head, r.count), put(head, r.data_offset);
   }
 
-  std::filesystem::path tmp = path;
-  tmp += ".tmp";
-  auto fail = [&](const std::string& what) {
-    const std::string reason = std::error_code(errno, std::generic_category()).message();
-    std::error_code ignored;
-    std::filesystem::remove(tmp, ignored);
-    throw mpzero::error("mpzero: checkpoint: cannot " + what + " " + detail::quoted(tmp) + " (" + reason +
-                        "); check that the directory exists, is writable and has room");
-  };
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) fail("create");
-    if (!out.write(head.data(), static_cast<std::streamsize>(head.size()))) fail("write");
+  write_atomically(path, [&](std::ofstream& out) {
+    if (!out.write(head.data(), static_cast<std::streamsize>(head.size()))) return false;
     std::string data;
     for (std::size_t k = 0; k < h.records.size(); ++k) {
       data.clear();
       write_data(k, data);
       if (data.size() != h.records[k].count * h.element_bytes()) {
-        std::error_code ignored;
-        std::filesystem::remove(tmp, ignored);
         mpzero::detail::throw_invalid("checkpoint::write_shard: record " + std::to_string(k) + " wrote " +
                                       std::to_string(data.size()) + " bytes, its header says " +
                                       std::to_string(h.records[k].count * h.element_bytes()));
       }
-      if (!out.write(data.data(), static_cast<std::streamsize>(data.size()))) fail("write");
+      if (!out.write(data.data(), static_cast<std::streamsize>(data.size()))) return false;
     }
-    out.flush();
-    if (!out) fail("write");
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    throw mpzero::error("mpzero: checkpoint: cannot rename " + detail::quoted(tmp) + " to " + detail::quoted(path) +
-                        " (" + ec.message() + ")");
-  }
+    return true;
+  });
 }
 
 // Reads and checks a shard file's header, leaving `in` open on it.
@@ -295,9 +309,8 @@ inline shard_header read_header(std::ifstream& in, const std::filesystem::path& 
 // `r`, starting at its element `first`, as raw bytes of the array's dtype.
 inline void read_elements(std::ifstream& in, const std::filesystem::path& path, const shard_header& h,
                           const record& r, int which, std::uint64_t first, std::uint64_t count, void* out) {
-  const dtype d = which == 0 ? h.param : (h.has_master && which == 1 ? h.master : h.state);
   in.seekg(static_cast<std::streamoff>(h.array_offset(r, which, first)));
-  if (!in.read(static_cast<char*>(out), static_cast<std::streamsize>(count * size_of(d)))) {
+  if (!in.read(static_cast<char*>(out), static_cast<std::streamsize>(count * size_of(h.array_dtype(which))))) {
     mpzero::detail::throw_invalid("checkpoint: " + detail::quoted(path) + " ends inside the data of parameter " +
                                   std::to_string(r.param) + "; the file is truncated. Save the checkpoint again");
   }

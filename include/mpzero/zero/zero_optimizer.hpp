@@ -505,6 +505,9 @@ class ZeroOptimizer {
   // The flat range of elements whose master weights and states this rank updates.
   flat_range shard() const noexcept { return shard_; }
   std::uint64_t steps() const noexcept { return steps_; }
+  // Whether gradients were reported since the last step() or zero_grad() (checkpoints
+  // refuse to run then: they hold no gradients).
+  bool grads_pending() const noexcept { return grads_pending_; }
   double loss_scale() const noexcept { return scaler_ ? scaler_->scale() : 1.0; }
   const std::optional<loss_scaler>& scaler() const noexcept { return scaler_; }
   const typename Optimizer::options& options() const noexcept { return opt_; }
@@ -781,7 +784,7 @@ class ZeroOptimizer {
   }
 
   void require_no_pending_grads(const char* who) const {
-    if (grads_pending_ || in_backward_ || reduced_) {
+    if (grads_pending_ || reduced_) {  // (in_backward_ implies grads_pending_)
       detail::throw_invalid("ZeroOptimizer::" + std::string(who) +
                             ": gradients were reported since the last step(); a checkpoint holds weights and optimizer "
                             "states, not gradients. Call it after step() or zero_grad()");
@@ -953,8 +956,7 @@ class ZeroOptimizer {
           const std::uint64_t at = sg.flat_offset - range.begin + (got.begin - want.begin);
           const auto read = [&]<class T>(int which, T* dst) {
             const checkpoint::shard_header& h = heads[f];
-            const dtype d = which == 0 ? h.param : (h.has_master && which == 1 ? h.master : h.state);
-            visit_dtype(d, [&]<class S>(S*) {
+            visit_dtype(h.array_dtype(which), [&]<class S>(S*) {
               std::vector<S> raw(n);
               if (open != f) {
                 file = std::ifstream(paths[f], std::ios::binary);
@@ -1171,8 +1173,7 @@ class ZeroOptimizer {
     return out;
   }
 
-  // The shard as step tensors: one, or in stage 3 two (partitioned and persistent
-  // parameters live in different buffers). Global offsets are flat offsets.
+  // The shard as step tensors: one per shard_pieces() entry. Global offsets are flat offsets.
   std::vector<step_tensor<Policy, Optimizer>> shard_tensors() {
     if constexpr (offloaded) {
       // On the host every buffer is the shard, contiguous: one tensor.
@@ -1194,23 +1195,11 @@ class ZeroOptimizer {
       shard_tensors_ = out;
       return out;
     }
-    std::vector<flat_range> pieces;
-    if constexpr (zero_stage == 3) {
-      pieces.push_back(intersect(shard_, flat_range{0, persistent_begin_}));
-      pieces.push_back(intersect(shard_, flat_range{persistent_begin_, layout_.padded_numel()}));
-    } else {
-      pieces.push_back(shard_);
-    }
     std::vector<step_tensor<Policy, Optimizer>> out;
-    for (const flat_range& p : pieces) {
-      if (p.empty()) continue;
+    for (const flat_range& p : shard_pieces()) {
       step_tensor<Policy, Optimizer> t;
       const std::uint64_t in_shard = p.begin - shard_.begin;
-      if constexpr (zero_stage < 3) {
-        t.param = params_.data() + p.begin;
-      } else {
-        t.param = p.begin < persistent_begin_ ? params_.data() + in_shard : persistent_.data() + (p.begin - persistent_begin_);
-      }
+      t.param = shard_params(p);
       if constexpr (!Policy::master_is_param) t.master = master_.data() + in_shard;
       t.grad = shard_grads() + in_shard;
       for (int k = 0; k < n_states; ++k) t.states[k] = states_[static_cast<std::size_t>(k)].data() + in_shard;

@@ -76,6 +76,8 @@ class zero_core {
   // save_checkpoint returns the save id its shard files carry.
   virtual std::uint64_t save_checkpoint(const std::string& dir) = 0;
   virtual void load_checkpoint(const std::string& dir) = 0;
+  // ZeroOptimizer::grads_pending: gradients reported since the last step or zero_grad.
+  virtual bool grads_pending() const = 0;
   // The largest `v` over all ranks (collective): how ranks agree that all went well.
   virtual std::int32_t max_over_ranks(std::int32_t v) = 0;
 
