@@ -390,3 +390,60 @@ TEST_CASE("Checkpoint: bad input is refused on every rank, with a message, and c
   }
   require_same(take(z, c), before);
 }
+
+namespace {
+
+// Saves after two steps and reads the weights back by every rank at once (reads only).
+template <class Policy, int Stage>
+void check_fp32_weights(const char* what) {
+  auto& c = world();
+  INFO(what << ", stage " << Stage << ", " << c.size() << " rank(s)");
+  const zero_options zo = options_for(Policy::needs_loss_scaling);
+  shared_dir dir;
+  zopt<Policy, optim::adamw, Stage> z(c, model_numels, {}, zo);
+  init(z);
+  std::vector<double> norms;
+  train(z, c, 1, 2, norms);
+  const snapshot want = take(z, c);
+  z.save_checkpoint(dir.path);
+  MPI_Barrier(MPI_COMM_WORLD);
+  const checkpoint::fp32_weights got = checkpoint::read_fp32_weights(dir.path);
+  REQUIRE(got.header.numels == model_numels);
+  REQUIRE(got.header.steps == 2);
+  REQUIRE(got.header.optimizer == "AdamW");
+  REQUIRE(got.header.files == (Stage == 0 ? 1u : static_cast<std::uint32_t>(c.size())));
+  REQUIRE(same_bits(got.params, want.master));
+  if constexpr (Policy::master_is_param) REQUIRE(same_bits(got.params, want.params));
+}
+
+}  // namespace
+
+TEST_CASE("Checkpoint: read_fp32_weights gives the whole master weights, from any stage and world size", "[checkpoint]") {
+  auto& c = world();
+  // Stage 0 writes one file, stages 1-3 one per rank; with an fp32 master, with none
+  // (all-bf16: the parameters are the master), and from fp16 parameters.
+  check_fp32_weights<policies::fp32, 0>("fp32");
+  check_fp32_weights<policies::bf16_fp32_master, 2>("bf16_fp32_master");
+  check_fp32_weights<policies::bf16_all, 3>("bf16_all");
+  check_fp32_weights<policies::fp16_fp32_master, 1>("fp16_fp32_master");
+  const zero_options zo = options_for(false);
+
+  SECTION("a missing shard file is named") {
+    if (c.size() > 1) {
+      shared_dir dir;
+      zopt<policies::bf16_fp32_master, optim::adamw, 2> z(c, model_numels, {}, zo);
+      init(z);
+      z.save_checkpoint(dir.path);
+      MPI_Barrier(MPI_COMM_WORLD);
+      if (c.rank() == 0) fs::remove(checkpoint::shard_path(dir.path, 1));
+      MPI_Barrier(MPI_COMM_WORLD);
+      REQUIRE_THROWS_WITH(checkpoint::read_fp32_weights(dir.path),
+                          Catch::Contains("zero_shard_00001.mpz") && Catch::Contains("no such file"));
+    }
+  }
+  SECTION("no checkpoint there") {
+    shared_dir dir;
+    REQUIRE_THROWS_WITH(checkpoint::read_fp32_weights(dir.path),
+                        Catch::Contains("zero_shard_00000.mpz") && Catch::Contains("pass the directory that save_checkpoint wrote"));
+  }
+}

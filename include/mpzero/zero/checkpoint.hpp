@@ -170,9 +170,11 @@ void write_atomically(const std::filesystem::path& path, Write&& write) {
 }
 
 // Writes `h` (its records' data offsets are filled in here) and then, for each record in
-// order, write_data(record index, std::string& out), which appends exactly the record's
-// bytes. The file appears complete or not at all: it is written beside its final name
-// and renamed into place. Throws mpzero::error naming the path and the system's reason.
+// order, write_data(record index, put), where put(const void* bytes, std::size_t n)
+// writes straight to the file and write_data must put exactly the record's bytes (no
+// copy of a record is made in memory). The file appears complete or not at all: it is
+// written beside its final name and renamed into place. Throws mpzero::error naming the
+// path and the system's reason.
 template <class WriteData>
 void write_shard(const std::filesystem::path& path, shard_header h, WriteData&& write_data) {
   using detail::put;
@@ -206,16 +208,18 @@ void write_shard(const std::filesystem::path& path, shard_header h, WriteData&& 
 
   write_atomically(path, [&](std::ofstream& out) {
     if (!out.write(head.data(), static_cast<std::streamsize>(head.size()))) return false;
-    std::string data;
     for (std::size_t k = 0; k < h.records.size(); ++k) {
-      data.clear();
-      write_data(k, data);
-      if (data.size() != h.records[k].count * h.element_bytes()) {
+      std::uint64_t written = 0;
+      write_data(k, [&](const void* bytes, std::size_t n) {
+        out.write(static_cast<const char*>(bytes), static_cast<std::streamsize>(n));
+        written += n;
+      });
+      if (!out) return false;
+      if (written != h.records[k].count * h.element_bytes()) {
         mpzero::detail::throw_invalid("checkpoint::write_shard: record " + std::to_string(k) + " wrote " +
-                                      std::to_string(data.size()) + " bytes, its header says " +
+                                      std::to_string(written) + " bytes, its header says " +
                                       std::to_string(h.records[k].count * h.element_bytes()));
       }
-      if (!out.write(data.data(), static_cast<std::streamsize>(data.size()))) return false;
     }
     return true;
   });
@@ -314,6 +318,169 @@ inline void read_elements(std::ifstream& in, const std::filesystem::path& path, 
     mpzero::detail::throw_invalid("checkpoint: " + detail::quoted(path) + " ends inside the data of parameter " +
                                   std::to_string(r.param) + "; the file is truncated. Save the checkpoint again");
   }
+}
+
+
+// Every shard file of one save in a directory: their headers, checked to belong together,
+// and, per parameter, the records that hold its elements in element order (checked not to
+// overlap: a corrupt set could otherwise cover a gap by counting elements twice). Data is
+// read on demand with one file open at a time (a save of thousands of ranks must not
+// exhaust file descriptors). `who` starts every error message (e.g.
+// "ZeroOptimizer::load_checkpoint").
+class shard_set {
+ public:
+  // A run of stored elements: `n` elements of record `rec` of file `file`, from its
+  // element `first`; `at` is the run's offset from the start of the requested range.
+  struct run {
+    std::size_t file = 0;
+    const record* rec = nullptr;
+    std::uint64_t first = 0, n = 0, at = 0;
+  };
+
+  shard_set(const std::filesystem::path& dir, std::string who) : dir_(dir), who_(std::move(who)) {
+    paths_.push_back(shard_path(dir, 0));
+    {
+      std::ifstream in;
+      heads_.push_back(read_header(in, paths_[0]));
+    }
+    if (const shard_header& h0 = heads_[0]; h0.files == 0 || h0.files > h0.world || h0.rank != 0) {
+      mpzero::detail::throw_invalid(who_ + ": " + detail::quoted(paths_[0]) + " says it is rank " +
+                                    std::to_string(h0.rank) + "'s file of " + std::to_string(h0.files) +
+                                    " at world size " + std::to_string(h0.world) +
+                                    "; the file is corrupt or renamed. Save the checkpoint again");
+    }
+    for (std::uint32_t k = 1; k < heads_[0].files; ++k) {
+      paths_.push_back(shard_path(dir, k));
+      std::ifstream in;
+      shard_header h = read_header(in, paths_.back());
+      const shard_header& h0 = heads_[0];  // here, not before the loop: heads_ grows below
+      const char* differs = h.save_id != h0.save_id ? "save id"
+                            : h.rank != k              ? "rank"
+                            : h.files != h0.files      ? "file count"
+                            : h.numels != h0.numels    ? "parameter sizes"
+                            : h.steps != h0.steps      ? "step count"
+                            : h.param != h0.param || h.master != h0.master || h.state != h0.state ||
+                                      h.has_master != h0.has_master || h.n_states != h0.n_states
+                                ? "dtypes"
+                                : nullptr;
+      if (differs) {
+        mpzero::detail::throw_invalid(who_ + ": " + detail::quoted(paths_.back()) +
+                                      " does not belong to the save that wrote " + detail::quoted(paths_[0]) +
+                                      " (its " + differs +
+                                      " differs: a save that failed midway, or files of two checkpoints in one "
+                                      "directory); load a checkpoint whose save completed");
+      }
+      heads_.push_back(std::move(h));
+    }
+    holders_.resize(heads_[0].numels.size());
+    for (std::size_t f = 0; f < heads_.size(); ++f) {
+      for (const record& r : heads_[f].records) holders_[r.param].push_back({f, &r});
+    }
+    for (std::size_t i = 0; i < holders_.size(); ++i) {
+      auto& list = holders_[i];
+      std::sort(list.begin(), list.end(), [](const held& a, const held& b) { return a.rec->begin < b.rec->begin; });
+      for (std::size_t k = 1; k < list.size(); ++k) {
+        if (list[k - 1].rec->begin + list[k - 1].rec->count > list[k].rec->begin) {
+          mpzero::detail::throw_invalid(who_ + ": two records of parameter " + std::to_string(i) + " overlap (in " +
+                                        detail::quoted(paths_[list[k - 1].file]) + " and " +
+                                        detail::quoted(paths_[list[k].file]) +
+                                        "); the checkpoint is corrupt. Load a checkpoint whose save completed");
+        }
+      }
+    }
+  }
+  shard_set(const shard_set&) = delete;
+  shard_set& operator=(const shard_set&) = delete;
+
+  const shard_header& first() const noexcept { return heads_[0]; }
+  const shard_header& header(std::size_t file) const noexcept { return heads_[file]; }
+  const std::filesystem::path& path(std::size_t file) const noexcept { return paths_[file]; }
+  std::size_t num_params() const noexcept { return holders_.size(); }
+
+  // Calls visit(run) for every stored run of parameter `param`'s elements [begin, begin +
+  // count), in element order, and checks that they cover the range: otherwise throws,
+  // naming what is missing (`purpose` says whose elements they are, for the message).
+  template <class Visit>
+  void for_each_run(std::size_t param, std::uint64_t begin, std::uint64_t count, Visit&& visit,
+                    std::string_view purpose = "") const {
+    const std::uint64_t end = begin + count;
+    std::uint64_t found = 0;
+    for (const held& x : holders_[param]) {
+      const std::uint64_t lo = std::max(begin, x.rec->begin), hi = std::min(end, x.rec->begin + x.rec->count);
+      if (hi <= lo) continue;
+      visit(run{x.file, x.rec, lo - x.rec->begin, hi - lo, lo - begin});
+      found += hi - lo;
+    }
+    if (found != count) {
+      mpzero::detail::throw_invalid(who_ + ": " + detail::quoted(dir_) + " holds " + std::to_string(found) + " of the " +
+                                    std::to_string(count) + " elements [" + std::to_string(begin) + ", " +
+                                    std::to_string(end) + ") of parameter " + std::to_string(param) +
+                                    (purpose.empty() ? std::string() : " " + std::string(purpose)) +
+                                    "; its shard files are incomplete. Load a checkpoint whose save completed");
+    }
+  }
+
+  // Reads array `which` (shard_header::array_offset) of a run in its stored dtype S and
+  // calls use(const S* values, n).
+  template <class Use>
+  void read(const run& r, int which, Use&& use) {
+    const shard_header& h = heads_[r.file];
+    visit_dtype(h.array_dtype(which), [&]<class S>(S*) {
+      if (open_ != r.file || !file_.is_open()) {
+        file_ = std::ifstream(paths_[r.file], std::ios::binary);
+        open_ = r.file;
+      }
+      std::vector<S> values(static_cast<std::size_t>(r.n));
+      read_elements(file_, paths_[r.file], h, *r.rec, which, r.first, r.n, values.data());
+      use(static_cast<const S*>(values.data()), r.n);
+    });
+  }
+
+ private:
+  struct held {
+    std::size_t file;
+    const record* rec;
+  };
+  std::filesystem::path dir_;
+  std::string who_;
+  std::vector<std::filesystem::path> paths_;
+  std::vector<shard_header> heads_;  // their records do not move once read: holders_ points at them
+  std::vector<std::vector<held>> holders_;
+  std::ifstream file_;
+  std::size_t open_ = 0;
+};
+
+
+// A checkpoint's weights, whole and in fp32, for use outside training (DeepSpeed's
+// zero_to_fp32): what a save wrote at any world size and ZeRO stage, read by one process
+// with no optimizer and no communicator.
+struct fp32_weights {
+  shard_header header;  // the first file's: save id, step count, optimizer, dtypes, parameter sizes
+  // Per parameter, in the optimizer's order: the master weights, or the parameters where
+  // the save kept no separate master (fp32 and all-16-bit policies without one).
+  std::vector<std::vector<float>> params;
+};
+
+// Reads every shard file of the save in `dir` (ZeroOptimizer::save_checkpoint's
+// directory; the LibTorch engine's <save_dir>/<tag>). Needs 4 bytes of host memory per
+// parameter, for the result. Throws mpzero::invalid_argument naming the file for a
+// missing, truncated, corrupt or mixed set of files.
+inline fp32_weights read_fp32_weights(const std::filesystem::path& dir) {
+  shard_set files(dir, "checkpoint::read_fp32_weights");
+  fp32_weights out;
+  out.header = files.first();
+  out.header.records.clear();  // they describe file 0 only
+  out.params.resize(files.num_params());
+  for (std::size_t i = 0; i < files.num_params(); ++i) {
+    std::vector<float>& dst = out.params[i];
+    dst.resize(static_cast<std::size_t>(out.header.numels[i]));
+    files.for_each_run(i, 0, dst.size(), [&](const shard_set::run& r) {
+      files.read(r, files.header(r.file).has_master ? 1 : 0, [&](const auto* src, std::uint64_t n) {
+        for (std::uint64_t k = 0; k < n; ++k) dst[static_cast<std::size_t>(r.at + k)] = to_float(src[k]);
+      });
+    });
+  }
+  return out;
 }
 
 }  // namespace mpzero::checkpoint

@@ -577,12 +577,10 @@ class ZeroOptimizer {
       }
       const std::vector<checkpoint::record> records = h.records;
       checkpoint::write_shard(checkpoint::shard_path(dir, static_cast<std::uint32_t>(rank_)), std::move(h),
-                              [&](std::size_t r, std::string& out) {
+                              [&](std::size_t r, auto&& write) {
                                 const host_piece& p = pieces[from[r].piece];
                                 const std::uint64_t at = from[r].at, n = records[r].count;
-                                const auto put = [&](const auto* v) {
-                                  out.append(reinterpret_cast<const char*>(v + at), n * sizeof(*v));
-                                };
+                                const auto put = [&](const auto* v) { write(v + at, n * sizeof(*v)); };
                                 put(p.params.data());
                                 if constexpr (!Policy::master_is_param) put(p.master.data());
                                 for (const auto& st : p.states) put(st.data());
@@ -869,48 +867,14 @@ class ZeroOptimizer {
                             " per element); this optimizer is " + std::string(Optimizer::name) +
                             ". Load it with the optimizer it was saved with (Adam and AdamW share their states)");
     }
-    if (h.files == 0 || h.files > h.world || h.rank != 0) {
-      detail::throw_invalid(where + " says it is rank " + std::to_string(h.rank) + "'s file of " +
-                            std::to_string(h.files) + " at world size " + std::to_string(h.world) +
-                            "; the file is corrupt or renamed. Save the checkpoint again");
-    }
   }
 
   // Reads this rank's pieces of the checkpoint in `dir` into host memory; changes nothing.
   void read_checkpoint(const std::filesystem::path& dir, std::vector<host_piece>& pieces, std::uint64_t& steps,
                        std::optional<loss_scaler>& scaler) const {
-    // Headers first, one file open at a time (a save of thousands of ranks must not
-    // exhaust file descriptors); the data is read later from the files that hold it.
-    std::vector<std::filesystem::path> paths{checkpoint::shard_path(dir, 0)};
-    std::vector<checkpoint::shard_header> heads;
-    {
-      std::ifstream in;
-      heads.push_back(checkpoint::read_header(in, paths[0]));
-    }
-    const checkpoint::shard_header h0 = heads[0];
-    check_loadable(h0, paths[0]);
-    for (std::uint32_t k = 1; k < h0.files; ++k) {
-      paths.push_back(checkpoint::shard_path(dir, k));
-      std::ifstream in;
-      heads.push_back(checkpoint::read_header(in, paths.back()));
-      const checkpoint::shard_header& h = heads.back();
-      const char* differs = h.save_id != h0.save_id ? "save id"
-                            : h.rank != k              ? "rank"
-                            : h.files != h0.files      ? "file count"
-                            : h.numels != h0.numels    ? "parameter sizes"
-                            : h.steps != h0.steps      ? "step count"
-                            : h.param != h0.param || h.master != h0.master || h.state != h0.state ||
-                                      h.has_master != h0.has_master || h.n_states != h0.n_states
-                                ? "dtypes"
-                                : nullptr;
-      if (differs) {
-        detail::throw_invalid("ZeroOptimizer::load_checkpoint: " + checkpoint::detail::quoted(paths.back()) +
-                              " does not belong to the save that wrote " + checkpoint::detail::quoted(paths[0]) +
-                              " (its " + differs +
-                              " differs: a save that failed midway, or files of two checkpoints in one directory); "
-                              "load a checkpoint whose save completed");
-      }
-    }
+    checkpoint::shard_set files(dir, "ZeroOptimizer::load_checkpoint");
+    const checkpoint::shard_header& h0 = files.first();
+    check_loadable(h0, files.path(0));
     if (scaler_ && h0.scaler) {
       loss_scaler s = *scaler_;
       const checkpoint::scaler_record& r = *h0.scaler;
@@ -918,75 +882,27 @@ class ZeroOptimizer {
       scaler = std::move(s);
     }
     steps = h0.steps;
-
-    // Per parameter, the records that hold its elements, in element order; they must not
-    // overlap (a corrupt set could otherwise cover a gap by counting elements twice).
-    std::vector<std::vector<std::pair<std::size_t, std::size_t>>> holders(num_params());
-    for (std::size_t f = 0; f < heads.size(); ++f) {
-      for (std::size_t r = 0; r < heads[f].records.size(); ++r) holders[heads[f].records[r].param].emplace_back(f, r);
-    }
-    for (std::size_t i = 0; i < holders.size(); ++i) {
-      auto& list = holders[i];
-      const auto begin_of = [&](const std::pair<std::size_t, std::size_t>& x) { return heads[x.first].records[x.second].begin; };
-      std::sort(list.begin(), list.end(), [&](const auto& a, const auto& b) { return begin_of(a) < begin_of(b); });
-      for (std::size_t k = 1; k < list.size(); ++k) {
-        const checkpoint::record& prev = heads[list[k - 1].first].records[list[k - 1].second];
-        if (prev.begin + prev.count > begin_of(list[k])) {
-          detail::throw_invalid("ZeroOptimizer::load_checkpoint: two records of parameter " + std::to_string(i) +
-                                " overlap (in " + checkpoint::detail::quoted(paths[list[k - 1].first]) + " and " +
-                                checkpoint::detail::quoted(paths[list[k].first]) +
-                                "); the checkpoint is corrupt. Load a checkpoint whose save completed");
-        }
-      }
-    }
-    std::ifstream file;  // the one open file, paths[open]
-    std::size_t open = paths.size();
     const std::vector<std::size_t> user = user_of_slot();
     for (const flat_range& range : shard_pieces()) {
       host_piece& p = pieces.emplace_back(range);
       for (const segment& sg : layout_.segments(range)) {
-        const std::size_t i = user[sg.param];
-        const flat_range want{sg.param_offset, sg.param_offset + sg.count};
-        std::uint64_t found = 0;
-        for (const auto& [f, r] : holders[i]) {
-          const checkpoint::record& rec = heads[f].records[r];
-          const flat_range got = intersect(want, flat_range{rec.begin, rec.begin + rec.count});
-          if (got.empty()) continue;
-          const std::uint64_t n = got.size(), first = got.begin - rec.begin;
-          const std::uint64_t at = sg.flat_offset - range.begin + (got.begin - want.begin);
+        const std::uint64_t base = sg.flat_offset - range.begin;
+        files.for_each_run(user[sg.param], sg.param_offset, sg.count, [&](const checkpoint::shard_set::run& r) {
+          const checkpoint::shard_header& h = files.header(r.file);
           const auto read = [&]<class T>(int which, T* dst) {
-            const checkpoint::shard_header& h = heads[f];
-            visit_dtype(h.array_dtype(which), [&]<class S>(S*) {
-              std::vector<S> raw(n);
-              if (open != f) {
-                file = std::ifstream(paths[f], std::ios::binary);
-                open = f;
-              }
-              checkpoint::read_elements(file, paths[f], h, rec, which, first, n, raw.data());
-              host_.convert(dst + at, raw.data(), n);
-            });
+            files.read(r, which, [&](const auto* src, std::uint64_t n) { host_.convert(dst + base + r.at, src, n); });
           };
-          const bool saved_master = heads[f].has_master;
           if constexpr (Policy::master_is_param) {
-            read(saved_master ? 1 : 0, p.params.data());  // the saved master is the finer source
+            read(h.has_master ? 1 : 0, p.params.data());  // the saved master is the finer source
           } else {
             // The saved parameters when the dtype is the same (bit for bit, stochastic rounding
             // included); otherwise rounded once from the saved master.
-            const bool same_param = heads[f].param == dtype_of_v<param_type>;
-            read(saved_master && !same_param ? 1 : 0, p.params.data());
-            read(saved_master ? 1 : 0, p.master.data());
+            const bool same_param = h.param == dtype_of_v<param_type>;
+            read(h.has_master && !same_param ? 1 : 0, p.params.data());
+            read(h.has_master ? 1 : 0, p.master.data());
           }
-          for (int k = 0; k < n_states; ++k) read((saved_master ? 2 : 1) + k, p.states[k].data());
-          found += n;
-        }
-        if (found != sg.count) {
-          detail::throw_invalid("ZeroOptimizer::load_checkpoint: " + checkpoint::detail::quoted(dir) + " holds " +
-                                std::to_string(found) + " of the " + std::to_string(sg.count) + " elements [" +
-                                std::to_string(want.begin) + ", " + std::to_string(want.end) + ") of parameter " +
-                                std::to_string(i) + " this rank needs; its shard files are " +
-                                (found < sg.count ? "incomplete" : "inconsistent (records overlap)") +
-                                ". Load a checkpoint whose save completed");
-        }
+          for (int k = 0; k < n_states; ++k) read((h.has_master ? 2 : 1) + k, p.states[k].data());
+        }, "that this rank needs");
       }
     }
   }
