@@ -30,6 +30,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -325,8 +326,10 @@ inline void read_elements(std::ifstream& in, const std::filesystem::path& path, 
 // and, per parameter, the records that hold its elements in element order (checked not to
 // overlap: a corrupt set could otherwise cover a gap by counting elements twice). Data is
 // read on demand with one file open at a time (a save of thousands of ranks must not
-// exhaust file descriptors). `who` starts every error message (e.g.
-// "ZeroOptimizer::load_checkpoint").
+// exhaust file descriptors). `who` starts the messages about the set (e.g.
+// "ZeroOptimizer::load_checkpoint"); a single file's problems are named by read_header.
+// check_first(header, path), when given, runs on the first file's header before any other
+// file is opened: a caller's cheap refusal (another model) comes before the set's.
 class shard_set {
  public:
   // A run of stored elements: `n` elements of record `rec` of file `file`, from its
@@ -337,12 +340,15 @@ class shard_set {
     std::uint64_t first = 0, n = 0, at = 0;
   };
 
-  shard_set(const std::filesystem::path& dir, std::string who) : dir_(dir), who_(std::move(who)) {
+  shard_set(const std::filesystem::path& dir, std::string who,
+            const std::function<void(const shard_header&, const std::filesystem::path&)>& check_first = {})
+      : dir_(dir), who_(std::move(who)) {
     paths_.push_back(shard_path(dir, 0));
     {
       std::ifstream in;
       heads_.push_back(read_header(in, paths_[0]));
     }
+    if (check_first) check_first(heads_[0], paths_[0]);
     if (const shard_header& h0 = heads_[0]; h0.files == 0 || h0.files > h0.world || h0.rank != 0) {
       mpzero::detail::throw_invalid(who_ + ": " + detail::quoted(paths_[0]) + " says it is rank " +
                                     std::to_string(h0.rank) + "'s file of " + std::to_string(h0.files) +

@@ -872,9 +872,11 @@ class ZeroOptimizer {
   // Reads this rank's pieces of the checkpoint in `dir` into host memory; changes nothing.
   void read_checkpoint(const std::filesystem::path& dir, std::vector<host_piece>& pieces, std::uint64_t& steps,
                        std::optional<loss_scaler>& scaler) const {
-    checkpoint::shard_set files(dir, "ZeroOptimizer::load_checkpoint");
+    checkpoint::shard_set files(dir, "ZeroOptimizer::load_checkpoint",
+                                [&](const checkpoint::shard_header& h, const std::filesystem::path& p) {
+                                  check_loadable(h, p);
+                                });
     const checkpoint::shard_header& h0 = files.first();
-    check_loadable(h0, files.path(0));
     if (scaler_ && h0.scaler) {
       loss_scaler s = *scaler_;
       const checkpoint::scaler_record& r = *h0.scaler;
