@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Installs what mpzero's build, tests and main job need, skipping what is already there:
-# Debian packages, and PyPI's torch wheel for the LibTorch adapter (pinned; the same
-# version the GPU machines have). MPZERO_NO_TORCH=1 skips torch (the adapter is then
-# not built).
+# Debian packages, PyPI's torch wheel for the LibTorch adapter (pinned; the same
+# version the GPU machines have) and safetensors, which the tests read exported files
+# with. MPZERO_NO_TORCH=1 skips both (the adapter is then not built).
 set -euo pipefail
 torch_version="2.11.0"
+safetensors_version="0.8.0"
 
 packages=(cmake g++ make python3 python3-pip catch2 libbenchmark-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin)
 missing=()
@@ -29,5 +30,11 @@ if [ "${MPZERO_NO_TORCH:-0}" != "1" ]; then
     # Debian's own python3 refuses pip installs (PEP 668) unless told otherwise.
     python3 -m pip install -q "torch==$torch_version" 2>/dev/null ||
       python3 -m pip install -q --break-system-packages "torch==$torch_version"
+  fi
+  # safetensors: the tests read the fp32 export's .safetensors files with it, as a user would.
+  if ! python3 -c "import safetensors" 2>/dev/null; then
+    echo "mpzero setup: installing safetensors==$safetensors_version from PyPI (the tests read exported files with it)"
+    python3 -m pip install -q "safetensors==$safetensors_version" 2>/dev/null ||
+      python3 -m pip install -q --break-system-packages "safetensors==$safetensors_version"
   fi
 fi

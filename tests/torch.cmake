@@ -21,10 +21,22 @@ if(TARGET mpzero_torch AND MPZERO_TORCH_CUDA AND MPZERO_NCCL_FOUND)
   set_tests_properties(test_torch_gpu.torch PROPERTIES ENVIRONMENT OMP_NUM_THREADS=1)
 endif()
 # engine.save_checkpoint / load_checkpoint: resume bit for bit, other stages and world
-# sizes, module-only, refusals.
+# sizes, module-only, refusals; the fp32 export (zero_to_fp32.hpp and its tool).
 if(TARGET mpzero_torch AND MPI_CXX_FOUND)
   mpzero_add_test(test_torch_checkpoint SOURCES test_torch_checkpoint.cpp TAGS checkpoint MPI 1 2 LIBS mpzero::torch)
+  # The fp32 export's command-line tool, run by the test as a user would.
+  add_dependencies(test_torch_checkpoint mpzero_zero_to_fp32)
+  target_compile_definitions(test_torch_checkpoint PRIVATE MPZERO_ZERO_TO_FP32="$<TARGET_FILE:mpzero_zero_to_fp32>")
   if(MPZERO_TORCH_PYTHON)  # adapters/torch/torch.cmake: the interpreter LibTorch came from
     target_compile_definitions(test_torch_checkpoint PRIVATE MPZERO_TEST_PYTHON="${MPZERO_TORCH_PYTHON}")
+    # The fp32 export's .safetensors files are read back with the safetensors package
+    # (scripts/setup.sh installs it); without it the test says so and reads the .pt only.
+    execute_process(COMMAND "${MPZERO_TORCH_PYTHON}" -c "import safetensors" RESULT_VARIABLE _mpzero_st_rc
+                    OUTPUT_QUIET ERROR_QUIET)
+    if(_mpzero_st_rc EQUAL 0)
+      target_compile_definitions(test_torch_checkpoint PRIVATE MPZERO_TEST_SAFETENSORS)
+    else()
+      message(STATUS "mpzero: ${MPZERO_TORCH_PYTHON} has no safetensors package: the export test reads .pt files only")
+    endif()
   endif()
 endif()

@@ -109,7 +109,7 @@ message(STATUS "mpzero: LibTorch engine against ${_mpzero_torch_prefix} "
 # The ZeroOptimizer instantiations (no torch headers): one generated unit per part of
 # each table (src/table_part.in; the combinations are add_table_part in src/core_impl.hpp),
 # so a parallel build compiles them side by side; zero_core.cpp concatenates the parts.
-# engine.cpp and process_group.cpp are the only translation units that include torch.
+# engine.cpp, zero_to_fp32.cpp and process_group.cpp are the translation units that include torch.
 set(_mpzero_torch_table_parts 4)  # core_impl.hpp static_asserts the same number
 math(EXPR _mpzero_torch_last_part "${_mpzero_torch_table_parts} - 1")
 set(_mpzero_torch_table_units "")
@@ -135,6 +135,7 @@ add_library(mpzero_torch STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/src/zero_core.cpp
   ${_mpzero_torch_table_units}
   ${CMAKE_CURRENT_SOURCE_DIR}/src/engine.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/src/zero_to_fp32.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/src/process_group.cpp)
 add_library(mpzero::torch ALIAS mpzero_torch)
 target_link_libraries(mpzero_torch PUBLIC mpzero::torch_config ${_mpzero_torch_libs})
@@ -149,6 +150,13 @@ if(MPZERO_TORCH_CUDA)
   # LibTorch's include directories are not for nvcc (it never includes them).
 endif()
 
+# mpzero_zero_to_fp32: an engine checkpoint as one fp32 state dict file (zero_to_fp32.hpp).
+add_executable(mpzero_zero_to_fp32 ${CMAKE_CURRENT_SOURCE_DIR}/tools/zero_to_fp32.cpp)
+target_link_libraries(mpzero_zero_to_fp32 PRIVATE mpzero::torch)
+target_compile_options(mpzero_zero_to_fp32 PRIVATE -Wall -Wextra)
+# Installed, it still finds LibTorch's shared libraries where the build linked them.
+set_target_properties(mpzero_zero_to_fp32 PROPERTIES INSTALL_RPATH_USE_LINK_PATH TRUE)
+
 # ---- install: the adapter as the `torch` component of the mpzero package -------------
 # find_package(mpzero 0.1 REQUIRED COMPONENTS torch) gives mpzero::torch. The libraries are
 # static and compiled against this LibTorch, so the installed package links the same one:
@@ -159,6 +167,7 @@ if(MPZERO_INSTALL)
   set_target_properties(mpzero_torch_config PROPERTIES EXPORT_NAME torch_config)
   install(TARGETS mpzero_torch_config mpzero_torch EXPORT mpzeroTorchTargets
           ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
+  install(TARGETS mpzero_zero_to_fp32 RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
   install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/include/mpzero/torch DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/mpzero)
   install(EXPORT mpzeroTorchTargets NAMESPACE mpzero:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/mpzero)
   set(_lt "# Written by mpzero's build (adapters/torch/torch.cmake): the LibTorch mpzero::torch was compiled against.\n")

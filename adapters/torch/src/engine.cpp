@@ -25,6 +25,7 @@
 
 #include <mpzero/torch/lr_schedule.hpp>
 #include <mpzero/torch/zero_core.hpp>
+#include "checkpoint_files.hpp"
 #include <mpzero/zero/checkpoint.hpp>
 
 namespace mpzero::torch {
@@ -59,35 +60,11 @@ std::string shape_of(const at::Tensor& t) {
 
 [[noreturn]] void fail(const std::string& what) { throw mpzero::invalid_argument("mpzero::torch: " + what); }
 
-// ---- checkpoint files ------------------------------------------------------------------
+// ---- checkpoint files (checkpoint_files.hpp) ---------------------------------------------
 namespace fs = std::filesystem;
-
-std::string quoted(const fs::path& p) { return "'" + p.string() + "'"; }
-
-// The whole of `bytes` in a new file at `path` (checkpoint::write_atomically).
-void write_atomically(const fs::path& path, std::string_view bytes) {
-  checkpoint::write_atomically(path, [&](std::ofstream& out) {
-    return static_cast<bool>(out.write(bytes.data(), static_cast<std::streamsize>(bytes.size())));
-  });
-}
-
-std::string read_file(const fs::path& path, const std::string& what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    std::error_code ec;
-    fail("load_checkpoint: cannot read " + what + " " + quoted(path) + " (" +
-         (fs::exists(path, ec) ? std::error_code(errno, std::generic_category()).message() : std::string("no such file")) +
-         "); pass the directory save_checkpoint wrote and its tag");
-  }
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-void check_tag(const std::string& who, const std::string& tag) {
-  if (tag.empty() || tag == "." || tag == ".." || tag.find_first_of("/\\") != std::string::npos) {
-    fail(who + ": the checkpoint tag '" + tag +
-         "' is not a directory name; use a name without '/', such as global_step100");
-  }
-}
+using detail::check_tag;
+using detail::quoted;
+using detail::write_atomically;
 
 // 30 bits of FNV-1a: enough to tell two arguments apart, and negatable without overflow.
 std::int32_t hash30(const std::string& value) {
@@ -267,7 +244,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     }
   }
   nlohmann::json engine_json(const std::string& tag, const nlohmann::json& client_state, std::uint64_t save_id) const;
-  std::string module_bytes(std::uint64_t save_id) const;
+  std::vector<char> module_bytes(std::uint64_t save_id) const;
 
   // ---- streams (CUDA parameters) ------------------------------------------------------
   // The core queues its work on torch's current stream of the parameters' device as it
@@ -648,9 +625,17 @@ void engine_state::step() {
 
 nlohmann::json engine_state::engine_json(const std::string& tag, const nlohmann::json& client_state,
                                          std::uint64_t save_id) const {
+  // Tied weights are managed once, under their first name; their other names are
+  // "aliases" (the fp32 export gives every name the master weights).
+  std::vector<std::vector<std::string>> aliases(params_.size());
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    const auto it = index_.find(item.value().unsafeGetTensorImpl());
+    if (it != index_.end() && item.key() != names_[it->second]) aliases[it->second].push_back(item.key());
+  }
   nlohmann::json params = nlohmann::json::array();
   for (std::size_t i = 0; i < params_.size(); ++i) {
     params.push_back({{"name", names_[i]}, {"shape", params_[i].sizes().vec()}});
+    if (!aliases[i].empty()) params.back()["aliases"] = aliases[i];
   }
   return {{"format", "mpzero engine checkpoint"},
           {"version", 1},
@@ -670,7 +655,7 @@ nlohmann::json engine_state::engine_json(const std::string& tag, const nlohmann:
 // The module's parameters and buffers as DeepSpeed's model_states file holds them:
 // {"module": {name: tensor}, "global_steps": N}, in torch's pickle format, and the save
 // id that ties it to its shards.
-std::string engine_state::module_bytes(std::uint64_t save_id) const {
+std::vector<char> engine_state::module_bytes(std::uint64_t save_id) const {
   c10::Dict<std::string, at::Tensor> state;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) state.insert(item.key(), item.value().detach().cpu());
   for (const auto& item : module_->named_buffers(/*recurse=*/true)) state.insert(item.key(), item.value().detach().cpu());
@@ -678,8 +663,7 @@ std::string engine_state::module_bytes(std::uint64_t save_id) const {
   top.insert("module", state);
   top.insert("global_steps", static_cast<std::int64_t>(global_steps_));
   top.insert("mpzero_save_id", static_cast<std::int64_t>(save_id));  // < 2^52
-  const std::vector<char> bytes = ::torch::jit::pickle_save(top);
-  return std::string(bytes.begin(), bytes.end());
+  return ::torch::jit::pickle_save(top);
 }
 
 void engine_state::save_checkpoint(const std::string& save_dir, const std::string& tag_arg,
@@ -706,7 +690,8 @@ void engine_state::save_checkpoint(const std::string& save_dir, const std::strin
   const std::uint64_t id = core_->save_checkpoint(dir.string());
   agree("save_checkpoint", "the shard files were written, but the checkpoint is incomplete", [&] {
     if (comm_.rank() == 0) {
-      write_atomically(dir / "model_states.pt", module_bytes(id));
+      const std::vector<char> bytes = module_bytes(id);
+      write_atomically(dir / "model_states.pt", std::string_view(bytes.data(), bytes.size()));
       write_atomically(dir / "mpzero_engine.json", engine_json(tag, client_state, id).dump(2));
     }
   });
@@ -727,13 +712,12 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
   std::int32_t no_latest = 0;
   agree("load_checkpoint", "nothing was loaded", [&] {
     if (!tag.empty()) return;
-    std::error_code ec;
-    if (!fs::exists(root / "latest", ec)) {
+    const auto latest = detail::read_latest("load_checkpoint", root);
+    if (!latest) {
       no_latest = 1;
       return;
     }
-    tag = read_file(root / "latest", "the latest tag");
-    while (!tag.empty() && std::isspace(static_cast<unsigned char>(tag.back()))) tag.pop_back();
+    tag = *latest;
   });
   if (tag_arg.empty()) {
     const std::int32_t any = core_->max_over_ranks(no_latest), all = -core_->max_over_ranks(-no_latest);
@@ -761,7 +745,7 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
     nlohmann::json meta;
     std::uint64_t save_id = 0;
     try {
-      meta = nlohmann::json::parse(read_file(meta_path, "the engine state"));
+      meta = nlohmann::json::parse(detail::read_text("load_checkpoint", meta_path, "the engine state"));
       save_id = meta.at("save_id").get<std::uint64_t>();
       // A full load needs the same trainable parameters; a module-only load matches
       // model_states.pt by name below, so which ones train may differ.
@@ -802,8 +786,7 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
     const fs::path module_path = dir / "model_states.pt";
     std::unordered_map<std::string, ::torch::Tensor> saved;
     try {
-      const std::string bytes = read_file(module_path, "the module state");
-      const c10::IValue top = ::torch::jit::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+      const c10::IValue top = ::torch::jit::pickle_load(detail::read_file("load_checkpoint", module_path, "the module state"));
       const auto dict = top.toGenericDict();
       if (static_cast<std::uint64_t>(dict.at("mpzero_save_id").toInt()) != save_id) different_saves(module_path);
       for (const auto& e : dict.at("module").toGenericDict()) {

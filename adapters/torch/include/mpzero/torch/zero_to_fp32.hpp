@@ -1,0 +1,43 @@
+// mpzero::torch: an engine checkpoint as one fp32 state dict, for inference, export or
+// fine-tuning elsewhere (DeepSpeed's zero_to_fp32). One process, no engine, no model,
+// no communicator: it reads what engine.save_checkpoint wrote at any world size, ZeRO
+// stage and precision configuration.
+//
+//   auto sd = mpzero::torch::fp32_state_dict_from_checkpoint("ckpt");        // tag from ckpt/latest
+//   model->load_state_dict ... or:  for (auto& [name, t] : sd) ...
+//   mpzero::torch::convert_checkpoint_to_fp32_state_dict("ckpt", "model.safetensors");
+//
+// The command-line tool `mpzero_zero_to_fp32 CHECKPOINT_DIR OUTPUT_FILE [--tag TAG]` does
+// the same (docs/checkpoints.md).
+#pragma once
+
+#include <string>
+
+#include <torch/torch.h>
+
+namespace mpzero::torch {
+
+// The module's state dict as saved in <checkpoint_dir>/<tag> (tag: the one named in
+// <checkpoint_dir>/latest when empty), by name in the module's order (parameters, then
+// buffers). The trainable parameters are the master weights in fp32 (the fp32 master
+// where the precision configuration kept one, else the parameters, which were then the
+// master); every name of a tied weight gets that same tensor. Frozen parameters and
+// buffers are their saved values, bf16 and fp16 ones converted (exactly) to fp32; others
+// keep their dtype. Tensors are on the CPU. Host memory: about 4 bytes per parameter,
+// plus model_states.pt while it is read.
+// Throws mpzero::invalid_argument naming the file and the fix for a missing tag, a
+// missing, truncated or corrupt file, or files of different saves.
+::torch::OrderedDict<std::string, ::torch::Tensor> fp32_state_dict_from_checkpoint(const std::string& checkpoint_dir,
+                                                                                   const std::string& tag = "");
+
+// Writes that state dict to output_file: in the safetensors format when the name ends in
+// ".safetensors" (safetensors.torch.load_file, Hugging Face), else in torch's pickle
+// format (torch::pickle_load in C++; in Python torch.load under
+// torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag])). safetensors
+// streams the tensors to the file; the pickle is built in memory first (about 4 more
+// bytes per parameter). The file is written beside its name and renamed into place:
+// whole or absent. Returns the number of tensors written.
+std::size_t convert_checkpoint_to_fp32_state_dict(const std::string& checkpoint_dir, const std::string& output_file,
+                                                  const std::string& tag = "");
+
+}  // namespace mpzero::torch
