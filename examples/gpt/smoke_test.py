@@ -12,7 +12,11 @@ model for a few configurations, draws the plots, and checks what it promises:
 - the DeepSpeed blog's comparison in results.json covers every all-bf16 row against
   bf16/z2 and agrees with the rows it summarises;
 - the engine in fp32 trains like LibTorch's own torch::optim::AdamW (the "torch" row:
-  same model, batches and hyperparameters, no mpzero) to within rounding.
+  same model, batches and hyperparameters, no mpzero) to within rounding;
+- --save: every mpzero configuration left a checkpoint (shards, engine files) and a
+  safetensors fp32 export whose header is well formed; a fresh fp32 model loaded from the
+  export evaluates to the training's held-out loss exactly where training ran in fp32,
+  and close to it elsewhere.
 
 The corpus is the repository's own Markdown in fortune format, so no Debian package is
 needed.
@@ -69,6 +73,47 @@ def make_corpus(repo, dest):
             f.write("\n%\n".join(paragraphs) + "\n%\n")
 
 
+def safetensors_header(path):
+    """The JSON header of a safetensors file, checked against the format: 8-byte
+    little-endian size, the header padded to 8 bytes, the data indexed without gaps."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    spans = sorted(tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__")
+    contiguous = all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and spans[0][0] == 0
+    ok = n % 8 == 0 and contiguous and spans[-1][1] == len(raw) - 8 - n
+    return header, ok
+
+
+def check_saved(runs, saved, world):
+    for cid, r in runs.items():
+        if cid == "torch":
+            check(r["checkpoint"] is None, "torch: no checkpoint (no engine)")
+            continue
+        tag = cid.replace("/", "_")
+        d = os.path.join(saved, tag)
+        check(r["checkpoint"] == d, "%s: checkpoint in %s (got %s)" % (cid, d, r["checkpoint"]))
+        files = ["mpzero_engine.json", "model_states.pt", "zero_shard_00000.mpz", "fp32.safetensors"]
+        if not cid.endswith("z0") and world > 1:
+            files.append("zero_shard_00001.mpz")
+        missing = [f for f in files if not os.path.isfile(os.path.join(d, f))]
+        check(not missing, "%s: %s written (missing: %s)" % (cid, ", ".join(files), missing))
+        if missing:
+            continue
+        header, ok = safetensors_header(os.path.join(d, "fp32.safetensors"))
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        check(ok and tensors and all(v["dtype"] == "F32" for v in tensors.values()),
+              "%s: fp32.safetensors is well formed, %d fp32 tensors" % (cid, len(tensors)))
+        exp, ev = r["export_eval_loss"], r["eval_loss"]
+        if cid.startswith("fp32/"):
+            check(exp == ev, "%s: the fp32 export evaluates to the training's held-out loss (%r, %r)" % (cid, exp, ev))
+        else:
+            check(exp is not None and abs(exp - ev) < 0.05 * ev,
+                  "%s: the fp32 export's held-out loss %s is within 5%% of training's %.4f" % (cid, exp, ev))
+    check(not os.path.exists(os.path.join(saved, "latest")), "--save writes no 'latest' (one tag per configuration)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--train-gpt", required=True)
@@ -81,9 +126,10 @@ def main():
 
     shutil.rmtree(a.work, ignore_errors=True)
     corpus, out = os.path.join(a.work, "corpus"), os.path.join(a.work, "out")
+    saved = os.path.join(a.work, "ckpt")
     make_corpus(a.repo, corpus)
     cmd = shlex.split(a.launcher) + [a.train_gpt, *TINY, "--configs", ",".join(CONFIGS), "--corpus", corpus,
-                                     "--out", out]
+                                     "--out", out, "--save", saved]
     print("+", " ".join(cmd), flush=True)
     rc = subprocess.call(cmd)
     check(rc == 0, "train_gpt exits 0 (got %d)" % rc)
@@ -169,6 +215,8 @@ def main():
     bf16_all, fp32 = runs["bf16-all/z2"], runs["fp32/z0"]
     check(bf16_all["measured_bytes_per_param"] < fp32["measured_bytes_per_param"],
           "bf16-all holds fewer bytes per parameter than fp32")
+
+    check_saved(runs, saved, a.world)
 
     print("%d check(s) failed" % len(failures) if failures else "all checks passed")
     return 1 if failures else 0

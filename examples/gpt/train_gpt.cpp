@@ -61,6 +61,7 @@
 #include <mpzero/policy/memory_model.hpp>
 #include <mpzero/torch/engine.hpp>
 #include <mpzero/torch/zero_core.hpp>  // cuda_cores_compiled()
+#include <mpzero/torch/zero_to_fp32.hpp>
 
 #include "precision_config.hpp"
 
@@ -261,6 +262,7 @@ struct options {
   std::uint64_t seed = 1234;
   std::string configs = default_configs, out = "gpt_out", corpus = "/usr/share/games/fortunes";
   std::string device = "auto";  // cpu, cuda, cuda:N or auto
+  std::string save;             // --save: a checkpoint and its fp32 export per configuration
 };
 
 // --device as a torch::Device: auto is the first CUDA device when LibTorch sees one and
@@ -318,7 +320,7 @@ void usage() {
   std::printf(
       "usage: train_gpt [--steps N] [--layers N] [--dim N] [--heads N] [--seq N] [--batch N] [--lr X]\n"
       "                 [--eval-batches N] [--seed N] [--configs LIST] [--out DIR] [--corpus DIR] [--big]\n"
-      "                 [--device auto|cpu|cuda|cuda:N]\n"
+      "                 [--device auto|cpu|cuda|cuda:N] [--save DIR]\n"
       "  --configs: comma-separated ids (bf16/z2, fp16/z1+off), precisions (every variant: fp32, bf16,\n"
       "             bf16-master, bf16-all, bf16-all-sr, fp16, fp16-master; with bf16 autocast: fp32-ac, bf16-all-ac,\n"
       "             bf16-all-sr-ac), 'torch' (plain LibTorch AdamW, no mpzero) or 'all'. The first is\n"
@@ -327,7 +329,11 @@ void usage() {
       "  --big:     6 layers, dim 384, 6 heads, seq 256, batch 32, 2000 steps, lr 1e-3 (later flags override);\n"
       "             meant for a GPU\n"
       "  --device:  where the model trains; auto (default): a CUDA device when there is one and the engine\n"
-      "             has CUDA cores, else the CPU\n",
+      "             has CUDA cores, else the CPU\n"
+      "  --save:    after training, each mpzero configuration saves its checkpoint to DIR/<id, '/' as '_'>\n"
+      "             (engine.save_checkpoint), exports it to one fp32 file beside the shards\n"
+      "             (fp32.safetensors, mpzero_zero_to_fp32) and reports the held-out loss of that export\n"
+      "             evaluated in fp32 by a fresh model (export_eval_loss in results.json)\n",
       default_configs);
 }
 
@@ -375,6 +381,7 @@ options parse_args(int argc, char** argv) {
     else if (a == "--out") o.out = v;
     else if (a == "--corpus") o.corpus = v;
     else if (a == "--device") o.device = v;
+    else if (a == "--save") o.save = v;
     else throw std::invalid_argument("unknown flag " + a + " (see --help)");
   }
   if (o.dim % o.heads != 0)
@@ -392,9 +399,30 @@ struct result {
   std::uint64_t skipped = 0, numel = 0, padding = 0, device_bytes = 0, host_bytes = 0;
   // On a GPU: LibTorch's caching allocator peak, and that plus the core's device bytes.
   std::uint64_t torch_peak_bytes = 0, peak_device_bytes = 0;
+  // --save: the checkpoint's directory, the save's wall time, and the held-out loss of its
+  // fp32 export (rank 0's; NaN elsewhere and without --save).
+  std::string checkpoint;
+  double save_s = 0, export_eval_loss = std::nan("");
   mpzero::memory_footprint predicted;
   double measured_bpp() const { return static_cast<double>(device_bytes + host_bytes) / static_cast<double>(numel); }
 };
+
+// The held-out loss on fixed, evenly spaced windows of the eval text (the same on every
+// rank); `eval(x, y)` returns a batch's loss.
+template <class Eval>
+double evaluate(const options& o, const corpus& data, torch::Device device, Eval&& eval) {
+  torch::NoGradGuard ng;
+  const std::size_t span = data.eval.size() - static_cast<std::size_t>(o.seq) - 2;
+  const std::size_t n = static_cast<std::size_t>(o.eval_batches) * static_cast<std::size_t>(o.batch);
+  std::vector<std::size_t> starts(static_cast<std::size_t>(o.batch));
+  double sum = 0;
+  for (int b = 0; b < o.eval_batches; ++b) {
+    for (int i = 0; i < o.batch; ++i) starts[i] = (static_cast<std::size_t>(b) * o.batch + i) * span / n;
+    auto [x, y] = windows(data.eval, starts, o.seq);
+    sum += eval(x.to(device), y.to(device)).template item<double>();
+  }
+  return sum / o.eval_batches;
+}
 
 // The training loop and the held-out evaluation, the same for the engine and the
 // plain-LibTorch reference. `step(x, y)` runs one training step and returns its loss;
@@ -442,17 +470,7 @@ void train_and_evaluate(result& r, const options& o, const corpus& data, mt::any
   r.final_loss = std::accumulate(r.losses.end() - static_cast<std::ptrdiff_t>(tail), r.losses.end(), 0.0) / tail;
   r.mean_loss = std::accumulate(r.losses.begin(), r.losses.end(), 0.0) / r.losses.size();
 
-  // Held-out loss on fixed, evenly spaced windows of the eval text (the same on every rank).
-  torch::NoGradGuard ng;
-  const std::size_t span = data.eval.size() - static_cast<std::size_t>(o.seq) - 2;
-  const std::size_t n = static_cast<std::size_t>(o.eval_batches) * static_cast<std::size_t>(o.batch);
-  double sum = 0;
-  for (int b = 0; b < o.eval_batches; ++b) {
-    for (int i = 0; i < o.batch; ++i) starts[i] = (static_cast<std::size_t>(b) * o.batch + i) * span / n;
-    auto [x, y] = windows(data.eval, starts, o.seq);
-    sum += eval(x.to(device), y.to(device)).template item<double>();
-  }
-  r.eval_loss = sum / o.eval_batches;
+  r.eval_loss = evaluate(o, data, device, eval);
 }
 
 // On a GPU: returns the previous configuration's cached blocks and starts a new peak.
@@ -546,6 +564,36 @@ result train_torch(const run_spec& spec, const options& o, const corpus& data, m
   return r;
 }
 
+// --save: the configuration's checkpoint in <save>/<tag>, its fp32 export beside the
+// shards (what mpzero_zero_to_fp32 writes), and the held-out loss of that export,
+// evaluated in fp32 by a fresh model that holds only the exported values (rank 0).
+void save_and_export(mt::engine<GPT>& engine, result& r, const options& o, const corpus& data,
+                     mt::any_communicator& comm, torch::Device device) {
+  std::string tag = r.spec.id();
+  std::replace(tag.begin(), tag.end(), '/', '_');
+  const auto t0 = std::chrono::steady_clock::now();
+  engine.save_checkpoint(o.save, tag, {{"config", r.spec.id()}, {"steps", o.steps}, {"eval_loss", r.eval_loss}},
+                         /*save_latest=*/false);
+  r.save_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.checkpoint = (fs::path(o.save) / tag).string();
+  if (comm.rank() != 0) return;
+  const fs::path exported = fs::path(r.checkpoint) / "fp32.safetensors";
+  mt::convert_checkpoint_to_fp32_state_dict(o.save, exported.string(), tag);
+  const auto sd = mt::fp32_state_dict_from_checkpoint(o.save, tag);
+  GPT model(o.layers, o.dim, o.heads, o.seq);  // fp32; every value comes from the export
+  {
+    torch::NoGradGuard ng;
+    for (auto& p : model->named_parameters()) p.value().copy_(sd[p.key()]);
+    for (auto& b : model->named_buffers()) b.value().copy_(sd[b.key()]);
+  }
+  model->to(device);
+  r.export_eval_loss = evaluate(o, data, device, [&](const torch::Tensor& x, const torch::Tensor& y) {
+    return model->forward(x, y);
+  });
+  std::fprintf(stderr, "%*s saved to %s in %.3f s; its fp32 export's held-out loss %.4f (training's %.4f)\n", 24, "",
+               r.checkpoint.c_str(), r.save_s, r.export_eval_loss, r.eval_loss);
+}
+
 // nullopt when the engine refuses the configuration (e.g. a combination this build of the
 // adapter does not compile); `why` gets the message. Every rank refuses alike.
 std::optional<result> train_one(const run_spec& spec, const options& o, const corpus& data, mt::any_communicator comm,
@@ -593,6 +641,8 @@ std::optional<result> train_one(const run_spec& spec, const options& o, const co
   r.host_bytes = m.host_model_state_bytes();
   // The core's model states and buckets are allocated outside LibTorch's allocator.
   finish(r, device, r.device_bytes + m.buckets, comm.rank(), index, total);
+  // After the peak is read: the export's model and evaluation are not training's memory.
+  if (!o.save.empty()) save_and_export(engine, r, o, data, comm, device);
   return r;
 }
 
@@ -737,6 +787,9 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
                     {"eval_loss", r.eval_loss},
                     {"skipped_steps", r.skipped},
                     {"final_loss_scale", r.loss_scale},
+                    {"checkpoint", r.checkpoint.empty() ? json(nullptr) : json(r.checkpoint)},
+                    {"save_seconds", r.checkpoint.empty() ? json(nullptr) : json(r.save_s)},
+                    {"export_eval_loss", std::isnan(r.export_eval_loss) ? json(nullptr) : json(r.export_eval_loss)},
                     {"train_loss", r.losses}});
   }
   json meta = {{"steps", o.steps},   {"layers", o.layers},         {"dim", o.dim},
