@@ -32,9 +32,12 @@ if [ "${MPZERO_NO_TORCH:-0}" != "1" ]; then
       python3 -m pip install -q --break-system-packages "torch==$torch_version"
   fi
   # safetensors: the tests read the fp32 export's .safetensors files with it, as a user would.
+  # Optional: without it that test says so and reads the .pt files only, so a failed
+  # install (no PyPI) warns instead of stopping the setup.
   if ! python3 -c "import safetensors" 2>/dev/null; then
     echo "mpzero setup: installing safetensors==$safetensors_version from PyPI (the tests read exported files with it)"
     python3 -m pip install -q "safetensors==$safetensors_version" 2>/dev/null ||
-      python3 -m pip install -q --break-system-packages "safetensors==$safetensors_version"
+      python3 -m pip install -q --break-system-packages "safetensors==$safetensors_version" ||
+      echo "mpzero setup: warning: safetensors could not be installed; the fp32 export test will read .pt files only" >&2
   fi
 fi
