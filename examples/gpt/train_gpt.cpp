@@ -577,9 +577,8 @@ void save_and_export(mt::engine<GPT>& engine, result& r, const options& o, const
   r.save_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   r.checkpoint = (fs::path(o.save) / tag).string();
   if (comm.rank() != 0) return;
-  const fs::path exported = fs::path(r.checkpoint) / "fp32.safetensors";
-  mt::convert_checkpoint_to_fp32_state_dict(o.save, exported.string(), tag);
   const auto sd = mt::fp32_state_dict_from_checkpoint(o.save, tag);
+  mt::save_state_dict(sd, (fs::path(r.checkpoint) / "fp32.safetensors").string());
   GPT model(o.layers, o.dim, o.heads, o.seq);  // fp32; every value comes from the export
   {
     torch::NoGradGuard ng;

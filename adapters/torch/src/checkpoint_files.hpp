@@ -3,15 +3,25 @@
 // model_states.pt, zero_shard_*.mpz}.
 #pragma once
 
+#include <cctype>
 #include <cerrno>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <sstream>
 #include <system_error>
+#include <utility>
 #include <vector>
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <c10/util/ArrayRef.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <mpzero/error.hpp>
 #include <mpzero/zero/checkpoint.hpp>
@@ -20,11 +30,17 @@ namespace mpzero::torch::detail {
 
 namespace fs = std::filesystem;
 
-[[noreturn]] inline void fail_checkpoint(const std::string& what) {
-  throw mpzero::invalid_argument("mpzero::torch: " + what);
-}
+// The adapter's refusals: mpzero::invalid_argument, prefixed "mpzero::torch: ".
+[[noreturn]] inline void fail(const std::string& what) { throw mpzero::invalid_argument("mpzero::torch: " + what); }
 
 inline std::string quoted(const fs::path& p) { return "'" + p.string() + "'"; }
+
+// "[4, 4]", as torch prints a shape.
+inline std::string shape_of(c10::IntArrayRef shape) {
+  std::ostringstream s;
+  s << shape;
+  return s.str();
+}
 
 // The whole of `bytes` in a new file at `path` (checkpoint::write_atomically).
 inline void write_atomically(const fs::path& path, std::string_view bytes) {
@@ -39,7 +55,7 @@ inline std::vector<char> read_file(const std::string& who, const fs::path& path,
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     std::error_code ec;
-    fail_checkpoint(who + ": cannot read " + what + " " + quoted(path) + " (" +
+    fail(who + ": cannot read " + what + " " + quoted(path) + " (" +
                     (fs::exists(path, ec) ? std::error_code(errno, std::generic_category()).message()
                                           : std::string("no such file")) +
                     "); pass the directory save_checkpoint wrote and its tag");
@@ -53,7 +69,7 @@ inline std::string read_text(const std::string& who, const fs::path& path, const
 
 inline void check_tag(const std::string& who, const std::string& tag) {
   if (tag.empty() || tag == "." || tag == ".." || tag.find_first_of("/\\") != std::string::npos) {
-    fail_checkpoint(who + ": the checkpoint tag '" + tag +
+    fail(who + ": the checkpoint tag '" + tag +
                     "' is not a directory name; use a name without '/', such as global_step100");
   }
 }
@@ -66,6 +82,63 @@ inline std::optional<std::string> read_latest(const std::string& who, const fs::
   std::string tag = read_text(who, save_dir / "latest", "the latest tag");
   while (!tag.empty() && std::isspace(static_cast<unsigned char>(tag.back()))) tag.pop_back();
   return tag;
+}
+
+[[noreturn]] inline void different_saves(const std::string& who, const fs::path& a, const fs::path& b) {
+  fail(who + ": " + quoted(a) + " and " + quoted(b) +
+       " come from different saves (a save that failed midway); use a checkpoint whose save completed");
+}
+
+// mpzero_engine.json, as engine_state::engine_json writes it.
+struct engine_meta {
+  struct param {
+    std::string name;
+    std::vector<std::string> aliases;  // a tied weight's other names
+    std::vector<std::int64_t> shape;
+  };
+  std::uint64_t save_id = 0;
+  std::vector<param> params;  // the trainable parameters, in the core's order
+  std::uint64_t global_steps = 0, micro_steps = 0, skipped_steps = 0, scheduler_steps = 0;
+  nlohmann::json client_state = nlohmann::json::object();
+};
+
+inline engine_meta read_engine_meta(const std::string& who, const fs::path& path) {
+  engine_meta m;
+  try {
+    const auto j = nlohmann::json::parse(read_text(who, path, "the engine state"));
+    m.save_id = j.at("save_id").get<std::uint64_t>();
+    for (const auto& p : j.at("parameters")) {
+      m.params.push_back({p.at("name").get<std::string>(), p.value("aliases", std::vector<std::string>{}),
+                          p.at("shape").get<std::vector<std::int64_t>>()});
+    }
+    m.global_steps = j.at("global_steps").get<std::uint64_t>();
+    m.micro_steps = j.at("micro_steps").get<std::uint64_t>();
+    m.skipped_steps = j.at("skipped_steps").get<std::uint64_t>();
+    m.scheduler_steps = j.at("scheduler_steps").get<std::uint64_t>();
+    m.client_state = j.value("client_state", nlohmann::json::object());
+  } catch (const nlohmann::json::exception& e) {
+    fail(who + ": " + quoted(path) + " is not an engine state save_checkpoint wrote (" + e.what() + ")");
+  }
+  return m;
+}
+
+// model_states.pt's "module" entries, in the file's order (the module's), after checking
+// that the file belongs to the save `save_id` (`meta_path` names the file it came from).
+inline std::vector<std::pair<std::string, at::Tensor>> read_module_states(const std::string& who, const fs::path& path,
+                                                                          std::uint64_t save_id,
+                                                                          const fs::path& meta_path) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  try {
+    const c10::IValue top = ::torch::jit::pickle_load(read_file(who, path, "the module state"));
+    const auto dict = top.toGenericDict();
+    if (static_cast<std::uint64_t>(dict.at("mpzero_save_id").toInt()) != save_id) different_saves(who, meta_path, path);
+    for (const auto& e : dict.at("module").toGenericDict()) out.emplace_back(e.key().toStringRef(), e.value().toTensor());
+  } catch (const c10::Error& e) {
+    fail(who + ": " + quoted(path) + " is not a module state save_checkpoint wrote (" + e.what_without_backtrace() + ")");
+  } catch (const std::out_of_range& e) {  // no "module" or "mpzero_save_id" entry
+    fail(who + ": " + quoted(path) + " is not a module state save_checkpoint wrote (" + e.what() + ")");
+  }
+  return out;
 }
 
 }  // namespace mpzero::torch::detail

@@ -52,18 +52,12 @@ std::optional<dtype> dtype_of(at::ScalarType t) {
   }
 }
 
-std::string shape_of(const at::Tensor& t) {
-  std::ostringstream s;
-  s << t.sizes();
-  return s.str();
-}
-
-[[noreturn]] void fail(const std::string& what) { throw mpzero::invalid_argument("mpzero::torch: " + what); }
-
-// ---- checkpoint files (checkpoint_files.hpp) ---------------------------------------------
+// fail, shape_of and the checkpoint files' helpers: checkpoint_files.hpp.
 namespace fs = std::filesystem;
 using detail::check_tag;
+using detail::fail;
 using detail::quoted;
+using detail::shape_of;
 using detail::write_atomically;
 
 // 30 bits of FNV-1a: enough to tell two arguments apart, and negatable without overflow.
@@ -202,7 +196,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::size_t index_of(const ::torch::Tensor& t, const char* what) const {
     auto it = index_.find(t.unsafeGetTensorImpl());
     if (it == index_.end()) {
-      fail(std::string(what) + ": the tensor (shape " + shape_of(t) +
+      fail(std::string(what) + ": the tensor (shape " + shape_of(t.sizes()) +
            ") is not a parameter this engine manages; pass one of engine.parameters()");
     }
     return it->second;
@@ -561,7 +555,7 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
 
 ::torch::Tensor engine_state::backward(const ::torch::Tensor& loss, bool retain_graph, bool scale_wrt_gas) {
   if (!loss.defined() || loss.numel() != 1) {
-    fail("engine.backward: the loss has shape " + (loss.defined() ? shape_of(loss) : std::string("(undefined)")) +
+    fail("engine.backward: the loss has shape " + (loss.defined() ? shape_of(loss.sizes()) : std::string("(undefined)")) +
          "; it takes a scalar (one-element) loss. For a non-scalar output call out.backward(grad) directly");
   }
   if (!loss.requires_grad()) {
@@ -590,7 +584,7 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
 
 ::torch::Tensor engine_state::scale(const ::torch::Tensor& loss) {
   if (!loss.defined() || loss.numel() != 1) {
-    fail("engine.scale: the loss has shape " + (loss.defined() ? shape_of(loss) : std::string("(undefined)")) +
+    fail("engine.scale: the loss has shape " + (loss.defined() ? shape_of(loss.sizes()) : std::string("(undefined)")) +
          "; scale() takes a scalar (one-element) loss, as the loss scale applies to the loss. For a non-scalar "
          "output, call out.backward(grad) with grad already multiplied by engine.loss_scale()");
   }
@@ -741,63 +735,39 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
   agree("load_checkpoint", "nothing was loaded", [&] {
     check_tag("engine.load_checkpoint", tag);
     require_boundary("load_checkpoint");
-    const fs::path meta_path = dir / "mpzero_engine.json";
-    nlohmann::json meta;
-    std::uint64_t save_id = 0;
-    try {
-      meta = nlohmann::json::parse(detail::read_text("load_checkpoint", meta_path, "the engine state"));
-      save_id = meta.at("save_id").get<std::uint64_t>();
-      // A full load needs the same trainable parameters; a module-only load matches
-      // model_states.pt by name below, so which ones train may differ.
-      const auto& ps = meta.at("parameters");
-      if (!module_only && ps.size() != params_.size()) {
-        fail("engine.load_checkpoint: " + quoted(meta_path) + " lists " + std::to_string(ps.size()) +
-             " trainable parameters; this engine has " + std::to_string(params_.size()) +
-             ". Load a checkpoint of this model");
-      }
-      for (std::size_t i = 0; !module_only && i < params_.size(); ++i) {
-        const auto name = ps[i].at("name").get<std::string>();
-        const auto shape = ps[i].at("shape").get<std::vector<std::int64_t>>();
-        if (name != names_[i] || shape != params_[i].sizes().vec()) {
-          std::ostringstream saved_shape;
-          saved_shape << c10::IntArrayRef(shape);
-          fail("engine.load_checkpoint: trainable parameter " + std::to_string(i) + " is '" + name + "' of shape " +
-               saved_shape.str() + " in " + quoted(meta_path) + ", '" + names_[i] + "' of shape " +
-               shape_of(params_[i]) + " here. Load a checkpoint of this model");
-        }
-      }
-      const char* keys[4] = {"global_steps", "micro_steps", "skipped_steps", "scheduler_steps"};
-      for (int k = 0; k < 4; ++k) counters[k] = meta.at(keys[k]).get<std::uint64_t>();
-      client_state = meta.value("client_state", nlohmann::json::object());
-    } catch (const nlohmann::json::exception& e) {
-      fail("engine.load_checkpoint: " + quoted(meta_path) + " is not an engine state save_checkpoint wrote (" +
-           e.what() + ")");
+    const fs::path meta_path = dir / "mpzero_engine.json", module_path = dir / "model_states.pt";
+    const detail::engine_meta meta = detail::read_engine_meta("engine.load_checkpoint", meta_path);
+    // A full load needs the same trainable parameters; a module-only load matches
+    // model_states.pt by name below, so which ones train may differ.
+    if (!module_only && meta.params.size() != params_.size()) {
+      fail("engine.load_checkpoint: " + quoted(meta_path) + " lists " + std::to_string(meta.params.size()) +
+           " trainable parameters; this engine has " + std::to_string(params_.size()) +
+           ". Load a checkpoint of this model");
     }
+    for (std::size_t i = 0; !module_only && i < params_.size(); ++i) {
+      const auto& saved_param = meta.params[i];
+      if (saved_param.name != names_[i] || saved_param.shape != params_[i].sizes().vec()) {
+        fail("engine.load_checkpoint: trainable parameter " + std::to_string(i) + " is '" + saved_param.name +
+             "' of shape " + shape_of(saved_param.shape) + " in " + quoted(meta_path) + ", '" + names_[i] +
+             "' of shape " + shape_of(params_[i].sizes()) + " here. Load a checkpoint of this model");
+      }
+    }
+    counters[0] = meta.global_steps;
+    counters[1] = meta.micro_steps;
+    counters[2] = meta.skipped_steps;
+    counters[3] = meta.scheduler_steps;
+    client_state = meta.client_state;
 
-    const auto different_saves = [&](const fs::path& other) {
-      fail("engine.load_checkpoint: " + quoted(meta_path) + " and " + quoted(other) +
-           " come from different saves (a save that failed midway); load a checkpoint whose save completed");
-    };
     if (!module_only) {
       const fs::path shard = checkpoint::shard_path(dir, 0);
       std::ifstream in;
-      if (checkpoint::read_header(in, shard).save_id != save_id) different_saves(shard);
-    }
-    const fs::path module_path = dir / "model_states.pt";
-    std::unordered_map<std::string, ::torch::Tensor> saved;
-    try {
-      const c10::IValue top = ::torch::jit::pickle_load(detail::read_file("load_checkpoint", module_path, "the module state"));
-      const auto dict = top.toGenericDict();
-      if (static_cast<std::uint64_t>(dict.at("mpzero_save_id").toInt()) != save_id) different_saves(module_path);
-      for (const auto& e : dict.at("module").toGenericDict()) {
-        saved.emplace(e.key().toStringRef(), e.value().toTensor());
+      if (checkpoint::read_header(in, shard).save_id != meta.save_id) {
+        detail::different_saves("engine.load_checkpoint", meta_path, shard);
       }
-    } catch (const c10::Error& e) {
-      fail("engine.load_checkpoint: " + quoted(module_path) + " is not a module state save_checkpoint wrote (" +
-           e.what_without_backtrace() + ")");
-    } catch (const std::out_of_range& e) {  // no "module" entry
-      fail("engine.load_checkpoint: " + quoted(module_path) + " is not a module state save_checkpoint wrote (" +
-           e.what() + ")");
+    }
+    std::unordered_map<std::string, ::torch::Tensor> saved;
+    for (auto& [name, t] : detail::read_module_states("engine.load_checkpoint", module_path, meta.save_id, meta_path)) {
+      saved.emplace(std::move(name), std::move(t));
     }
     std::unordered_set<std::string> used;
     auto take = [&](const std::string& name, const ::torch::Tensor& like) {
@@ -807,8 +777,8 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
              "', which this model has. Load a checkpoint of this model");
       }
       if (it->second.sizes() != like.sizes()) {
-        fail("engine.load_checkpoint: '" + name + "' has shape " + shape_of(it->second) + " in " + quoted(module_path) +
-             " and " + shape_of(like) + " here. Load a checkpoint of this model");
+        fail("engine.load_checkpoint: '" + name + "' has shape " + shape_of(it->second.sizes()) + " in " + quoted(module_path) +
+             " and " + shape_of(like.sizes()) + " here. Load a checkpoint of this model");
       }
       used.insert(name);
       return it->second;

@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <filesystem>
 #include <memory>
-#include <sstream>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -24,16 +23,11 @@ namespace mpzero::torch {
 namespace {
 
 namespace fs = std::filesystem;
-using detail::fail_checkpoint;
+using detail::fail;
 using detail::quoted;
+using detail::shape_of;
 
-const char* const who = "fp32_state_dict_from_checkpoint";
-
-std::string shape_text(c10::IntArrayRef shape) {
-  std::ostringstream s;
-  s << shape;
-  return s.str();
-}
+const std::string who = "fp32_state_dict_from_checkpoint";
 
 // <checkpoint_dir>/<tag>, the tag from 'latest' when none is given.
 fs::path checkpoint_path(const std::string& checkpoint_dir, const std::string& tag_arg) {
@@ -41,9 +35,9 @@ fs::path checkpoint_path(const std::string& checkpoint_dir, const std::string& t
   if (tag.empty()) {
     const auto latest = detail::read_latest(who, checkpoint_dir);
     if (!latest) {
-      fail_checkpoint(std::string(who) + ": " + quoted(fs::path(checkpoint_dir) / "latest") +
-                      " does not exist, so no tag was given or found; pass the tag (a directory of " +
-                      quoted(fs::path(checkpoint_dir)) + ") or the save_dir that engine.save_checkpoint wrote");
+      fail(who + ": " + quoted(fs::path(checkpoint_dir) / "latest") +
+           " does not exist, so no tag was given or found; pass the tag (a directory of " +
+           quoted(fs::path(checkpoint_dir)) + ") or the save_dir that engine.save_checkpoint wrote");
     }
     tag = *latest;
   }
@@ -78,20 +72,18 @@ const char* safetensors_dtype(at::ScalarType t) {
 void write_safetensors(const fs::path& path, const ::torch::OrderedDict<std::string, ::torch::Tensor>& sd,
                        const nlohmann::ordered_json& metadata) {
   if constexpr (std::endian::native != std::endian::little) {
-    fail_checkpoint("convert_checkpoint_to_fp32_state_dict: safetensors files are little-endian and this machine "
-                    "is not; write a .pt file instead");
+    fail("save_state_dict: safetensors files are little-endian and this machine is not; write a .pt file instead");
   }
   nlohmann::ordered_json header;
   header["__metadata__"] = metadata;
   std::vector<::torch::Tensor> data;
   std::uint64_t offset = 0;
   for (const auto& item : sd) {
-    const ::torch::Tensor t = item.value().contiguous();
+    const ::torch::Tensor t = item.value().to(at::kCPU).contiguous();  // any device: the bytes are written from host memory
     const char* dt = safetensors_dtype(t.scalar_type());
     if (dt == nullptr) {
-      fail_checkpoint("convert_checkpoint_to_fp32_state_dict: '" + item.key() + "' has dtype " +
-                      std::string(c10::toString(t.scalar_type())) +
-                      ", which this safetensors writer does not support; write a .pt file instead");
+      fail("save_state_dict: '" + item.key() + "' has dtype " + std::string(c10::toString(t.scalar_type())) +
+           ", which this safetensors writer does not support; write a .pt file instead");
     }
     const std::uint64_t bytes = t.nbytes();
     header[item.key()] = {{"dtype", dt}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
@@ -115,50 +107,24 @@ void write_safetensors(const fs::path& path, const ::torch::OrderedDict<std::str
                                                                                    const std::string& tag) {
   const fs::path dir = checkpoint_path(checkpoint_dir, tag);
   const fs::path meta_path = dir / "mpzero_engine.json", module_path = dir / "model_states.pt";
-
-  // The trainable parameters' names (and those of their tied copies) and shapes, in the
-  // core's order, and the save id.
-  struct trainable_param {
-    std::string name;
-    std::vector<std::string> aliases;
-    std::vector<std::int64_t> shape;
-  };
-  std::vector<trainable_param> trainable;
-  std::uint64_t save_id = 0;
-  try {
-    const auto meta = nlohmann::json::parse(detail::read_text(who, meta_path, "the engine state"));
-    save_id = meta.at("save_id").get<std::uint64_t>();
-    for (const auto& p : meta.at("parameters")) {
-      trainable.push_back({p.at("name").get<std::string>(),
-                           p.value("aliases", std::vector<std::string>{}),
-                           p.at("shape").get<std::vector<std::int64_t>>()});
-    }
-  } catch (const nlohmann::json::exception& e) {
-    fail_checkpoint(std::string(who) + ": " + quoted(meta_path) + " is not an engine state save_checkpoint wrote (" +
-                    e.what() + ")");
-  }
-  const auto different_saves = [&](const fs::path& other) {
-    fail_checkpoint(std::string(who) + ": " + quoted(meta_path) + " and " + quoted(other) +
-                    " come from different saves (a save that failed midway); use a checkpoint whose save completed");
-  };
+  const detail::engine_meta meta = detail::read_engine_meta(who, meta_path);
 
   // The master weights, whole. Wrapped in tensors without a copy: each tensor owns its
   // vector. A tied weight's names all get the one tensor.
   checkpoint::fp32_weights weights = checkpoint::read_fp32_weights(dir);
-  if (weights.header.save_id != save_id) different_saves(checkpoint::shard_path(dir, 0));
-  if (weights.params.size() != trainable.size()) {
-    fail_checkpoint(std::string(who) + ": " + quoted(meta_path) + " lists " + std::to_string(trainable.size()) +
-                    " trainable parameters and the shard files hold " + std::to_string(weights.params.size()) +
-                    "; the checkpoint is corrupt");
+  if (weights.header.save_id != meta.save_id) detail::different_saves(who, meta_path, checkpoint::shard_path(dir, 0));
+  if (weights.params.size() != meta.params.size()) {
+    fail(who + ": " + quoted(meta_path) + " lists " + std::to_string(meta.params.size()) +
+         " trainable parameters and the shard files hold " + std::to_string(weights.params.size()) +
+         "; the checkpoint is corrupt");
   }
   std::unordered_map<std::string, ::torch::Tensor> master;
-  for (std::size_t i = 0; i < trainable.size(); ++i) {
-    const trainable_param& tp = trainable[i];
+  for (std::size_t i = 0; i < meta.params.size(); ++i) {
+    const detail::engine_meta::param& tp = meta.params[i];
     auto values = std::make_shared<std::vector<float>>(std::move(weights.params[i]));
     if (static_cast<std::int64_t>(values->size()) != c10::multiply_integers(tp.shape)) {
-      fail_checkpoint(std::string(who) + ": '" + tp.name + "' has shape " + shape_text(tp.shape) + " in " +
-                      quoted(meta_path) + " and " + std::to_string(values->size()) +
-                      " elements in the shard files; the checkpoint is corrupt");
+      fail(who + ": '" + tp.name + "' has shape " + shape_of(tp.shape) + " in " + quoted(meta_path) + " and " +
+           std::to_string(values->size()) + " elements in the shard files; the checkpoint is corrupt");
     }
     float* p = values->data();
     const ::torch::Tensor t = ::torch::from_blob(p, tp.shape, [values](void*) mutable { values.reset(); },
@@ -172,55 +138,44 @@ void write_safetensors(const fs::path& path, const ::torch::OrderedDict<std::str
   ::torch::OrderedDict<std::string, ::torch::Tensor> out;
   std::unordered_set<std::string> unused;
   for (const auto& [name, t] : master) unused.insert(name);
-  try {
-    const c10::IValue top = ::torch::jit::pickle_load(detail::read_file(who, module_path, "the module state"));
-    const auto dict = top.toGenericDict();
-    if (static_cast<std::uint64_t>(dict.at("mpzero_save_id").toInt()) != save_id) different_saves(module_path);
-    for (const auto& entry : dict.at("module").toGenericDict()) {
-      const std::string& name = entry.key().toStringRef();
-      const ::torch::Tensor saved = entry.value().toTensor();
-      const auto it = master.find(name);
-      if (it != master.end()) {
-        if (saved.sizes() != it->second.sizes()) {
-          fail_checkpoint(std::string(who) + ": '" + name + "' has shape " + shape_text(saved.sizes()) + " in " +
-                          quoted(module_path) + " and " + shape_text(it->second.sizes()) + " in " + quoted(meta_path) +
-                          "; the checkpoint is corrupt");
-        }
-        out.insert(name, it->second);
-        unused.erase(name);
-      } else {
-        const auto st = saved.scalar_type();
-        out.insert(name, st == at::kHalf || st == at::kBFloat16 ? saved.to(::torch::kFloat) : saved);
+  for (const auto& [name, saved] : detail::read_module_states(who, module_path, meta.save_id, meta_path)) {
+    const auto it = master.find(name);
+    if (it != master.end()) {
+      if (saved.sizes() != it->second.sizes()) {
+        fail(who + ": '" + name + "' has shape " + shape_of(saved.sizes()) + " in " + quoted(module_path) + " and " +
+             shape_of(it->second.sizes()) + " in " + quoted(meta_path) + "; the checkpoint is corrupt");
       }
+      out.insert(name, it->second);
+      unused.erase(name);
+    } else {
+      const auto st = saved.scalar_type();
+      out.insert(name, st == at::kHalf || st == at::kBFloat16 ? saved.to(::torch::kFloat) : saved);
     }
-  } catch (const c10::Error& e) {
-    fail_checkpoint(std::string(who) + ": " + quoted(module_path) + " is not a module state save_checkpoint wrote (" +
-                    e.what_without_backtrace() + ")");
-  } catch (const std::out_of_range& e) {
-    fail_checkpoint(std::string(who) + ": " + quoted(module_path) + " is not a module state save_checkpoint wrote (" +
-                    e.what() + ")");
   }
   if (!unused.empty()) {
-    fail_checkpoint(std::string(who) + ": " + quoted(module_path) + " has no '" + *unused.begin() + "', which " +
-                    quoted(meta_path) + " lists as trainable; the checkpoint is corrupt");
+    fail(who + ": " + quoted(module_path) + " has no '" + *unused.begin() + "', which " + quoted(meta_path) +
+         " lists as trainable; the checkpoint is corrupt");
   }
   return out;
 }
 
-std::size_t convert_checkpoint_to_fp32_state_dict(const std::string& checkpoint_dir, const std::string& output_file,
-                                                  const std::string& tag) {
-  const auto sd = fp32_state_dict_from_checkpoint(checkpoint_dir, tag);
+std::size_t save_state_dict(const ::torch::OrderedDict<std::string, ::torch::Tensor>& state_dict,
+                            const std::string& output_file) {
   const fs::path out(output_file);
   if (out.extension() == ".safetensors") {
-    nlohmann::ordered_json metadata = {{"format", "pt"}, {"source", "mpzero checkpoint"}};
-    write_safetensors(out, sd, metadata);
+    write_safetensors(out, state_dict, {{"format", "pt"}, {"source", "mpzero checkpoint"}});
   } else {
     c10::Dict<std::string, at::Tensor> dict;
-    for (const auto& item : sd) dict.insert(item.key(), item.value());
+    for (const auto& item : state_dict) dict.insert(item.key(), item.value());
     const std::vector<char> bytes = ::torch::jit::pickle_save(dict);
     detail::write_atomically(out, std::string_view(bytes.data(), bytes.size()));
   }
-  return sd.size();
+  return state_dict.size();
+}
+
+std::size_t convert_checkpoint_to_fp32_state_dict(const std::string& checkpoint_dir, const std::string& output_file,
+                                                  const std::string& tag) {
+  return save_state_dict(fp32_state_dict_from_checkpoint(checkpoint_dir, tag), output_file);
 }
 
 }  // namespace mpzero::torch

@@ -39,6 +39,7 @@
 
 #include "../error.hpp"
 #include "../numeric/dtype.hpp"
+#include "../partition/flat_layout.hpp"
 
 namespace mpzero::checkpoint {
 
@@ -409,18 +410,18 @@ class shard_set {
   template <class Visit>
   void for_each_run(std::size_t param, std::uint64_t begin, std::uint64_t count, Visit&& visit,
                     std::string_view purpose = "") const {
-    const std::uint64_t end = begin + count;
+    const flat_range want{begin, begin + count};
     std::uint64_t found = 0;
     for (const held& x : holders_[param]) {
-      const std::uint64_t lo = std::max(begin, x.rec->begin), hi = std::min(end, x.rec->begin + x.rec->count);
-      if (hi <= lo) continue;
-      visit(run{x.file, x.rec, lo - x.rec->begin, hi - lo, lo - begin});
-      found += hi - lo;
+      const flat_range got = intersect(want, flat_range{x.rec->begin, x.rec->begin + x.rec->count});
+      if (got.empty()) continue;
+      visit(run{x.file, x.rec, got.begin - x.rec->begin, got.size(), got.begin - begin});
+      found += got.size();
     }
     if (found != count) {
       mpzero::detail::throw_invalid(who_ + ": " + detail::quoted(dir_) + " holds " + std::to_string(found) + " of the " +
-                                    std::to_string(count) + " elements [" + std::to_string(begin) + ", " +
-                                    std::to_string(end) + ") of parameter " + std::to_string(param) +
+                                    std::to_string(count) + " elements [" + std::to_string(want.begin) + ", " +
+                                    std::to_string(want.end) + ") of parameter " + std::to_string(param) +
                                     (purpose.empty() ? std::string() : " " + std::string(purpose)) +
                                     "; its shard files are incomplete. Load a checkpoint whose save completed");
     }

@@ -4,13 +4,15 @@
 // stage and precision configuration.
 //
 //   auto sd = mpzero::torch::fp32_state_dict_from_checkpoint("ckpt");        // tag from ckpt/latest
-//   model->load_state_dict ... or:  for (auto& [name, t] : sd) ...
+//   for (const auto& item : sd) ...                                   // item.key(), item.value()
+//   mpzero::torch::save_state_dict(sd, "model.safetensors");  // or in one call:
 //   mpzero::torch::convert_checkpoint_to_fp32_state_dict("ckpt", "model.safetensors");
 //
 // The command-line tool `mpzero_zero_to_fp32 CHECKPOINT_DIR OUTPUT_FILE [--tag TAG]` does
 // the same (docs/checkpoints.md).
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 #include <torch/torch.h>
@@ -30,13 +32,17 @@ namespace mpzero::torch {
 ::torch::OrderedDict<std::string, ::torch::Tensor> fp32_state_dict_from_checkpoint(const std::string& checkpoint_dir,
                                                                                    const std::string& tag = "");
 
-// Writes that state dict to output_file: in the safetensors format when the name ends in
-// ".safetensors" (safetensors.torch.load_file, Hugging Face), else in torch's pickle
-// format (torch::pickle_load in C++; in Python torch.load under
+// Writes a state dict (tensors on any device) to output_file: in the safetensors format
+// when the name ends in ".safetensors" (safetensors.torch.load_file, Hugging Face), else
+// in torch's pickle format (torch::pickle_load in C++; in Python torch.load under
 // torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag])). safetensors
-// streams the tensors to the file; the pickle is built in memory first (about 4 more
-// bytes per parameter). The file is written beside its name and renamed into place:
-// whole or absent. Returns the number of tensors written.
+// streams the tensors to the file; the pickle is built in memory first (about as many
+// bytes again as the tensors). The file is written beside its name and renamed into
+// place: whole or absent. Returns the number of tensors written.
+std::size_t save_state_dict(const ::torch::OrderedDict<std::string, ::torch::Tensor>& state_dict,
+                            const std::string& output_file);
+
+// save_state_dict(fp32_state_dict_from_checkpoint(checkpoint_dir, tag), output_file).
 std::size_t convert_checkpoint_to_fp32_state_dict(const std::string& checkpoint_dir, const std::string& output_file,
                                                   const std::string& tag = "");
 
