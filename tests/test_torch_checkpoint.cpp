@@ -25,6 +25,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 using namespace mpzero::testing;  // mt, Tensor, json, world(), W(), R()
@@ -197,6 +198,22 @@ TEST_CASE("engine checkpoint: loads at another stage and world size, and module-
       require_same(take(e), saved);
     }
   }
+  SECTION("a model_states.pt with TorchScript's type tags (torch::pickle_save; mpzero before 2026-11-22)") {
+    const fs::path file = dir.path / "mine" / "model_states.pt";
+    if (R() == 0) {
+      std::ifstream in(file, std::ios::binary);
+      const std::vector<char> now((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      in.close();
+      const std::vector<char> tagged = ::torch::jit::pickle_save(::torch::jit::pickle_load(now));
+      REQUIRE(std::string_view(tagged.data(), tagged.size()).find("restore_type_tag") != std::string_view::npos);
+      REQUIRE(std::string_view(now.data(), now.size()).find("restore_type_tag") == std::string_view::npos);
+      std::ofstream(file, std::ios::binary | std::ios::trunc).write(tagged.data(), static_cast<std::streamsize>(tagged.size()));
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    auto e = mt::initialize(CkNet(99), config(2, "bf16"), world());
+    REQUIRE(e.load_checkpoint(dir.path.string(), "mine").has_value());
+    require_same(take(e), saved);
+  }
   SECTION("module only: the values, with fresh counters and optimizer states") {
     auto e = mt::initialize(CkNet(99), config(1, "fp32"), world());
     REQUIRE(e.load_checkpoint(dir.path.string(), "mine", /*load_module_only=*/true).has_value());
@@ -323,9 +340,8 @@ TEST_CASE("engine checkpoint: Python's torch.load reads model_states.pt", "[chec
   e.save_checkpoint(dir.path.string());
   // Python prints each entry's name, dtype and exact sum; they must be this module's.
   const std::string script =
-      "import sys, torch, torch.jit._pickle\n"
-      "with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):\n"
-      "    d = torch.load(sys.argv[1], weights_only=True)\n"
+      "import sys, torch\n"
+      "d = torch.load(sys.argv[1], weights_only=True)\n"
       "print('global_steps', d['global_steps'])\n"
       "for k, v in d['module'].items(): print(k, str(v.dtype), repr(float(v.double().sum())))\n";
   std::ofstream(dir.path / "read.py") << script;
@@ -527,6 +543,9 @@ TEST_CASE("engine checkpoint: the mpzero_zero_to_fp32 tool writes files torch re
   std::ifstream in(pt, std::ios::binary);
   const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const auto dict = ::torch::jit::pickle_load(bytes).toGenericDict();
+  // A plain dictionary (the zip stores data.pkl uncompressed): Python's weights_only
+  // unpickler refuses TorchScript's type tag.
+  REQUIRE(std::string_view(bytes.data(), bytes.size()).find("restore_type_tag") == std::string_view::npos);
   ::torch::OrderedDict<std::string, Tensor> back;
   for (const auto& item : dict) back.insert(item.key().toStringRef(), item.value().toTensor());
   require_export(back, want);
@@ -561,13 +580,12 @@ TEST_CASE("engine checkpoint: the mpzero_zero_to_fp32 tool writes files torch re
        "file is not read back");
 #endif
   const std::string script =
-      "import sys, torch, torch.jit._pickle\n"
+      "import sys, torch\n"
       "if sys.argv[1].endswith('.safetensors'):\n"
       "    from safetensors.torch import load_file\n"
       "    d = load_file(sys.argv[1])\n"
       "else:\n"
-      "    with torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]):\n"
-      "        d = torch.load(sys.argv[1], weights_only=True)\n"
+      "    d = torch.load(sys.argv[1], weights_only=True)\n"
       "for k, v in d.items():\n"
       "    x = v.double().flatten()\n"
       "    w = (x * torch.arange(1, x.numel() + 1, dtype=torch.float64)).sum()\n"

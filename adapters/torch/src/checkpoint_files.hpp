@@ -3,6 +3,7 @@
 // model_states.pt, zero_shard_*.mpz}.
 #pragma once
 
+#include <bit>
 #include <cctype>
 #include <cerrno>
 #include <cstdint>
@@ -20,8 +21,11 @@
 #include <ATen/core/Dict.h>
 #include <ATen/core/ivalue.h>
 #include <c10/util/ArrayRef.h>
+#include <caffe2/serialize/inline_container.h>
 #include <nlohmann/json.hpp>
-#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/jit/serialization/import_read.h>
+#include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/csrc/jit/serialization/pickler_helper.h>
 
 #include <mpzero/error.hpp>
 #include <mpzero/zero/checkpoint.hpp>
@@ -49,22 +53,77 @@ inline void write_atomically(const fs::path& path, std::string_view bytes) {
   });
 }
 
-// The bytes of a checkpoint file; `who` (e.g. "load_checkpoint") and `what` ("the engine
-// state") name it in the error.
-inline std::vector<char> read_file(const std::string& who, const fs::path& path, const std::string& what) {
+// A checkpoint file opened for reading; `who` (e.g. "load_checkpoint") and `what` ("the
+// engine state") name it in the error.
+inline std::ifstream open_file(const std::string& who, const fs::path& path, const std::string& what) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     std::error_code ec;
     fail(who + ": cannot read " + what + " " + quoted(path) + " (" +
-                    (fs::exists(path, ec) ? std::error_code(errno, std::generic_category()).message()
-                                          : std::string("no such file")) +
-                    "); pass the directory save_checkpoint wrote and its tag");
+         (fs::exists(path, ec) ? std::error_code(errno, std::generic_category()).message() : std::string("no such file")) +
+         "); pass the directory save_checkpoint wrote and its tag");
   }
+  return in;
+}
+
+// The bytes of a checkpoint file (open_file's refusal when it cannot be read).
+inline std::vector<char> read_file(const std::string& who, const fs::path& path, const std::string& what) {
+  std::ifstream in = open_file(who, path, what);
   return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 inline std::string read_text(const std::string& who, const fs::path& path, const std::string& what) {
   const std::vector<char> b = read_file(who, path, what);
   return std::string(b.begin(), b.end());
+}
+
+// `value` in the format torch.save writes (a zip of data.pkl and one record per tensor
+// storage), as a new file at `path` (checkpoint::write_atomically). The tensors' bytes go
+// from their storages straight to the file (a CUDA tensor through one host copy at a
+// time), so no serialized copy of them is held in memory. Dictionaries are plain, without
+// TorchScript's type tags (torch.jit._pickle.restore_type_tag), so Python's
+// torch.load(path, weights_only=True) reads the file as is; torch::pickle_load and
+// read_torch_file read it in C++.
+inline void write_torch_file(const fs::path& path, const c10::IValue& value) {
+  std::string pickle;
+  ::torch::jit::Pickler pickler([&](const char* bytes, std::size_t n) { pickle.append(bytes, n); },
+                                /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+                                /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(value);
+  pickler.stop();
+  checkpoint::write_atomically(path, [&](std::ofstream& out) {
+    try {
+      caffe2::serialize::PyTorchStreamWriter zip([&](const void* bytes, std::size_t n) -> std::size_t {
+        return out.write(static_cast<const char*>(bytes), static_cast<std::streamsize>(n)) ? n : 0;
+      });
+      zip.writeRecord("data.pkl", pickle.data(), pickle.size());
+      const std::string order = std::endian::native == std::endian::little ? "little" : "big";
+      zip.writeRecord("byteorder", order.data(), order.size());  // as torch.save: the storages' byte order
+      // The pickler names the i-th storage it met "i"; torch.load finds it at data/i.
+      const std::vector<at::Tensor>& storages = pickler.tensorData();
+      for (std::size_t i = 0; i < storages.size(); ++i) {
+        const auto w = ::torch::jit::getWriteableTensorData(storages[i]);
+        zip.writeRecord("data/" + std::to_string(i), w.data(), w.sizeInBytes());
+      }
+      zip.writeEndOfFile();
+    } catch (const c10::Error&) {
+      if (!out) return false;  // the file system's refusal: write_atomically names it
+      throw;
+    }
+    return static_cast<bool>(out);
+  });
+}
+
+// What write_torch_file (or torch::pickle_save, or torch.save of plain containers) wrote
+// at `path`, read record by record: the storages go from the file into their tensors
+// without a copy of the file in memory. Throws c10::Error when the file is not such a zip;
+// open_file's refusal when it cannot be read.
+inline c10::IValue read_torch_file(const std::string& who, const fs::path& path, const std::string& what) {
+  std::ifstream in = open_file(who, path, what);
+  caffe2::serialize::PyTorchStreamReader zip(&in);
+  return ::torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"",
+                                             /*type_resolver=*/std::nullopt, /*obj_loader=*/std::nullopt,
+                                             /*device=*/std::nullopt, zip);
 }
 
 inline void check_tag(const std::string& who, const std::string& tag) {
@@ -129,7 +188,7 @@ inline std::vector<std::pair<std::string, at::Tensor>> read_module_states(const 
                                                                           const fs::path& meta_path) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   try {
-    const c10::IValue top = ::torch::jit::pickle_load(read_file(who, path, "the module state"));
+    const c10::IValue top = read_torch_file(who, path, "the module state");
     const auto dict = top.toGenericDict();
     if (static_cast<std::uint64_t>(dict.at("mpzero_save_id").toInt()) != save_id) different_saves(who, meta_path, path);
     for (const auto& e : dict.at("module").toGenericDict()) out.emplace_back(e.key().toStringRef(), e.value().toTensor());

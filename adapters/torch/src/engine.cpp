@@ -238,7 +238,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     }
   }
   nlohmann::json engine_json(const std::string& tag, const nlohmann::json& client_state, std::uint64_t save_id) const;
-  std::vector<char> module_bytes(std::uint64_t save_id) const;
+  c10::IValue module_states(std::uint64_t save_id) const;
 
   // ---- streams (CUDA parameters) ------------------------------------------------------
   // The core queues its work on torch's current stream of the parameters' device as it
@@ -647,9 +647,8 @@ nlohmann::json engine_state::engine_json(const std::string& tag, const nlohmann:
 }
 
 // The module's parameters and buffers as DeepSpeed's model_states file holds them:
-// {"module": {name: tensor}, "global_steps": N}, in torch's pickle format, and the save
-// id that ties it to its shards.
-std::vector<char> engine_state::module_bytes(std::uint64_t save_id) const {
+// {"module": {name: tensor}, "global_steps": N}, and the save id that ties it to its shards.
+c10::IValue engine_state::module_states(std::uint64_t save_id) const {
   c10::Dict<std::string, at::Tensor> state;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) state.insert(item.key(), item.value().detach().cpu());
   for (const auto& item : module_->named_buffers(/*recurse=*/true)) state.insert(item.key(), item.value().detach().cpu());
@@ -657,7 +656,7 @@ std::vector<char> engine_state::module_bytes(std::uint64_t save_id) const {
   top.insert("module", state);
   top.insert("global_steps", static_cast<std::int64_t>(global_steps_));
   top.insert("mpzero_save_id", static_cast<std::int64_t>(save_id));  // < 2^52
-  return ::torch::jit::pickle_save(top);
+  return top;
 }
 
 void engine_state::save_checkpoint(const std::string& save_dir, const std::string& tag_arg,
@@ -678,14 +677,13 @@ void engine_state::save_checkpoint(const std::string& save_dir, const std::strin
     }
   });
   core_waits();  // the core reads its buffers after what torch's current stream queued
-  join_core();   // and module_bytes reads the parameters after the core's last step
+  join_core();   // and module_states reads the parameters after the core's last step
   // The shards first, then the files that name their save id: a load refuses engine files
   // of another save than the shards beside them.
   const std::uint64_t id = core_->save_checkpoint(dir.string());
   agree("save_checkpoint", "the shard files were written, but the checkpoint is incomplete", [&] {
     if (comm_.rank() == 0) {
-      const std::vector<char> bytes = module_bytes(id);
-      write_atomically(dir / "model_states.pt", std::string_view(bytes.data(), bytes.size()));
+      detail::write_torch_file(dir / "model_states.pt", module_states(id));
       write_atomically(dir / "mpzero_engine.json", engine_json(tag, client_state, id).dump(2));
     }
   });

@@ -1,8 +1,6 @@
 // mpzero::torch: an engine checkpoint as one fp32 state dict (zero_to_fp32.hpp).
 #include <mpzero/torch/zero_to_fp32.hpp>
 
-#include <torch/csrc/jit/serialization/pickle.h>
-
 #include <bit>
 #include <cstdint>
 #include <filesystem>
@@ -79,13 +77,13 @@ void write_safetensors(const fs::path& path, const ::torch::OrderedDict<std::str
   std::vector<::torch::Tensor> data;
   std::uint64_t offset = 0;
   for (const auto& item : sd) {
-    const ::torch::Tensor t = item.value().to(at::kCPU).contiguous();  // any device: the bytes are written from host memory
+    const ::torch::Tensor& t = item.value();
     const char* dt = safetensors_dtype(t.scalar_type());
     if (dt == nullptr) {
       fail("save_state_dict: '" + item.key() + "' has dtype " + std::string(c10::toString(t.scalar_type())) +
            ", which this safetensors writer does not support; write a .pt file instead");
     }
-    const std::uint64_t bytes = t.nbytes();
+    const std::uint64_t bytes = static_cast<std::uint64_t>(t.numel()) * t.element_size();
     header[item.key()] = {{"dtype", dt}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
     data.push_back(t);
@@ -96,7 +94,12 @@ void write_safetensors(const fs::path& path, const ::torch::OrderedDict<std::str
   checkpoint::write_atomically(path, [&](std::ofstream& out) {
     out.write(reinterpret_cast<const char*>(&n), sizeof n);
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const ::torch::Tensor& t : data) out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
+    for (const ::torch::Tensor& t : data) {
+      // Any device and layout: one tensor at a time goes through a contiguous host copy
+      // when it is not one already.
+      const ::torch::Tensor host = t.to(at::kCPU).contiguous();
+      out.write(static_cast<const char*>(host.data_ptr()), static_cast<std::streamsize>(host.nbytes()));
+    }
     return static_cast<bool>(out);
   });
 }
@@ -167,8 +170,7 @@ std::size_t save_state_dict(const ::torch::OrderedDict<std::string, ::torch::Ten
   } else {
     c10::Dict<std::string, at::Tensor> dict;
     for (const auto& item : state_dict) dict.insert(item.key(), item.value());
-    const std::vector<char> bytes = ::torch::jit::pickle_save(dict);
-    detail::write_atomically(out, std::string_view(bytes.data(), bytes.size()));
+    detail::write_torch_file(out, dict);
   }
   return state_dict.size();
 }

@@ -17,8 +17,8 @@ void usage(std::FILE* to) {
                "  and writes the module's state dict with every floating tensor in fp32 (the trainable\n"
                "  parameters from the master weights) to OUTPUT_FILE:\n"
                "    *.safetensors  the safetensors format (safetensors.torch.load_file, Hugging Face)\n"
-               "    anything else  torch's pickle format (torch::pickle_load; Python: torch.load under\n"
-               "                   torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag]))\n");
+               "    anything else  the format torch.save writes (Python: torch.load(OUTPUT_FILE,\n"
+               "                   weights_only=True); C++: torch::pickle_load)\n");
 }
 
 }  // namespace

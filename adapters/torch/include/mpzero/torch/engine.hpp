@@ -122,7 +122,8 @@ class engine_base {
   // shards of every rank (zero_shard_<rank>.mpz: parameters, master weights, optimizer
   // states, step count, loss scaler), mpzero_engine.json (counters, parameter names and
   // shapes, client_state) and model_states.pt (the module's parameters and buffers,
-  // {"module": {name: tensor}}, readable by torch::pickle_load and Python's torch.load);
+  // {"module": {name: tensor}}, readable by torch::pickle_load and Python's
+  // torch.load(path, weights_only=True));
   // then, with save_latest, <save_dir>/latest names the tag. Call it at an accumulation
   // boundary (after the step() that updates): gradients are not saved. Every rank calls
   // it with the same arguments; save_dir must be a directory every rank can reach.

@@ -26,7 +26,7 @@ namespace mpzero::torch {
 // master); every name of a tied weight gets that same tensor. Frozen parameters and
 // buffers are their saved values, bf16 and fp16 ones converted (exactly) to fp32; others
 // keep their dtype. Tensors are on the CPU. Host memory: about 4 bytes per parameter,
-// plus model_states.pt while it is read.
+// plus model_states.pt's tensors while it is read.
 // Throws mpzero::invalid_argument naming the file and the fix for a missing tag, a
 // missing, truncated or corrupt file, or files of different saves.
 ::torch::OrderedDict<std::string, ::torch::Tensor> fp32_state_dict_from_checkpoint(const std::string& checkpoint_dir,
@@ -34,11 +34,12 @@ namespace mpzero::torch {
 
 // Writes a state dict (tensors on any device) to output_file: in the safetensors format
 // when the name ends in ".safetensors" (safetensors.torch.load_file, Hugging Face), else
-// in torch's pickle format (torch::pickle_load in C++; in Python torch.load under
-// torch.serialization.safe_globals([torch.jit._pickle.restore_type_tag])). safetensors
-// streams the tensors to the file; the pickle is built in memory first (about as many
-// bytes again as the tensors). The file is written beside its name and renamed into
-// place: whole or absent. Returns the number of tensors written.
+// in the format torch.save writes (torch::pickle_load in C++; in Python a plain
+// torch.load(file, weights_only=True): the dictionary carries no TorchScript type tag).
+// Both stream the tensors to the file one at a time, without a serialized copy in memory
+// (a CUDA tensor goes through one host copy at a time; the .pt file records its device,
+// as torch.save does, and safetensors has none). The file is written beside its
+// name and renamed into place: whole or absent. Returns the number of tensors written.
 std::size_t save_state_dict(const ::torch::OrderedDict<std::string, ::torch::Tensor>& state_dict,
                             const std::string& output_file);
 
