@@ -232,7 +232,11 @@ TEST_CASE("torch: lower_precision_safe_modules matches module classes as DeepSpe
   CHECK(bf16_params({"torch.nn.Linear"}) == linears);                          // DeepSpeed's spelling
   CHECK(bf16_params({"torch::nn::LinearImpl"}) == linears);                    // LibTorch's class
   CHECK(bf16_params({"LayerNorm"}) == std::vector<std::string>{"norm.weight", "norm.bias"});
-  CHECK(bf16_params({"Conv2d"}).empty());
+  CHECK(bf16_params({"torch.nn.modules.linear.Linear"}) == linears);          // DeepSpeed's full name
+  // A class the model lacks is a typo or another model's: refused, naming the model's classes.
+  CHECK_THROWS_WITH(bf16_params({"Linear", "Conv2d"}),
+                    Catch::Contains("entry \"Conv2d\" matches no module of the model") &&
+                        Catch::Contains("torch::nn::LinearImpl") && Catch::Contains("or remove the entry"));
   // The model's own class holds no parameters itself (DeepSpeed takes parameters(recurse=False)).
   CHECK(bf16_params({"Mixed"}).empty());
   // Without autocast the list does nothing: everything travels in the gradient dtype.

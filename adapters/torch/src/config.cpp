@@ -142,6 +142,13 @@ std::string list(const std::vector<std::string_view>& names) {
   return r;
 }
 
+// What a Hugging Face "auto" placeholder gets: the Trainer fills these in from its own
+// arguments before DeepSpeed sees the config; mpzero reads the config as written.
+std::string auto_hint() {
+  return "\"auto\" is a placeholder that Hugging Face's Trainer fills in from its own arguments; mpzero reads "
+         "the config as written: write the value itself, or remove the key to get the default";
+}
+
 // ---- keys -----------------------------------------------------------------
 
 // A DeepSpeed key mpzero does not implement. `accepted` is the JSON text of the one
@@ -163,12 +170,14 @@ void check_keys(const json& obj, const std::string& path, const std::vector<std:
     const std::string full = join_path(path, key);
     const auto f = std::find_if(foreign.begin(), foreign.end(), [&](const foreign_key& k) { return k.name == key; });
     if (f != foreign.end()) {
+      if (it.value().is_null()) continue;  // null means absent, as everywhere
       if (f->accepted != nullptr && std::string_view(f->accepted) == "*") continue;
       if (f->accepted != nullptr) {
         if (it.value() == json::parse(f->accepted)) continue;
+        const bool is_auto = it.value().is_string() && it.value().get<std::string>() == "auto";
         fail(squote(full) + " = " + it.value().dump() + " is not supported by mpzero: " + std::string(f->why) +
              " (only " + std::string(f->accepted) + " is accepted; remove the key or set it to " +
-             std::string(f->accepted) + ")");
+             std::string(f->accepted) + ")" + (is_auto ? "; " + auto_hint() : std::string()));
       }
       fail(squote(full) + " is a DeepSpeed setting that mpzero does not implement: " + std::string(f->why) +
            "; remove it");
@@ -190,9 +199,12 @@ class reader {
  public:
   reader(const json& obj, std::string path) : obj_(obj), path_(std::move(path)) {}
 
+  // Every typed read starts here, so "auto" is refused once, before any key's own
+  // validation could call it merely invalid.
   const json* find(std::string_view key) const {
     const auto it = obj_.find(std::string(key));
     if (it == obj_.end() || it->is_null()) return nullptr;
+    if (it->is_string() && it->get<std::string>() == "auto") fail(squote(path(key)) + " = \"auto\": " + auto_hint());
     return &*it;
   }
   bool has(std::string_view key) const { return find(key) != nullptr; }
@@ -202,11 +214,8 @@ class reader {
     std::string msg = squote(path(key)) + " must be " + std::string(expected) + ", got " + describe(v);
     if (v.is_string()) {
       const std::string s = v.get<std::string>();
-      if (s == "auto") {
-        msg += " (\"auto\" is a placeholder that Hugging Face's Trainer fills in; mpzero needs the value itself, "
-               "or remove the key for the default)";
-      } else if (!s.empty() && (expected.find("number") != std::string_view::npos ||
-                                expected.find("integer") != std::string_view::npos)) {
+      if (!s.empty() && (expected.find("number") != std::string_view::npos ||
+                         expected.find("integer") != std::string_view::npos)) {
         char* end = nullptr;
         std::strtod(s.c_str(), &end);
         if (end && *end == '\0') msg += " (write the number without quotes)";
@@ -423,17 +432,47 @@ void parse_fp16(const json& j, config& c) {
   loss_scale_options o;
   o.dynamic = c.loss_scale == 0.0;
   o.static_scale = o.dynamic ? 1.0 : c.loss_scale;
-  o.initial_scale_power = static_cast<int>(r.integer("initial_scale_power", 16, -1000, 1000));
-  o.loss_scale_window = static_cast<int>(r.integer("loss_scale_window", 1000, std::numeric_limits<int>::min(),
-                                                   std::numeric_limits<int>::max()));
-  o.hysteresis =
-      static_cast<int>(r.integer("hysteresis", 2, std::numeric_limits<int>::min(), std::numeric_limits<int>::max()));
+  // The dynamic options are typed always but range-checked only when dynamic scaling uses
+  // them (as DeepSpeed, whose ints have no range otherwise): an unused value is stored
+  // clamped to the scaler's int. The ranges below are the scaler's (loss_scaler.hpp).
+  const bool used = c.fp16 && o.dynamic;
+  constexpr double int_max = std::numeric_limits<int>::max();
+  auto option = [&](std::string_view key, int dflt, double lo, double hi, const std::string& meaning,
+                    const char* unit) -> int {
+    const json* v = r.find(key);
+    if (!v) return dflt;
+    if (!v->is_number()) r.type_error(key, *v, "an integer");
+    const double d = v->get<double>();
+    if (d != std::floor(d)) r.type_error(key, *v, "an integer");
+    if (used && d > int_max && hi == int_max) {
+      // A window or hysteresis this long never runs out within any run: the scaler's
+      // 32-bit counter's largest value behaves the same.
+      fail(squote(r.path(key)) + " = " + v->dump() + " is more " + unit +
+           " than mpzero's loss scaler counts (at most 2147483647, a 32-bit int); write 2147483647, which behaves "
+           "the same in any run with fewer " + unit + " than that");
+    }
+    if (used && !(d >= lo && d <= hi)) {
+      fail(squote(r.path(key)) + " = " + v->dump() + " is out of range; it must be an integer " +
+           (hi == int_max ? ">= " + format_number(lo) : "in [" + format_number(lo) + ", " + format_number(hi) + "]") +
+           " (" + meaning + ")");
+    }
+    return static_cast<int>(std::clamp(d, static_cast<double>(std::numeric_limits<int>::min()), int_max));
+  };
+  o.initial_scale_power = option("initial_scale_power", 16, loss_scaler::min_scale_power, loss_scaler::max_scale_power,
+                                 "the initial dynamic scale is 2^initial_scale_power; DeepSpeed's default is 16", "");
+  o.loss_scale_window = option("loss_scale_window", 1000, 1, int_max,
+                               "clean steps before the scale doubles; DeepSpeed's default is 1000", "steps");
+  o.hysteresis = option("hysteresis", 2, 1, int_max,
+                        "overflows before the scale halves, 1 halves it on every overflow; DeepSpeed's default is 2",
+                        "overflows");
   o.consecutive_hysteresis = r.boolean("consecutive_hysteresis", false);
+  // DeepSpeed types min_loss_scale as an integer; any positive number works here.
   o.min_loss_scale = r.number("min_loss_scale", 1.0);
   c.loss_scaler = o;
 }
 
-void parse_autocast(const json& j, config& c) {
+// Returns whether "dtype" was given (validate() then says "(the default)" when it was not).
+bool parse_autocast(const json& j, config& c) {
   const std::string p = "torch_autocast";
   check_keys(j, p, {"enabled", "dtype", "lower_precision_safe_modules"});
   reader r(j, p);
@@ -450,15 +489,24 @@ void parse_autocast(const json& j, config& c) {
   }
   if (r.has("lower_precision_safe_modules")) {
     auto names = r.strings("lower_precision_safe_modules", {}, false);
-    // DeepSpeed names Python classes ("torch.nn.Linear"); LibTorch modules are matched by
-    // their class name, so torch's own prefixes are dropped.
+    // DeepSpeed names Python classes by module path ("torch.nn.Linear", or its documented
+    // "torch.nn.modules.linear.Linear"); the engine matches LibTorch class names, so a
+    // torch.nn class keeps only its name after the last dot, and "torch::nn::" is dropped.
     for (auto& n : names) {
-      for (std::string_view prefix : {"torch.nn.", "torch::nn::"}) {
-        if (n.rfind(prefix, 0) == 0) n = n.substr(prefix.size());
+      if (n.rfind("torch.nn.", 0) == 0) {
+        n = n.substr(n.rfind('.') + 1);
+      } else if (n.rfind("torch::nn::", 0) == 0) {
+        n = n.substr(std::string_view("torch::nn::").size());
+      }
+      if (n.empty()) {
+        fail("'torch_autocast.lower_precision_safe_modules' has an entry without a class name; write a module class "
+             "such as \"Linear\" or \"torch.nn.Linear\"");
       }
     }
     c.torch_autocast.lower_precision_safe_modules = names;
+    c.torch_autocast.lower_precision_safe_modules_given = true;
   }
+  return r.has("dtype");
 }
 
 std::vector<std::string> dedup(std::vector<std::string> v) {
@@ -516,11 +564,30 @@ void parse_zero(const json& j, config& c) {
               {"use_multi_rank_bucket_allreduce", "*", "a communication detail"},
               {"load_from_fp32_weights", "*", "checkpoints are loaded in code"},
               {"elastic_checkpoint", "false", "no elastic checkpoints"},
+              // DeepSpeed's stage-3 keys, each also under its pydantic field name.
               {"stage3_max_live_parameters", "*", "a DeepSpeed prefetch knob"},
+              {"max_live_parameters", "*", "a DeepSpeed prefetch knob"},
               {"stage3_max_reuse_distance", "*", "a DeepSpeed prefetch knob"},
+              {"max_reuse_distance", "*", "a DeepSpeed prefetch knob"},
               {"stage3_model_persistence_threshold", "*", "a DeepSpeed prefetch knob"},
+              {"model_persistence_threshold", "*", "a DeepSpeed prefetch knob"},
               {"stage3_gather_16bit_weights_on_model_save", "*", "saving is done in code"},
+              {"gather_16bit_weights_on_model_save", "*", "saving is done in code"},
               {"stage3_gather_fp16_weights_on_model_save", "*", "saving is done in code"},
+              {"stage3_module_granularity_threshold", "*", "a DeepSpeed stage-3 fetch-grouping knob"},
+              {"module_granularity_threshold", "*", "a DeepSpeed stage-3 fetch-grouping knob"},
+              {"stage3_use_all_reduce_for_fetch_params", "*", "how DeepSpeed's stage 3 fetches parameters"},
+              {"use_all_reduce_for_fetch_params", "*", "how DeepSpeed's stage 3 fetches parameters"},
+              {"stage3_allgather_sequential", "*", "how DeepSpeed's stage 3 gathers parameters"},
+              {"allgather_sequential", "*", "how DeepSpeed's stage 3 gathers parameters"},
+              {"legacy_stage1", "false", "DeepSpeed >= 0.5.9 refuses true too: its old stage-1 code is gone"},
+              {"mics_hierarchical_params_gather", "*", "MiCS only, and mics_shard_size must be -1"},
+              {"zeropp_loco_param", "*", "LoCo acts only with zero_quantized_gradients, which must be false"},
+              {"override_module_apply", "*", "a DeepSpeed stage-3 implementation detail"},
+              {"pipeline_loading_checkpoint", "*", "checkpoints are loaded in code"},
+              {"log_trace_cache_warnings", "*", "logging only"},
+              {"enable_sanity_checks", "*", "DeepSpeed's internal debugging checks"},
+              {"save_muon_momentum_buffer_in_memory", "*", "Muon with NVMe offload only"},
               {"ignore_unused_parameters", "true", "parameters without gradients are always allowed"},
               {"round_robin_gradients", "*", "a DeepSpeed offload copy schedule"},
               {"zero_hpz_partition_size", "1", "no ZeRO++ hierarchical partitioning"},
@@ -537,8 +604,10 @@ void parse_zero(const json& j, config& c) {
   c.zero.stage = static_cast<int>(r.integer("stage", 0, 0, 3));
   if (const json* o = r.object("offload_optimizer")) parse_offload_optimizer(*o, c);
   c.zero.reduce_bucket_size = r.unsigned_integer("reduce_bucket_size", 500'000'000, 1);
-  if (j.contains("sub_group_size")) c.zero.sub_group_size = r.unsigned_integer("sub_group_size", 0, 1);
-  c.zero.allgather_bucket_size = r.unsigned_integer("allgather_bucket_size", 500'000'000, 1);
+  if (r.has("sub_group_size")) c.zero.sub_group_size = r.unsigned_integer("sub_group_size", 0, 1);
+  // Read and kept for DeepSpeed configs, but no engine uses them (docs/config.md says what
+  // mpzero does instead), so only DeepSpeed's own limits apply (allgather_bucket_size >= 0).
+  c.zero.allgather_bucket_size = r.unsigned_integer("allgather_bucket_size", 500'000'000, 0);
   // DeepSpeed's default overlaps communication in stage 3 only.
   c.zero.overlap_comm = r.boolean("overlap_comm", c.zero.stage == 3);
   c.zero.contiguous_gradients = r.boolean("contiguous_gradients", true);
@@ -607,9 +676,8 @@ void parse_optimizer(const json& j, config& c) {
   const foreign_key max_grad_norm{"max_grad_norm", nullptr,
                                   "DeepSpeed refuses it too; use the top-level \"gradient_clipping\""};
   if (o.type == optimizer_type::adamw) {
-    check_keys(pj, pp, {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode"},
+    check_keys(pj, pp, {"lr", "betas", "eps", "weight_decay", "bias_correction", "adam_w_mode", "torch_adam"},
                {max_grad_norm,
-                {"torch_adam", "*", "torch's Adam and DeepSpeed's fused Adam compute the same update"},
                 {"amsgrad", "false", "AMSGrad is not implemented (DeepSpeed's fused Adam refuses it too)"},
                 {"fp32_optimizer_states", nullptr, "the state dtype comes from \"bf16\".bf16_optimizer_states"}});
   } else if (o.type == optimizer_type::sgd) {
@@ -634,6 +702,19 @@ void parse_optimizer(const json& j, config& c) {
     // is false (ADAM_W_MODE_DEFAULT = True).
     const bool adam_w_mode = pr.boolean("adam_w_mode", true);
     o.type = (t == "adamw" || adam_w_mode) ? optimizer_type::adamw : optimizer_type::adam;
+    // torch_adam: DeepSpeed builds torch.optim.AdamW (decoupled) or torch.optim.Adam instead
+    // of its fused Adam. Same update, but torch's AdamW defaults weight_decay to 0.01
+    // (FusedAdam, CPUAdam and torch's Adam to 0), and torch's classes take no
+    // bias_correction (they always correct; DeepSpeed fails on the keyword).
+    if (pr.boolean("torch_adam", false)) {
+      if (!pr.has("weight_decay") && o.type == optimizer_type::adamw) o.weight_decay = 0.01;
+      if (!o.bias_correction) {
+        fail("'optimizer.params.bias_correction' = false with 'optimizer.params.torch_adam' = true: DeepSpeed then "
+             "builds torch.optim." + std::string(o.type == optimizer_type::adamw ? "AdamW" : "Adam") +
+             ", which always corrects the bias (and refuses the keyword); remove torch_adam for DeepSpeed's fused "
+             "Adam, or remove bias_correction");
+      }
+    }
     optim::adam_options a{o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.bias_correction};
     with_context("optimizer.params: ", [&] {
       if (o.type == optimizer_type::adamw) {
@@ -810,7 +891,7 @@ void resolve_batch(const std::optional<std::uint64_t>& train, const std::optiona
 
 // ---- cross-section rules -----------------------------------------------------------
 
-void validate(config& c) {
+void validate(config& c, bool autocast_dtype_given) {
   const int stage = c.zero.stage;
   if (c.bf16 && c.fp16) fail("'bf16.enabled' and 'fp16.enabled' are both true; enable one of them");
   auto need_enabled = [&](bool flag, bool enabled, const char* key, const char* section) {
@@ -852,9 +933,11 @@ void validate(config& c) {
          " model; reduce in the model's dtype or \"fp32\"");
   }
   if (c.torch_autocast.enabled && mixes(model, c.torch_autocast.dtype_)) {
-    fail("'torch_autocast.dtype' = \"" + std::string(name_of(c.torch_autocast.dtype_)) +
-         "\" mixes bf16 and fp16 with a " + std::string(name_of(model)) +
-         " model; use the same 16-bit dtype as the enabled \"bf16\"/\"fp16\" section");
+    const char* same = model == dtype::fp16 ? "\"float16\"" : "\"bfloat16\"";
+    fail("'torch_autocast.dtype' = \"" + std::string(name_of(c.torch_autocast.dtype_)) + "\"" +
+         (autocast_dtype_given ? "" : " (the default)") + " mixes bf16 and fp16 with a " +
+         std::string(name_of(model)) + " model; set \"torch_autocast\": {\"dtype\": " + same +
+         "}, the dtype of the enabled \"" + std::string(name_of(model)) + "\" section");
   }
   if (c.grad_accum_dtype) {
     const dtype g = *c.grad_accum_dtype;
@@ -977,16 +1060,13 @@ config parse_config(const json& j, int world_size) {
   reader r(j, "");
   if (const json* v = r.object("bf16")) parse_bf16(*v, c);
   if (const json* v = r.object("fp16")) parse_fp16(*v, c);
-  if (const json* v = r.object("torch_autocast")) parse_autocast(*v, c);
+  bool autocast_dtype_given = false;
+  if (const json* v = r.object("torch_autocast")) autocast_dtype_given = parse_autocast(*v, c);
   if (const json* z = r.find("zero_optimization"); z && z->is_boolean()) {
     r.type_error("zero_optimization", *z,
                  "an object (DeepSpeed's deprecated boolean form is not accepted: write {\"stage\": 1})");
   }
-  if (const json* v = r.object("zero_optimization")) {
-    parse_zero(*v, c);
-  } else {
-    c.zero.overlap_comm = false;  // DeepSpeed's default for stage 0
-  }
+  if (const json* v = r.object("zero_optimization")) parse_zero(*v, c);
   // The optimizer first: WarmupLR's default peak is the optimizer's lr.
   if (const json* v = r.object("optimizer")) parse_optimizer(*v, c);
   if (const json* v = r.object("scheduler")) parse_scheduler(*v, c);
@@ -1016,7 +1096,7 @@ config parse_config(const json& j, int world_size) {
   };
   resolve_batch(batch("train_batch_size"), batch("train_micro_batch_size_per_gpu"),
                 batch("gradient_accumulation_steps"), static_cast<std::uint64_t>(world_size), c);
-  validate(c);
+  validate(c, autocast_dtype_given);
   return c;
 }
 
@@ -1060,9 +1140,11 @@ json to_json(const config& c) {
                {"consecutive_hysteresis", o.consecutive_hysteresis},
                {"min_loss_scale", o.min_loss_scale},
                {"fp16_master_weights_and_grads", c.fp16_master_weights_and_grads}};
-  j["torch_autocast"] = {{"enabled", c.torch_autocast.enabled},
-                         {"dtype", dtype_json_name(c.torch_autocast.dtype_)},
-                         {"lower_precision_safe_modules", c.torch_autocast.lower_precision_safe_modules}};
+  j["torch_autocast"] = {{"enabled", c.torch_autocast.enabled}, {"dtype", dtype_json_name(c.torch_autocast.dtype_)}};
+  // Only a given list: parsing it back must keep lower_precision_safe_modules_given.
+  if (c.torch_autocast.lower_precision_safe_modules_given) {
+    j["torch_autocast"]["lower_precision_safe_modules"] = c.torch_autocast.lower_precision_safe_modules;
+  }
   const zero_config& z = c.zero;
   j["zero_optimization"] = {
       {"stage", z.stage},

@@ -93,7 +93,7 @@ int current_reentrant_depth() {
 // subclasses). A LibTorch module's name() is its demangled class ("torch::nn::LinearImpl");
 // an entry matches that, or it without namespaces, each with or without TORCH_MODULE's
 // "Impl": "Linear", "LinearImpl", "torch::nn::LinearImpl" (the config already turned
-// "torch.nn.Linear" into "Linear").
+// "torch.nn.Linear" and DeepSpeed's "torch.nn.modules.linear.Linear" into "Linear").
 bool is_lower_precision_safe(const std::string& cls, const std::vector<std::string>& entries) {
   auto without_impl = [](std::string s) {
     if (s.size() > 4 && s.compare(s.size() - 4, 4, "Impl") == 0) s.resize(s.size() - 4);
@@ -393,11 +393,31 @@ void engine_state::init() {
   // core's default path (no list).
   comm_dtypes_.assign(params_.size(), cfg_.comm_dtype());
   if (cfg_.torch_autocast.enabled) {
+    const auto& entries = cfg_.torch_autocast.lower_precision_safe_modules;
+    std::vector<bool> matched(entries.size(), false);
     for (const auto& m : module_->modules(/*include_self=*/true)) {
-      if (!is_lower_precision_safe(m->name(), cfg_.torch_autocast.lower_precision_safe_modules)) continue;
+      for (std::size_t e = 0; e < entries.size(); ++e) {
+        if (is_lower_precision_safe(m->name(), {entries[e]})) matched[e] = true;
+      }
+      if (!is_lower_precision_safe(m->name(), entries)) continue;
       for (const auto& p : m->parameters(/*recurse=*/false)) {
         auto it = index_.find(p.unsafeGetTensorImpl());
         if (it != index_.end()) comm_dtypes_[it->second] = cfg_.torch_autocast.dtype_;
+      }
+    }
+    // A class the user named that the model lacks is a typo or a module of another
+    // model (DeepSpeed refuses a name it cannot import); the defaults may match nothing.
+    if (cfg_.torch_autocast.lower_precision_safe_modules_given) {
+      for (std::size_t e = 0; e < entries.size(); ++e) {
+        if (matched[e]) continue;
+        std::string classes;
+        std::unordered_set<std::string> seen;
+        for (const auto& m : module_->modules(/*include_self=*/true)) {
+          if (seen.insert(m->name()).second) classes += (classes.empty() ? "" : ", ") + m->name();
+        }
+        fail("torch_autocast.lower_precision_safe_modules entry \"" + entries[e] +
+             "\" matches no module of the model (its classes: " + classes +
+             "); name a class the model has (e.g. \"torch.nn.Linear\" or \"Linear\") or remove the entry");
       }
     }
   }

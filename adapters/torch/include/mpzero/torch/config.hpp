@@ -58,11 +58,17 @@ struct zero_config {
   // sub_group_size. Not given: mpzero's default, 2^24 elements.
   std::optional<std::uint64_t> sub_group_size;
   std::uint64_t reduce_bucket_size = 500'000'000;
+  // Every stage places parameters of at most this many elements last in the flat buffers
+  // (zero_options::param_persistence_threshold); stage 3 keeps them whole on every rank.
+  std::uint64_t stage3_param_persistence_threshold = 100'000;
+  // Read and kept so that DeepSpeed configs parse, but NOT USED by mpzero: they tune how
+  // DeepSpeed schedules its collectives or its stage 3 and cannot change the result
+  // (docs/config.md says what mpzero does instead). overlap_comm's default is DeepSpeed's
+  // for the default stage 0 (true only at stage 3).
   std::uint64_t allgather_bucket_size = 500'000'000;
-  bool overlap_comm = true;
+  bool overlap_comm = false;
   bool contiguous_gradients = true;
   bool reduce_scatter = true;
-  std::uint64_t stage3_param_persistence_threshold = 100'000;
   std::uint64_t stage3_prefetch_bucket_size = 50'000'000;
   std::vector<std::string> leaf_module_classes, leaf_module_names, leaf_module_name_suffixes;
 };
@@ -70,7 +76,12 @@ struct zero_config {
 struct autocast_config {
   bool enabled = false;
   dtype dtype_ = dtype::bf16;  // "dtype": "bfloat16" | "float16" (also "bf16", "fp16")
+  // Class names as the engine matches them: a DeepSpeed name under "torch.nn." keeps the
+  // part after its last dot ("torch.nn.modules.linear.Linear" -> "Linear").
   std::vector<std::string> lower_precision_safe_modules = {"Linear", "Conv1d", "Conv2d", "Conv3d"};
+  // True when the config gave the list (even one equal to the default): only then may an
+  // entry that matches no module be the user's mistake rather than an absent default layer.
+  bool lower_precision_safe_modules_given = false;
 };
 
 // The whole configuration after parsing, defaulting and validation.
