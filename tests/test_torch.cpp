@@ -232,6 +232,30 @@ TEST_CASE("torch: out.backward(ones_like(out)) on a non-scalar output matches th
   }
 }
 
+TEST_CASE("torch: fp16 non-scalar output: out.backward(grad) is refused naming engine.backward((out * grad).sum()), "
+          "which matches the reference", "[torch]") {
+  const int stage = GENERATE(0, 2);
+  INFO(label(stage, "fp16"));
+  auto engine = make_engine(Net(7), make_config(stage, "fp16"));
+  reference<Net> ref(Net(7), torch::kHalf, stage);
+  for (int it = 0; it < 2; ++it) {
+    Tensor out = engine(data(it, R(), 1).x.to(torch::kHalf));
+    const Tensor grad = torch::ones_like(out);
+    if (it == 0) {  // the advice in the refusal is what works
+      CHECK_THROWS_WITH(out.backward(grad, /*retain_graph=*/true),
+                        Catch::Contains("Loss scaling is required") && Catch::Contains("engine.backward((out * grad).sum())"));
+      CHECK_THROWS_WITH(engine.scale(out), Catch::Contains("engine.scale((out * grad).sum()).backward()"));
+      engine.zero_grad();
+    }
+    engine.backward((out * grad).sum());
+    ref.accumulate([&](Net& m, int r) { return m->forward(data(it, r, 1).x.to(torch::kHalf)).to(torch::kFloat).sum(); }, 1.0);
+    check_grads(engine, ref.grads(), torch::kHalf, "iteration " + std::to_string(it));
+    engine.step();
+    ref.step();
+    check_weights(engine, ref.weights(), "iteration " + std::to_string(it));
+  }
+}
+
 // =================================================================================
 // Scenario 3: gradient accumulation without manual division.
 // =================================================================================
@@ -564,6 +588,89 @@ TEST_CASE("hooks: a nested (reentrant) backward runs no epilogue of its own", "[
   }
 }
 
+TEST_CASE("hooks: engine.backward(loss, scale_wrt_gas = false) leaves gradients reached first in a nested backward "
+          "undivided too", "[hooks]") {
+  const int stage = GENERATE(0, 2);
+  const bool bypass = GENERATE(false, true);  // bypassed: the checkpoint's nested backward reaches l2 first
+  INFO(label(stage, "fp32") << (bypass ? ", forward bypasses the engine" : ""));
+  auto engine = make_engine(Checkpointed(19), make_config(stage, "fp32", 2));
+  reference<Net> ref(Net(19), torch::kFloat, stage);
+  for (int k = 0; k < 2; ++k) {
+    const batch b = data(k, R(), 13);
+    engine.backward(bypass ? engine.module()->forward(b.x, b.y) : engine(b.x, b.y), false, /*scale_wrt_gas=*/false);
+    CHECK(engine.epilogues() == static_cast<std::uint64_t>(k + 1));
+    ref.accumulate([&](Net& m, int r) { auto d = data(k, r, 13); return m->forward(d.x, d.y); }, 1.0);
+    if (k == 1) check_grads(engine, ref.grads(), torch::kFloat, "undivided sum of two micro-batches");
+    engine.step();
+  }
+  ref.step();
+  check_weights(engine, ref.weights(), "undivided sum of two micro-batches");
+}
+
+namespace {
+// Every parameter inside reentrant checkpointing (the input made to require grad, as
+// checkpointing needs): with a forward that bypasses the engine, no hook runs at the
+// outer level.
+struct AllCheckpointedImpl : NetImpl {
+  explicit AllCheckpointedImpl(std::uint64_t seed) : NetImpl(seed) {}
+  Tensor forward(const Tensor& x, const Tensor& y) {
+    checkpointed_fn = [this](const Tensor& h) { return l2(l1(h)); };
+    return torch::mse_loss(checkpoint::apply(x.detach().requires_grad_(true)).to(torch::kFloat), y);
+  }
+};
+TORCH_MODULE(AllCheckpointed);
+}  // namespace
+
+TEST_CASE("hooks: every parameter checkpointed and a bypassed forward: the epilogue waits for step(), the result is "
+          "the same", "[hooks]") {
+  const int stage = GENERATE(0, 1, 2);
+  INFO(label(stage, "bf16"));
+  auto engine = make_engine(AllCheckpointed(29), make_config(stage, "bf16", 2));
+  reference<Net> ref(Net(29), torch::kBFloat16, stage);
+  for (int it = 0; it < 2; ++it) {
+    for (int k = 0; k < 2; ++k) {
+      const batch b = data(2 * it + k, R(), 14);
+      engine.module()->forward(b.x.to(torch::kBFloat16), b.y).backward();
+      ref.accumulate([&](Net& m, int r) { auto d = data(2 * it + k, r, 14); return m->forward(d.x.to(torch::kBFloat16), d.y); }, 0.5);
+      if (k == 1) check_grads(engine, ref.grads(), torch::kBFloat16, "iteration " + std::to_string(it));
+      engine.step();
+    }
+    ref.step();
+    check_weights(engine, ref.weights(), "iteration " + std::to_string(it));
+  }
+}
+
+TEST_CASE("hooks: torch::autograd::grad through the engine's output leaves the engine untouched", "[hooks]") {
+  // A gradient penalty or a saliency map on some ranks only: grad() accumulates into no
+  // parameter, so no epilogue (a collective) may run, and fp16 must not ask for scaling.
+  const int stage = GENERATE(0, 2);
+  const std::string prec = GENERATE(std::string("fp16"), std::string("bf16"));
+  const at::ScalarType dt = dtype_of(prec);
+  INFO(label(stage, prec));
+  auto a = make_engine(Net(37), make_config(stage, prec));
+  auto c = make_engine(Net(37), make_config(stage, prec));  // the same training without grad() calls
+  for (int it = 0; it < 2; ++it) {
+    const batch b = data(it, R(), 15);
+    if (R() == 0) {  // one rank only: a collective here would hang
+      const Tensor x = b.x.to(dt).requires_grad_(true);
+      const Tensor out = a(x);
+      const auto g = torch::autograd::grad({out.to(torch::kFloat).sum()}, {x});
+      REQUIRE(g[0].defined());
+      const Tensor s = a.scale(a(x).to(torch::kFloat).sum());  // a scaled root, then grad()
+      const auto g2 = torch::autograd::grad({s}, {x});
+      REQUIRE(g2[0].defined());
+    }
+    CHECK(a.epilogues() == static_cast<std::uint64_t>(it));
+    a.backward(a(b.x.to(dt), b.y));
+    c.backward(c(b.x.to(dt), b.y));
+    a.step();
+    c.step();
+  }
+  const auto wa = a.master_weights(), wc = c.master_weights();
+  for (std::size_t i = 0; i < wa.size(); ++i) check_close(wa[i], wc[i], {0, 0}, 0.0, "with grad() calls vs without");
+  CHECK(a.epilogues() == 2);
+}
+
 TEST_CASE("hooks: a forward that bypasses the engine still gets its epilogue", "[hooks]") {
   const int stage = GENERATE(0, 1, 2);
   const std::string prec = GENERATE(std::string("bf16"), std::string("fp32"));
@@ -619,6 +726,23 @@ TEST_CASE("hooks: gradients flowing from one engine into another are divided by 
   CHECK(dec.epilogues() == 4);
 }
 
+TEST_CASE("hooks: fp16 engines chained into one another are refused with a message that says so", "[hooks]") {
+  const int stage = GENERATE(0, 2);
+  INFO(label(stage, "fp16"));
+  auto enc = make_engine(Net(31), make_config(stage, "fp16"));
+  auto dec = make_engine(Net(32), make_config(stage, "fp16"));
+  const batch b = data(0, R(), 12);
+  CHECK_THROWS_WITH(dec.scale(dec(enc(b.x.to(torch::kHalf)), b.y)).backward(),
+                    Catch::Contains("scaled by another engine's loss scale") && Catch::Contains("chained"));
+  CHECK_THROWS_WITH(dec.backward(dec(enc(b.x.to(torch::kHalf)), b.y)), Catch::Contains("scaled by another engine"));
+  // Unscaled: the plain message.
+  CHECK_THROWS_WITH(dec(enc(b.x.to(torch::kHalf)), b.y).backward(),
+                    Catch::Contains("this backward was not scaled"));
+  world().barrier();  // every rank refused; none waits in a collective
+  enc.zero_grad();
+  dec.zero_grad();
+}
+
 namespace {
 // A zero-sized parameter and a layer that never gets a gradient.
 struct SparseUseImpl : NetImpl {
@@ -649,6 +773,29 @@ TEST_CASE("hooks: zero-sized parameters and parameters without gradients", "[hoo
     ref.step();
     check_weights(engine, ref.weights(), "iteration " + std::to_string(it));
   }
+}
+
+namespace {
+// forward(x) returns the logits and a parameter as is (a leaf output).
+struct LeafOutImpl : NetImpl {
+  explicit LeafOutImpl(std::uint64_t seed) : NetImpl(seed) {}
+  std::tuple<Tensor, Tensor> forward(const Tensor& x) { return {l2(l1(x)), l1->weight}; }
+};
+TORCH_MODULE(LeafOut);
+}  // namespace
+
+TEST_CASE("hooks: a forward that returns a leaf tensor adds no hook to it", "[hooks]") {
+  auto engine = make_engine(LeafOut(41), make_config(1, "fp32"));
+  for (int it = 0; it < 3; ++it) {
+    auto [out, w] = engine(data(it, R(), 16).x);
+    (out.sum() + w.sum()).backward();
+    engine.step();
+  }
+  // A hook on a leaf lives as long as the tensor: one more per forward otherwise.
+  const auto* meta = torch::autograd::impl::get_autograd_meta(engine.module()->l1->weight);
+  REQUIRE(meta != nullptr);
+  CHECK((meta->cpp_hooks_list_ == nullptr || meta->cpp_hooks_list_->empty()));
+  CHECK(engine.epilogues() == 3);
 }
 
 TEST_CASE("hooks: bookkeeping scales to many parameters (one lookup per backward, one epilogue, every gradient)",

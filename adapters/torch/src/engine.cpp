@@ -8,9 +8,9 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -75,6 +75,21 @@ std::int32_t hash30(const std::string& value) {
 // describe; the result is trusted only if the task id read through it matches the
 // exported id. Otherwise the engine falls back to "an outer backward of this engine is
 // still open" (see engine_state::acquire).
+// True in a graph task that runs only part of the graph: torch::autograd::grad, or
+// backward with `inputs` (autograd then lists the nodes to run in exec_info).
+bool partial_graph_task() {
+  const auto* info = ag::get_current_graph_task_exec_info();
+  return info != nullptr && !info->empty();
+}
+
+// The graph task an fp16 engine last scaled (engine.scale's root, or engine.backward's),
+// any engine of the process: an unscaled engine's refusal names a loss another engine
+// scaled. Hooks run on autograd's device threads too, hence atomic.
+std::atomic<int>& scaled_task() {
+  static std::atomic<int> task{std::numeric_limits<int>::min()};
+  return task;
+}
+
 int current_reentrant_depth() {
   const auto* info = ag::get_current_graph_task_exec_info();
   if (info == nullptr) return -1;
@@ -146,10 +161,15 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   // ---- hooks ----------------------------------------------------------------------
   enum class event { scale_root, output, param };
 
-  pass& acquire(event e);
+  // The pass of the current graph task; nullptr for an output or scale-root event in a
+  // graph task that opens none (see acquire).
+  pass* acquire(event e);
   void on_param_grad(std::size_t i, const ::torch::Tensor& param);
   void on_output() { (void)acquire(event::output); }
-  void on_scale_root() { (void)acquire(event::scale_root); }
+  void on_scale_root() {
+    scaled_task() = ag::get_current_graph_task_id();
+    (void)acquire(event::scale_root);
+  }
   void on_callback(const std::shared_ptr<pass>& p);
   void epilogue() {
     core_waits();
@@ -281,6 +301,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::vector<std::shared_ptr<pass>> open_;                // passes not yet ended
   int cache_task_ = std::numeric_limits<int>::min();       // the last lookup, for O(1) hooks
   pass* cache_ = nullptr;
+  int scaled_partial_task_ = std::numeric_limits<int>::min();  // a partial graph task engine.scale() marked
   int forward_depth_ = 0;
   struct direct_backward {
     bool scale_wrt_gas;
@@ -481,18 +502,28 @@ void engine_state::init() {
   join_core();  // the forward reads what load_param wrote on the core's stream
 }
 
-pass& engine_state::acquire(event e) {
+pass* engine_state::acquire(event e) {
   const int task = ag::get_current_graph_task_id();
   if (task == cache_task_ && cache_ != nullptr) {
     if (e == event::scale_root) cache_->scaled = true;
-    return *cache_;
+    return cache_;
   }
   ++lookups_;
   if (auto it = passes_.find(task); it != passes_.end()) {
     cache_task_ = task;
     cache_ = it->second.get();
     if (e == event::scale_root) cache_->scaled = true;
-    return *cache_;
+    return cache_;
+  }
+  // torch::autograd::grad, or backward(inputs=...): a graph task that runs only part of
+  // the graph. grad() accumulates into no parameter, so it must not touch the engine
+  // (an epilogue would reduce every bucket, collectively, for nothing; fp16 would
+  // refuse a gradient penalty). Only a parameter hook, which fires when autograd does
+  // accumulate into a parameter, opens a pass in such a task; an engine.scale() root
+  // seen first is remembered for it.
+  if (e != event::param && partial_graph_task()) {
+    if (e == event::scale_root) scaled_partial_task_ = task;
+    return nullptr;
   }
 
   // A graph task this engine has not seen. Passes whose graph task died without running
@@ -516,24 +547,35 @@ pass& engine_state::acquire(event e) {
     p->tasks.push_back(task);
     open_.push_back(p);
   }
-  if (!nested && pending_ && !p->has_callback) {  // the backward engine.backward started
+  if (pending_ && !p->manual && !p->has_callback) {
+    // The backward engine.backward started, reached first in a nested graph task or
+    // not: every gradient it brings gets its scale_wrt_gas, and engine.backward runs
+    // the epilogue once root.backward() returns.
     p->scaled = true;
     p->scale_wrt_gas = pending_->scale_wrt_gas;
     p->manual = true;
-    pending_.reset();
     manual_ = p;
   }
-  if (e == event::scale_root) p->scaled = true;
+  if (e == event::scale_root || task == scaled_partial_task_) p->scaled = true;
 
   // The epilogue belongs to the outermost user backward: not to a nested one, nor to a
   // backward run inside forward (that one's gradients join the next pass).
   if (!p->has_callback && !nested && forward_depth_ == 0) {
     if (needs_scaling_ && !p->scaled) {
       close(*p);
+      if (scaled_task() == task) {
+        throw mpzero::error(
+            "mpzero::torch: Loss scaling is required for fp16 training: this backward was scaled by another "
+            "engine's loss scale, not this one's. fp16 engines chained into one another (one engine's output "
+            "feeding the next) cannot share a backward, since each divides its gradients by its own scale: use "
+            "bf16 for them, or one engine for the chained modules. Engines that share a loss but not a path "
+            "each scale their own term: (e1.scale(l1) + e2.scale(l2)).backward()");
+      }
       throw mpzero::error(
           "mpzero::torch: Loss scaling is required for fp16 training: this backward was not scaled. Use "
-          "engine.backward(loss), or engine.scale(loss).backward() instead of loss.backward() (fp16 gradients "
-          "underflow without the loss scale, and step() divides them by it)");
+          "engine.backward(loss), or engine.scale(loss).backward() instead of loss.backward(); for a non-scalar "
+          "output, instead of out.backward(grad), engine.backward((out * grad).sum()) (fp16 gradients underflow "
+          "without the loss scale, and step() divides them by it)");
     }
     auto token = std::make_shared<char>(0);
     p->alive = token;
@@ -546,7 +588,7 @@ pass& engine_state::acquire(event e) {
   passes_[task] = p;
   cache_task_ = task;
   cache_ = p.get();
-  return *p;
+  return p.get();
 }
 
 void engine_state::on_callback(const std::shared_ptr<pass>& p) {
@@ -556,7 +598,7 @@ void engine_state::on_callback(const std::shared_ptr<pass>& p) {
 }
 
 void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
-  const pass& p = acquire(event::param);
+  const pass& p = *acquire(event::param);  // never nullptr for a parameter
   ::torch::Tensor g = param.grad();
   if (!g.defined()) return;
   if (g.is_sparse()) fail("parameter '" + names_[i] + "' got a sparse gradient; the engine supports dense gradients only");
@@ -576,13 +618,17 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
 ::torch::Tensor engine_state::backward(const ::torch::Tensor& loss, bool retain_graph, bool scale_wrt_gas) {
   if (!loss.defined() || loss.numel() != 1) {
     fail("engine.backward: the loss has shape " + (loss.defined() ? shape_of(loss.sizes()) : std::string("(undefined)")) +
-         "; it takes a scalar (one-element) loss. For a non-scalar output call out.backward(grad) directly");
+         "; it takes a scalar (one-element) loss. For a non-scalar output call out.backward(grad) directly (bf16, fp32), "
+         "or engine.backward((out * grad).sum()), which computes the same gradients in any precision, fp16 included");
   }
   if (!loss.requires_grad()) {
     fail("engine.backward: the loss does not require grad (no graph to run backward on); compute it from the "
          "engine's forward outside torch::NoGradGuard");
   }
   ::torch::Tensor root = needs_scaling_ ? loss.to(at::kFloat) * core_->loss_scale() : loss;
+  if (needs_scaling_) {  // for another engine's message when this backward reaches it unscaled
+    root.register_hook([](const ::torch::Tensor&) { scaled_task() = ag::get_current_graph_task_id(); });
+  }
   pending_ = direct_backward{scale_wrt_gas};
   manual_.reset();
   try {
@@ -606,7 +652,8 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
   if (!loss.defined() || loss.numel() != 1) {
     fail("engine.scale: the loss has shape " + (loss.defined() ? shape_of(loss.sizes()) : std::string("(undefined)")) +
          "; scale() takes a scalar (one-element) loss, as the loss scale applies to the loss. For a non-scalar "
-         "output, call out.backward(grad) with grad already multiplied by engine.loss_scale()");
+         "output out with gradient grad, scale the loss whose gradients those are: "
+         "engine.scale((out * grad).sum()).backward(), or engine.backward((out * grad).sum())");
   }
   if (!needs_scaling_) return loss;
   if (!loss.requires_grad()) fail("engine.scale: the loss does not require grad; there is no backward to scale");
@@ -884,7 +931,9 @@ engine_base::forward_scope::~forward_scope() {
 }
 
 void engine_base::watch(const ::torch::Tensor& out) {
-  if (!out.defined() || !out.requires_grad()) return;
+  // A leaf (a parameter or an input returned as is) would keep the hook for good, one
+  // more per forward; the parameter hooks cover it.
+  if (!out.defined() || !out.requires_grad() || !out.grad_fn()) return;
   out.register_hook([w = std::weak_ptr<detail::engine_state>(st_)](const ::torch::Tensor&) {
     if (auto s = w.lock()) s->on_output();
   });

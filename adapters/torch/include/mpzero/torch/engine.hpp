@@ -88,9 +88,12 @@ class engine_base {
   // ---- DeepSpeed's training API ---------------------------------------------------
   // Runs backward on a one-element loss: applies the loss scale, then the epilogue
   // itself. Returns loss / gradient_accumulation_steps (loss if !scale_wrt_gas), detached.
+  // A non-scalar output with gradient grad: backward((out * grad).sum()), the same
+  // gradients as out.backward(grad), with the fp16 loss scale.
   ::torch::Tensor backward(const ::torch::Tensor& loss, bool retain_graph = false, bool scale_wrt_gas = true);
   // loss times the current fp16 loss scale, marked as scaled (for loss.backward()).
-  // Without fp16 it returns loss. One-element tensors only.
+  // Without fp16 it returns loss. One-element tensors only. Engines sharing a loss
+  // each scale their own term: (e1.scale(l1) + e2.scale(l2)).backward().
   ::torch::Tensor scale(const ::torch::Tensor& loss);
   // Counts a micro-step; at the gradient accumulation boundary also updates the
   // parameters (and the learning rate from the scheduler). Collective at the boundary.
