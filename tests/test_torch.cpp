@@ -798,6 +798,111 @@ TEST_CASE("hooks: a forward that returns a leaf tensor adds no hook to it", "[ho
   CHECK(engine.epilogues() == 3);
 }
 
+namespace {
+// One weight under two names, a.w and b.w, used twice in the graph (as a tied embedding
+// and output layer).
+struct TiedNetImpl : torch::nn::Module {
+  struct Holder : torch::nn::Module {
+    Tensor w;
+    explicit Holder(const Tensor& t) { w = register_parameter("w", t); }
+  };
+  std::shared_ptr<Holder> a, b;
+  Tensor bias;
+  explicit TiedNetImpl(std::uint64_t seed) {
+    torch::manual_seed(seed);
+    const Tensor w = torch::randn({4, 4}) * 0.5;
+    a = register_module("a", std::make_shared<Holder>(w));
+    b = register_module("b", std::make_shared<Holder>(w));
+    bias = register_parameter("bias", torch::randn({4}) * 0.1);
+  }
+  Tensor forward(const Tensor& x, const Tensor& y) {
+    return torch::mse_loss(torch::relu(x.matmul(a->w) + bias).matmul(b->w), y);
+  }
+};
+TORCH_MODULE(TiedNet);
+}  // namespace
+
+TEST_CASE("hooks: a weight used twice in the graph (tied) gets the sum of both uses' gradients", "[hooks]") {
+  const int stage = GENERATE(0, 2);
+  INFO(label(stage, "fp32"));
+  auto engine = make_engine(TiedNet(47), make_config(stage, "fp32"));
+  REQUIRE(engine.parameters().size() == 2);  // the tied weight once, and the bias
+  TiedNet plain(47);                          // the same model without an engine
+  REQUIRE(plain->a->w.is_same(plain->b->w));
+  for (int it = 0; it < 2; ++it) {
+    const batch b = data(it, R(), 18);
+    engine(b.x, b.y).backward();
+    // Every rank's gradient of the plain model (autograd sums the two uses), averaged.
+    std::map<std::string, Tensor> want;
+    for (int r = 0; r < W(); ++r) {
+      plain->zero_grad();
+      const batch d = data(it, r, 18);
+      plain->forward(d.x, d.y).backward();
+      for (const auto& p : plain->named_parameters()) {
+        const Tensor g = p.value().grad().detach() / static_cast<double>(W());
+        want[p.key()] = want.count(p.key()) ? want[p.key()] + g : g.clone();
+      }
+    }
+    check_grads(engine, want, torch::kFloat, "tied weight, iteration " + std::to_string(it));
+    engine.step();
+    // Keep the plain model on the engine's weights for the next iteration's reference.
+    torch::NoGradGuard ng;
+    const auto w = engine.master_weights();
+    for (std::size_t i = 0; i < w.size(); ++i) plain->named_parameters()[engine.parameter_names()[i]].copy_(w[i]);
+  }
+}
+
+TEST_CASE("hooks: frozen parameters (requires_grad false) are not managed and keep their values", "[hooks]") {
+  const int stage = GENERATE(0, 2);
+  const std::string prec = GENERATE(std::string("bf16"), std::string("fp32"));
+  const at::ScalarType dt = dtype_of(prec);
+  INFO(label(stage, prec));
+  Net model(43);
+  model->l1->weight.requires_grad_(false);
+  model->l1->bias.requires_grad_(false);
+  auto engine = make_engine(model, make_config(stage, prec));
+  REQUIRE(engine.parameter_names() == std::vector<std::string>{"l2.weight", "l2.bias"});
+  const Tensor w1 = engine.module()->l1->weight.detach().clone();
+  CHECK(w1.scalar_type() == dt);  // frozen parameters take the model's dtype, as after module.bfloat16()
+  Net ref_model(43);
+  ref_model->l1->weight.requires_grad_(false);
+  ref_model->l1->bias.requires_grad_(false);
+  reference<Net> ref(ref_model, dt, stage);  // Adam moves nothing that has no gradient
+  for (int it = 0; it < 2; ++it) {
+    const batch b = data(it, R(), 19);
+    engine(b.x.to(dt), b.y).backward();
+    ref.accumulate([&](Net& m, int r) { auto d = data(it, r, 19); return m->forward(d.x.to(dt), d.y); }, 1.0);
+    check_grads(engine, ref.grads(), dt, "iteration " + std::to_string(it));
+    engine.step();
+    ref.step();
+    check_weights(engine, ref.weights(), "iteration " + std::to_string(it));
+  }
+  CHECK(torch::equal(engine.module()->l1->weight, w1));
+  CHECK_FALSE(engine.module()->l1->weight.grad().defined());
+}
+
+TEST_CASE("hooks: a parameter hook that throws mid-backward leaves the engine usable after zero_grad()", "[hooks]") {
+  const int stage = GENERATE(0, 2);
+  INFO(label(stage, "fp32"));
+  auto engine = make_engine(Net(53), make_config(stage, "fp32"));
+  reference<Net> ref(Net(53), torch::kFloat, stage);
+  const batch b0 = data(0, R(), 20);
+  engine(b0.x, b0.y).backward();
+  (void)engine.full_grads();  // reduces this step's gradients: no backward may follow before step()/zero_grad()
+  CHECK_THROWS_WITH(engine(b0.x, b0.y).backward(), Catch::Contains("already reduced") && Catch::Contains("zero_grad()"));
+  engine.zero_grad();
+  for (int it = 1; it < 3; ++it) {  // trains on as if neither backward had happened
+    const batch b = data(it, R(), 20);
+    engine(b.x, b.y).backward();
+    ref.accumulate([&](Net& m, int r) { auto d = data(it, r, 20); return m->forward(d.x, d.y); }, 1.0);
+    check_grads(engine, ref.grads(), torch::kFloat, "iteration " + std::to_string(it));
+    engine.step();
+    ref.step();
+    check_weights(engine, ref.weights(), "iteration " + std::to_string(it));
+  }
+  CHECK(engine.epilogues() == 3);
+}
+
 TEST_CASE("hooks: bookkeeping scales to many parameters (one lookup per backward, one epilogue, every gradient)",
           "[hooks]") {
   // O(1) per hook: a hook finds its backward through a one-entry cache; only the first
