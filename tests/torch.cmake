@@ -1,5 +1,7 @@
-# The LibTorch engine: [torch] (REFERENCE.md section 1's scenarios) and [hooks] (the
-# DeepSpeed regressions), under mpirun at 1 and 2 ranks. Needs LibTorch (adapters/torch/torch.cmake).
+# The LibTorch engine: [torch] (the training API of docs/torch.md: loss.backward(),
+# GAS, engine.backward/scale, fp16 loss scaling, shared losses, offload, configs) and
+# [hooks] (docs/torch.md's "What the hooks guarantee", the DeepSpeed regressions), under
+# mpirun at 1 and 2 ranks. Needs LibTorch (adapters/torch/torch.cmake).
 if(TARGET mpzero_torch AND MPI_CXX_FOUND)
   mpzero_add_test(test_torch SOURCES test_torch.cpp TAGS torch hooks MPI 1 2 LIBS mpzero::torch)
   # Gradient reduction dtypes (torch_autocast, communication_data_type) and the LR

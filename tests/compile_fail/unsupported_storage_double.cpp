@@ -1,6 +1,6 @@
-// double is not a storage type (fp32, bf16, fp16 are). The precision<> parameters
-// are constrained by mpzero::storage_type, so the compiler reports the unsatisfied
-// concept rather than an mpzero-worded static_assert.
+// double is not a storage type (fp32, bf16, fp16 are). precision<> takes plain class
+// parameters and checks mpzero::storage_type in a static_assert, so the error is
+// mpzero's own message (tests/policy.cmake expects its text), not a concept failure.
 #include <mpzero/policy/precision.hpp>
 
 using bad = mpzero::precision<double, float, float, float>;
