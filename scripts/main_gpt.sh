@@ -14,8 +14,9 @@ out="${MPZERO_GPT_OUT:-$root/results/gpt}"
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
 
-# The corpus and the plotting library, when missing.
-if [ ! -d /usr/share/games/fortunes ]; then
+# The corpus and the plotting library, when missing. The package, not the directory:
+# fortunes-min (which fortune-mod pulls in) fills the same directory with 3 small files.
+if ! dpkg -s fortunes >/dev/null 2>&1; then
   echo "main_gpt: installing Debian's fortunes (the training corpus)"
   $sudo apt-get update -qq
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fortunes >/dev/null
@@ -32,18 +33,30 @@ fi
 # Only the trainer and the library it needs; with the engine's CUDA cores where there is
 # a GPU to run them (nvidia-smi sees one) and nvcc to build them, so that train_gpt's
 # --device auto trains there. Without a GPU they would only cost build time.
-cuda=(-DMPZERO_ENABLE_CUDA=OFF)
+# Both flags every time: MPZERO_TORCH_CUDA is cached, and a build dir configured before a
+# GPU (or nvcc) was there would otherwise keep training on the CPU.
+cuda=(-DMPZERO_ENABLE_CUDA=OFF -DMPZERO_TORCH_CUDA=OFF)
 nvcc_bin="$(command -v nvcc || true)"
 [ -n "$nvcc_bin" ] || { [ -x /usr/local/cuda/bin/nvcc ] && nvcc_bin=/usr/local/cuda/bin/nvcc; }
 if [ -n "$nvcc_bin" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "main_gpt: a GPU is present: building the engine's CUDA cores"
-  cuda=(-DMPZERO_ENABLE_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc_bin")
+  cuda=(-DMPZERO_ENABLE_CUDA=ON -DMPZERO_TORCH_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc_bin")
 fi
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMPZERO_BUILD_BENCH=OFF -DMPZERO_BUILD_TESTS=OFF \
   "${cuda[@]}" >/dev/null
 cmake --build "$build" --target train_gpt -j "$(nproc)"
 
+# The trainer takes the last --out; the plots must read that one.
+help=0
+args=("$@")
+for ((i = 0; i < ${#args[@]}; ++i)); do
+  case "${args[i]}" in
+    --help | -h) help=1 ;;
+    --out) [ $((i + 1)) -lt ${#args[@]} ] && out="${args[i + 1]}" ;;
+  esac
+done
 "$build/examples/train_gpt" --out "$out" "$@"
+[ "$help" -eq 0 ] || exit 0
 python3 "$root/examples/gpt/plot.py" "$out/results.json"
 echo
 echo "main_gpt: outputs in $out:"

@@ -8,6 +8,7 @@ on a GPU, a second panel with each configuration's peak device memory).
 """
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -20,15 +21,26 @@ except ImportError:
     sys.exit("plot.py needs matplotlib: pip install matplotlib")
 
 
+def finite(x):
+    """A loss as a float; NaN for what is not a finite number (train_gpt writes a diverged
+    run's NaN and inf losses as JSON null)."""
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else math.nan
+
+
 def smooth(xs, k):
-    """Trailing moving average over k steps (the raw curves are noisy at batch 16)."""
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x
-        if i >= k:
-            acc -= xs[i - k]
-        out.append(acc / min(i + 1, k))
+    """Trailing moving average over the finite values of the last k steps (the raw curves
+    are noisy at batch 16); NaN where the window holds none, so that a diverged stretch
+    shows as a gap instead of spreading to the end of the curve."""
+    out = []
+    for i in range(len(xs)):
+        window = [x for x in xs[max(0, i - k + 1):i + 1] if not math.isnan(x)]
+        out.append(sum(window) / len(window) if window else math.nan)
     return out
+
+
+def eval_label(r):
+    e = finite(r.get("eval_loss"))
+    return f"eval {e:.3f}" if not math.isnan(e) else "diverged: no finite eval loss"
 
 
 def main():
@@ -51,18 +63,19 @@ def main():
     # Loss curves: one colour per precision, one line style per stage/offload variant.
     precisions = list(dict.fromkeys(r["precision"] for r in runs))
     cmap = plt.get_cmap("tab10")
-    styles = {(0, False): "-", (1, False): "--", (2, False): ":", (1, True): "-.", (2, True): (0, (5, 1, 1, 1, 1, 1))}
+    styles = {(0, False): "-", (1, False): "--", (2, False): ":", (1, True): "-.", (2, True): (0, (5, 1, 1, 1, 1, 1)),
+              (3, False): (0, (1, 1)), (3, True): (0, (3, 1, 1, 1))}
     # Top: the curves. Bottom: each curve minus the first configuration's (the base), where
     # precision effects show (they are small next to the loss itself).
     fig, (ax, dax) = plt.subplots(2, 1, figsize=(10, 9), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    base = smooth(runs[0]["train_loss"], k)
+    base = smooth([finite(x) for x in runs[0]["train_loss"]], k)
     for r in runs:
         c = cmap(precisions.index(r["precision"]) % 10)
-        ls = styles[(r["stage"], r["offload"])]
-        ys = smooth(r["train_loss"], k)
+        ls = styles.get((r["stage"], r["offload"]), "-")
+        ys = smooth([finite(x) for x in r["train_loss"]], k)
         steps = range(1, len(ys) + 1)
-        ax.plot(steps, ys, color=c, linestyle=ls, linewidth=1.3, label=f"{r['id']} (eval {r['eval_loss']:.3f})")
-        ax.plot([len(ys)], [r["eval_loss"]], marker="o", color=c, markersize=5)
+        ax.plot(steps, ys, color=c, linestyle=ls, linewidth=1.3, label=f"{r['id']} ({eval_label(r)})")
+        ax.plot([len(ys)], [finite(r.get("eval_loss"))], marker="o", color=c, markersize=5)
         n = min(len(ys), len(base))
         dax.plot(range(1, n + 1), [ys[i] - base[i] for i in range(n)], color=c, linestyle=ls, linewidth=1.3)
     ax.set_ylabel(f"training loss, nats/byte\n({k}-step moving average)")

@@ -13,6 +13,9 @@ model for a few configurations, draws the plots, and checks what it promises:
   bf16/z2 and agrees with the rows it summarises;
 - the engine in fp32 trains like LibTorch's own torch::optim::AdamW (the "torch" row:
   same model, batches and hyperparameters, no mpzero) to within rounding;
+- a diverged run's null losses still plot; bad flags (a number with trailing junk, an
+  --out or --save that cannot be written) are refused before anything trains; a run that
+  stops during training is listed as not finished and the next configuration still runs;
 - --save: every mpzero configuration left a checkpoint (shards, engine files) and a
   safetensors fp32 export whose header is well formed; a fresh fp32 model loaded from the
   export evaluates to the training's held-out loss exactly where training ran in fp32,
@@ -157,6 +160,49 @@ def main():
         json.dump(gpu_res, f)
     rc = subprocess.call([sys.executable, a.plot, os.path.join(shaped, "results.json")])
     check(rc == 0, "plot.py exits 0 on GPU-shaped results (got %d)" % rc)
+
+    # A diverged run: train_gpt writes its NaN losses as null. The plots still come out.
+    diverged = os.path.join(a.work, "diverged_plot")
+    os.makedirs(diverged, exist_ok=True)
+    nan_res = json.loads(json.dumps(res))
+    bad = nan_res["runs"][-1]
+    bad["train_loss"] = bad["train_loss"][:10] + [None] * (len(bad["train_loss"]) - 10)
+    bad["eval_loss"] = None
+    with open(os.path.join(diverged, "results.json"), "w") as f:
+        json.dump(nan_res, f)
+    rc = subprocess.call([sys.executable, a.plot, os.path.join(diverged, "results.json")])
+    check(rc == 0 and os.path.isfile(os.path.join(diverged, "loss_curves.png")),
+          "plot.py draws results with null (NaN) losses (got %d)" % rc)
+
+    if a.world == 1:
+        # Bad flags are refused before anything trains, naming the value.
+        def refused(extra, want):
+            p = subprocess.run([a.train_gpt, *TINY, "--configs", "fp32/z0", "--corpus", corpus, "--out", out, *extra],
+                               capture_output=True, text=True)
+            check(p.returncode != 0 and want in p.stderr and "step " not in p.stderr,
+                  "train_gpt %s is refused before training with '%s' (rc %d, stderr %r)" %
+                  (" ".join(extra), want, p.returncode, p.stderr[-300:]))
+        refused(["--steps", "4x"], "--steps 4x: not an integer")
+        refused(["--lr", "3e-3abc"], "--lr 3e-3abc: not a number")
+        blocker = os.path.join(a.work, "a_file")
+        with open(blocker, "w") as f:
+            f.write("not a directory\n")
+        refused(["--out", os.path.join(blocker, "out")], "cannot write there")
+        refused(["--save", os.path.join(blocker, "ckpt")], "--save")
+
+        # A run that stops (fp16 overflowing at its minimum loss scale, from a far too large
+        # learning rate) is reported as not finished; the next configuration still runs.
+        stop_out = os.path.join(a.work, "stopped")
+        p = subprocess.run([a.train_gpt, *TINY, "--lr", "100", "--configs", "fp16/z0,fp32/z0", "--corpus", corpus,
+                            "--out", stop_out], capture_output=True, text=True)
+        check(p.returncode == 0, "train_gpt goes on after a run stops (rc %d, stderr %r)" % (p.returncode, p.stderr[-400:]))
+        if p.returncode == 0:
+            with open(os.path.join(stop_out, "results.json")) as f:
+                stopped = json.load(f)
+            check([r["id"] for r in stopped["runs"]] == ["fp32/z0"], "the fp32 run finished after fp16 stopped")
+            check(len(stopped["not_run"]) == 1 and stopped["not_run"][0]["id"] == "fp16/z0" and
+                  stopped["not_run"][0]["reason"].startswith("stopped during training"),
+                  "fp16/z0 is listed as not finished, with the reason (got %s)" % stopped["not_run"])
 
     def png_width(path):
         with open(path, "rb") as f:

@@ -43,6 +43,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -54,6 +55,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -353,11 +355,13 @@ options parse_args(int argc, char** argv) {
     const std::string v = argv[++i];
     auto integer = [&](int lo) {
       int x = 0;
+      std::size_t used = 0;
       try {
-        x = std::stoi(v);
+        x = std::stoi(v, &used);
       } catch (...) {
-        throw std::invalid_argument(a + " " + v + ": not an integer");
+        used = 0;
       }
+      if (used == 0 || used != v.size()) throw std::invalid_argument(a + " " + v + ": not an integer");
       if (x < lo) throw std::invalid_argument(a + " " + v + ": must be at least " + std::to_string(lo));
       return x;
     };
@@ -370,11 +374,13 @@ options parse_args(int argc, char** argv) {
     else if (a == "--eval-batches") o.eval_batches = integer(1);
     else if (a == "--seed") o.seed = static_cast<std::uint64_t>(integer(0));
     else if (a == "--lr") {
+      std::size_t used = 0;
       try {
-        o.lr = std::stod(v);
+        o.lr = std::stod(v, &used);
       } catch (...) {
-        throw std::invalid_argument("--lr " + v + ": not a number");
+        used = 0;
       }
+      if (used == 0 || used != v.size()) throw std::invalid_argument("--lr " + v + ": not a number");
       if (!(o.lr > 0)) throw std::invalid_argument("--lr " + v + ": must be positive");
     }
     else if (a == "--configs") o.configs = v;
@@ -448,7 +454,7 @@ void train_and_evaluate(result& r, const options& o, const corpus& data, mt::any
     step_s.push_back(std::chrono::duration<double>(clock::now() - ts).count());
     if (rank == 0 && ((i + 1) % report_every == 0 || i + 1 == o.steps)) {
       const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      std::fprintf(stderr, "\r[%d/%d] %-18s step %5d/%d  loss %6.3f  %6.1f steps/s   ", index + 1, total,
+      std::fprintf(stderr, "\r[%d/%d] %-18s step %5d/%d  loss %6.3f  %6.1f steps/s so far   ", index + 1, total,
                    r.spec.id().c_str(), i + 1, o.steps, r.losses.back(), (i + 1) / el);
       std::fflush(stderr);
     }
@@ -505,7 +511,7 @@ void finish(result& r, torch::Device device, std::uint64_t outside, int rank, in
     r.peak_device_bytes = r.torch_peak_bytes + outside;
   }
   if (rank == 0) {
-    std::fprintf(stderr, "\r[%d/%d] %-18s done: %.1f steps/s, train %.3f, eval %.3f%*s\n", index + 1, total,
+    std::fprintf(stderr, "\r[%d/%d] %-18s done: %.1f steps/s (median), train %.3f, eval %.3f%*s\n", index + 1, total,
                  r.spec.id().c_str(), r.steps_per_s, r.final_loss, r.eval_loss, 20, "");
   }
 }
@@ -593,8 +599,12 @@ void save_and_export(mt::engine<GPT>& engine, result& r, const options& o, const
                r.checkpoint.c_str(), r.save_s, r.export_eval_loss, r.eval_loss);
 }
 
+result train_engine(mt::engine<GPT>& engine, const run_spec& spec, const options& o, const corpus& data,
+                    mt::any_communicator comm, torch::Device device, int index, int total);
+
 // nullopt when the engine refuses the configuration (e.g. a combination this build of the
-// adapter does not compile); `why` gets the message. Every rank refuses alike.
+// adapter does not compile) or its training stops (e.g. fp16 overflowing at the minimum
+// loss scale); `why` gets the message. Every rank refuses or stops alike.
 std::optional<result> train_one(const run_spec& spec, const options& o, const corpus& data, mt::any_communicator comm,
                                 torch::Device device, int index, int total, std::string& why) {
   if (spec.precision == "torch") return train_torch(spec, o, data, comm, device, index, total);
@@ -607,6 +617,19 @@ std::optional<result> train_one(const run_spec& spec, const options& o, const co
     return std::nullopt;
   }
   auto& engine = *made;
+  try {
+    return train_engine(engine, spec, o, data, comm, device, index, total);
+  } catch (const std::exception& e) {
+    // A run that stops (an fp16 run whose loss scale fell to its minimum, say) is one
+    // result of the comparison, not the end of it: every rank stops alike (the decision
+    // is collective), and the next configuration starts from a fresh model.
+    why = std::string("stopped during training: ") + e.what();
+    return std::nullopt;
+  }
+}
+
+result train_engine(mt::engine<GPT>& engine, const run_spec& spec, const options& o, const corpus& data,
+                    mt::any_communicator comm, torch::Device device, int index, int total) {
   // The engine has replaced the parameters with views of its own buffers and freed the
   // fp32 copy model->to(device) made: start the peak again so that it measures training,
   // not that initialization copy (4 bytes per parameter in every row otherwise).
@@ -817,8 +840,30 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
   write_atomically(fs::path(o.out) / "summary.csv", csv.str());
 }
 
+// Creates `dir` and writes a file into it, or throws naming the flag: a wrong --out or
+// --save must not surface only after the first configuration has trained.
+void check_writable(const std::string& flag, const fs::path& dir, int rank) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  std::string reason = ec ? ec.message() : std::string();
+  if (!ec) {
+    const fs::path probe = dir / (".train_gpt_write_test." + std::to_string(rank));
+    {
+      std::ofstream f(probe, std::ios::trunc);
+      if (!(f << "x" && f.flush())) reason = std::error_code(errno, std::generic_category()).message();
+    }
+    fs::remove(probe, ec);
+  }
+  if (!reason.empty()) {
+    throw std::invalid_argument(flag + " " + dir.string() + ": cannot write there (" + reason +
+                                "); pass a directory this user can create and write");
+  }
+}
+
 int run(int argc, char** argv, mt::any_communicator comm) {
   const options o = parse_args(argc, argv);
+  if (comm.rank() == 0) check_writable("--out", o.out, 0);
+  if (!o.save.empty()) check_writable("--save", o.save, comm.rank());  // every rank writes its shard there
   const auto specs = select_specs(o.configs);
   const corpus data = load_corpus(o.corpus);
   if (static_cast<std::size_t>(o.seq) + 2 >= data.eval.size())
@@ -852,7 +897,12 @@ int run(int argc, char** argv, mt::any_communicator comm) {
       const std::string tail = " Compiled:";  // the list of compiled combinations follows; leave it out
       if (first_line.size() > tail.size() && first_line.ends_with(tail)) first_line.resize(first_line.size() - tail.size());
       refused.emplace_back(specs[i].id(), first_line);
-      if (root) std::fprintf(stderr, "[%zu/%zu] %-18s skipped: %s\n", i + 1, specs.size(), specs[i].id().c_str(), first_line.c_str());
+      // A stopped run leaves its progress line open.
+      const bool stopped = first_line.starts_with("stopped");
+      if (root) {
+        std::fprintf(stderr, "%s[%zu/%zu] %-18s %s: %s\n", stopped ? "\n" : "", i + 1, specs.size(),
+                     specs[i].id().c_str(), stopped ? "not finished" : "skipped", first_line.c_str());
+      }
     }
     // After every configuration, so that a stopped run keeps what it finished.
     if (root && !rs.empty()) {
@@ -860,13 +910,13 @@ int run(int argc, char** argv, mt::any_communicator comm) {
                     specs.size());
     }
   }
-  if (rs.empty()) throw std::runtime_error("the engine refused every selected configuration (see above)");
+  if (rs.empty()) throw std::runtime_error("no selected configuration finished (see above)");
   if (root) {
     print_table(rs, device.is_cuda());
     const json blog = blog_comparison(rs, device.is_cuda(), o.steps);
     print_blog_comparison(blog, device.is_cuda());
     if (!refused.empty()) {
-      std::printf("\nnot run (the engine refused them):\n");
+      std::printf("\nnot run (the engine refused them) or not finished:\n");
       for (const auto& [id, msg] : refused) std::printf("  %-18s %s\n", id.c_str(), msg.c_str());
     }
     std::printf("wrote %s and %s\n", (fs::path(o.out) / "summary.csv").c_str(), (fs::path(o.out) / "results.json").c_str());
