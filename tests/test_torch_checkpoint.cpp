@@ -557,6 +557,9 @@ TEST_CASE("engine checkpoint: the mpzero_zero_to_fp32 tool writes files torch re
   std::tie(out, rc) = run_command(tool + " " + dir.path.string() + " x.pt --tga 3 2>&1");
   REQUIRE(rc == 2);
   REQUIRE_THAT(out, Catch::Contains("unknown option --tga"));
+  std::tie(out, rc) = run_command(tool + " " + dir.path.string() + " x.pt --tag 2>&1");
+  REQUIRE(rc == 2);
+  REQUIRE_THAT(out, Catch::Contains("--tag needs a value") && Catch::Contains("usage: mpzero_zero_to_fp32"));
   std::tie(out, rc) = run_command(tool + " " + (dir.path / "none").string() + " " + pt.string() + " 2>&1");
   REQUIRE(rc == 1);
   REQUIRE_THAT(out, Catch::Contains("none/latest' does not exist"));

@@ -35,6 +35,7 @@ int main(int argc, char** argv) {
     if (a == "--tag") {
       if (i + 1 >= argc) {
         std::fprintf(stderr, "mpzero_zero_to_fp32: --tag needs a value, e.g. --tag global_step1000\n");
+        usage(stderr);
         return 2;
       }
       tag = argv[++i];
