@@ -14,10 +14,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <mpzero/torch/process_group.hpp>
@@ -901,6 +903,39 @@ TEST_CASE("hooks: a parameter hook that throws mid-backward leaves the engine us
     check_weights(engine, ref.weights(), "iteration " + std::to_string(it));
   }
   CHECK(engine.epilogues() == 3);
+}
+
+TEST_CASE("hooks: backward on another thread, and with create_graph, match the reference", "[hooks]") {
+  const int stage = GENERATE(0, 2);
+  const bool create_graph = GENERATE(false, true);
+  INFO(label(stage, "bf16") << (create_graph ? ", create_graph" : ", another thread"));
+  auto engine = make_engine(Net(59), make_config(stage, "bf16"));
+  reference<Net> ref(Net(59), torch::kBFloat16, stage);
+  for (int it = 0; it < 2; ++it) {
+    const batch b = data(it, R(), 21);
+    Tensor loss = engine(b.x.to(torch::kBFloat16), b.y);
+    if (create_graph) {
+      // The gradients that reach the hooks carry a graph of their own; the engine keeps their values.
+      torch::autograd::backward({loss}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+    } else {
+      std::exception_ptr error;
+      std::thread t([&] {
+        try {
+          loss.backward();
+        } catch (...) {
+          error = std::current_exception();
+        }
+      });
+      t.join();
+      if (error) std::rethrow_exception(error);
+    }
+    CHECK(engine.epilogues() == static_cast<std::uint64_t>(it + 1));
+    ref.accumulate([&](Net& m, int r) { auto d = data(it, r, 21); return m->forward(d.x.to(torch::kBFloat16), d.y); }, 1.0);
+    check_grads(engine, ref.grads(), torch::kBFloat16, "iteration " + std::to_string(it));
+    engine.step();
+    ref.step();
+    check_weights(engine, ref.weights(), "iteration " + std::to_string(it));
+  }
 }
 
 TEST_CASE("hooks: bookkeeping scales to many parameters (one lookup per backward, one epilogue, every gradient)",
