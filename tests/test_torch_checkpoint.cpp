@@ -214,6 +214,28 @@ TEST_CASE("engine checkpoint: loads at another stage and world size, and module-
     REQUIRE(e.load_checkpoint(dir.path.string(), "mine").has_value());
     require_same(take(e), saved);
   }
+  SECTION("another precision: fp32 and fp16 engines load the bf16 save's fp32 master weights, and train on") {
+    for (const std::string prec : {"fp32", "fp16"}) {
+      INFO(prec);
+      const at::ScalarType dt = compute_dtype(prec);
+      auto e = mt::initialize(CkNet(99), config(2, prec), world());
+      REQUIRE(e.load_checkpoint(dir.path.string(), "mine").has_value());
+      const state got = take(e);
+      REQUIRE(got.master.size() == saved.master.size());
+      for (std::size_t i = 0; i < saved.master.size(); ++i) {
+        INFO("parameter " << i);
+        REQUIRE(same(got.master[i], saved.master[i]));           // fp32 in both: as saved
+        REQUIRE(same(got.params[i], saved.master[i].to(dt)));    // rounded once from the master
+      }
+      REQUIRE(same(got.shift, saved.shift.to(dt)));  // frozen: the saved bf16 values, widened exactly
+      REQUIRE(same(got.seen, saved.seen.to(dt)));
+      REQUIRE(got.global_steps == saved.global_steps);
+      REQUIRE(got.lr == saved.lr);
+      train(e, dt, 6, 8);
+      REQUIRE(e.global_steps() == saved.global_steps + 1);
+      REQUIRE(e.skipped_steps() == 0);
+    }
+  }
   SECTION("module only: the values, with fresh counters and optimizer states") {
     auto e = mt::initialize(CkNet(99), config(1, "fp32"), world());
     REQUIRE(e.load_checkpoint(dir.path.string(), "mine", /*load_module_only=*/true).has_value());
