@@ -602,30 +602,41 @@ void save_and_export(mt::engine<GPT>& engine, result& r, const options& o, const
 result train_engine(mt::engine<GPT>& engine, const run_spec& spec, const options& o, const corpus& data,
                     mt::any_communicator comm, torch::Device device, int index, int total);
 
-// nullopt when the engine refuses the configuration (e.g. a combination this build of the
-// adapter does not compile) or its training stops (e.g. fp16 overflowing at the minimum
-// loss scale); `why` gets the message. Every rank refuses or stops alike.
+// Why a configuration has no result: the engine refused it (e.g. a combination this build
+// of the adapter does not compile), or its training stopped (e.g. fp16 overflowing at the
+// minimum loss scale). Every rank refuses or stops alike.
+struct no_result {
+  std::string reason;
+  bool stopped = false;  // during training, with its progress line still open
+};
+
+// nullopt, with `why` filled in, when the configuration has no result.
 std::optional<result> train_one(const run_spec& spec, const options& o, const corpus& data, mt::any_communicator comm,
-                                torch::Device device, int index, int total, std::string& why) {
+                                torch::Device device, int index, int total, no_result& why) {
   if (spec.precision == "torch") return train_torch(spec, o, data, comm, device, index, total);
   GPT model = fresh_model(o, device);
   std::optional<mt::engine<GPT>> made;
   try {
     made.emplace(mt::initialize(model, make_config(spec, o), comm));
   } catch (const std::exception& e) {
-    why = e.what();
+    why = {e.what(), false};
     return std::nullopt;
   }
   auto& engine = *made;
+  result r;
   try {
-    return train_engine(engine, spec, o, data, comm, device, index, total);
+    r = train_engine(engine, spec, o, data, comm, device, index, total);
   } catch (const std::exception& e) {
     // A run that stops (an fp16 run whose loss scale fell to its minimum, say) is one
     // result of the comparison, not the end of it: every rank stops alike (the decision
     // is collective), and the next configuration starts from a fresh model.
-    why = std::string("stopped during training: ") + e.what();
+    why = {std::string("stopped during training: ") + e.what(), true};
     return std::nullopt;
   }
+  // After the peak is read: the export's model and evaluation are not training's memory.
+  // Not caught: a --save that fails is the user's error to see.
+  if (!o.save.empty()) save_and_export(engine, r, o, data, comm, device);
+  return r;
 }
 
 result train_engine(mt::engine<GPT>& engine, const run_spec& spec, const options& o, const corpus& data,
@@ -663,8 +674,6 @@ result train_engine(mt::engine<GPT>& engine, const run_spec& spec, const options
   r.host_bytes = m.host_model_state_bytes();
   // The core's model states and buckets are allocated outside LibTorch's allocator.
   finish(r, device, r.device_bytes + m.buckets, comm.rank(), index, total);
-  // After the peak is read: the export's model and evaluation are not training's memory.
-  if (!o.save.empty()) save_and_export(engine, r, o, data, comm, device);
   return r;
 }
 
@@ -888,20 +897,18 @@ int run(int argc, char** argv, mt::any_communicator comm) {
   std::vector<result> rs;
   std::vector<std::pair<std::string, std::string>> refused;  // (id, the engine's message)
   for (std::size_t i = 0; i < specs.size(); ++i) {
-    std::string why;
+    no_result why;
     auto r = train_one(specs[i], o, data, comm, device, static_cast<int>(i), static_cast<int>(specs.size()), why);
     if (r) {
       rs.push_back(std::move(*r));
     } else {
-      std::string first_line = why.substr(0, why.find('\n'));
+      std::string first_line = why.reason.substr(0, why.reason.find('\n'));
       const std::string tail = " Compiled:";  // the list of compiled combinations follows; leave it out
       if (first_line.size() > tail.size() && first_line.ends_with(tail)) first_line.resize(first_line.size() - tail.size());
       refused.emplace_back(specs[i].id(), first_line);
-      // A stopped run leaves its progress line open.
-      const bool stopped = first_line.starts_with("stopped");
-      if (root) {
-        std::fprintf(stderr, "%s[%zu/%zu] %-18s %s: %s\n", stopped ? "\n" : "", i + 1, specs.size(),
-                     specs[i].id().c_str(), stopped ? "not finished" : "skipped", first_line.c_str());
+      if (root) {  // a stopped run's progress line is still open
+        std::fprintf(stderr, "%s[%zu/%zu] %-18s %s: %s\n", why.stopped ? "\n" : "", i + 1, specs.size(),
+                     specs[i].id().c_str(), why.stopped ? "not finished" : "skipped", first_line.c_str());
       }
     }
     // After every configuration, so that a stopped run keeps what it finished.

@@ -66,14 +66,10 @@ inline std::ifstream open_file(const std::string& who, const fs::path& path, con
   return in;
 }
 
-// The bytes of a checkpoint file (open_file's refusal when it cannot be read).
-inline std::vector<char> read_file(const std::string& who, const fs::path& path, const std::string& what) {
-  std::ifstream in = open_file(who, path, what);
-  return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
+// A small checkpoint file's contents (open_file's refusal when it cannot be read).
 inline std::string read_text(const std::string& who, const fs::path& path, const std::string& what) {
-  const std::vector<char> b = read_file(who, path, what);
-  return std::string(b.begin(), b.end());
+  std::ifstream in = open_file(who, path, what);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 // `value` in the format torch.save writes (a zip of data.pkl and one record per tensor

@@ -67,14 +67,6 @@ std::int32_t hash30(const std::string& value) {
   return static_cast<std::int32_t>(h & 0x3fffffffu);
 }
 
-// The reentrant depth of the graph task running on this thread: 0 for a backward
-// called by user code, > 0 for a backward started inside another backward (reentrant
-// checkpointing, a custom Function's backward). -1 when there is no graph task or the
-// depth cannot be read. LibTorch exports no accessor for it, but exports a pointer to a
-// member of the current GraphTask (its exec_info_), whose layout the installed headers
-// describe; the result is trusted only if the task id read through it matches the
-// exported id. Otherwise the engine falls back to "an outer backward of this engine is
-// still open" (see engine_state::acquire).
 // True in a graph task that runs only part of the graph: torch::autograd::grad, or
 // backward with `inputs` (autograd then lists the nodes to run in exec_info).
 bool partial_graph_task() {
@@ -90,6 +82,14 @@ std::atomic<int>& scaled_task() {
   return task;
 }
 
+// The reentrant depth of the graph task running on this thread: 0 for a backward
+// called by user code, > 0 for a backward started inside another backward (reentrant
+// checkpointing, a custom Function's backward). -1 when there is no graph task or the
+// depth cannot be read. LibTorch exports no accessor for it, but exports a pointer to a
+// member of the current GraphTask (its exec_info_), whose layout the installed headers
+// describe; the result is trusted only if the task id read through it matches the
+// exported id. Otherwise the engine falls back to "an outer backward of this engine is
+// still open" (see engine_state::acquire).
 int current_reentrant_depth() {
   const auto* info = ag::get_current_graph_task_exec_info();
   if (info == nullptr) return -1;
@@ -167,7 +167,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   void on_param_grad(std::size_t i, const ::torch::Tensor& param);
   void on_output() { (void)acquire(event::output); }
   void on_scale_root() {
-    scaled_task() = ag::get_current_graph_task_id();
+    own_scaled_task_ = scaled_task() = ag::get_current_graph_task_id();
     (void)acquire(event::scale_root);
   }
   void on_callback(const std::shared_ptr<pass>& p);
@@ -301,7 +301,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::vector<std::shared_ptr<pass>> open_;                // passes not yet ended
   int cache_task_ = std::numeric_limits<int>::min();       // the last lookup, for O(1) hooks
   pass* cache_ = nullptr;
-  int scaled_partial_task_ = std::numeric_limits<int>::min();  // a partial graph task engine.scale() marked
+  int own_scaled_task_ = std::numeric_limits<int>::min();  // the graph task this engine's scale() root last ran in
   int forward_depth_ = 0;
   struct direct_backward {
     bool scale_wrt_gas;
@@ -417,10 +417,11 @@ void engine_state::init() {
     const auto& entries = cfg_.torch_autocast.lower_precision_safe_modules;
     std::vector<bool> matched(entries.size(), false);
     for (const auto& m : module_->modules(/*include_self=*/true)) {
+      bool safe = false;
       for (std::size_t e = 0; e < entries.size(); ++e) {
-        if (is_lower_precision_safe(m->name(), {entries[e]})) matched[e] = true;
+        if (is_lower_precision_safe(m->name(), {entries[e]})) matched[e] = safe = true;
       }
-      if (!is_lower_precision_safe(m->name(), entries)) continue;
+      if (!safe) continue;
       for (const auto& p : m->parameters(/*recurse=*/false)) {
         auto it = index_.find(p.unsafeGetTensorImpl());
         if (it != index_.end()) comm_dtypes_[it->second] = cfg_.torch_autocast.dtype_;
@@ -428,18 +429,16 @@ void engine_state::init() {
     }
     // A class the user named that the model lacks is a typo or a module of another
     // model (DeepSpeed refuses a name it cannot import); the defaults may match nothing.
-    if (cfg_.torch_autocast.lower_precision_safe_modules_given) {
-      for (std::size_t e = 0; e < entries.size(); ++e) {
-        if (matched[e]) continue;
-        std::string classes;
-        std::unordered_set<std::string> seen;
-        for (const auto& m : module_->modules(/*include_self=*/true)) {
-          if (seen.insert(m->name()).second) classes += (classes.empty() ? "" : ", ") + m->name();
-        }
-        fail("torch_autocast.lower_precision_safe_modules entry \"" + entries[e] +
-             "\" matches no module of the model (its classes: " + classes +
-             "); name a class the model has (e.g. \"torch.nn.Linear\" or \"Linear\") or remove the entry");
+    const auto unmatched = std::find(matched.begin(), matched.end(), false);
+    if (cfg_.torch_autocast.lower_precision_safe_modules_given && unmatched != matched.end()) {
+      std::string classes;
+      std::unordered_set<std::string> seen;
+      for (const auto& m : module_->modules(/*include_self=*/true)) {
+        if (seen.insert(m->name()).second) classes += (classes.empty() ? "" : ", ") + m->name();
       }
+      fail("torch_autocast.lower_precision_safe_modules entry \"" + entries[unmatched - matched.begin()] +
+           "\" matches no module of the model (its classes: " + classes +
+           "); name a class the model has (e.g. \"torch.nn.Linear\" or \"Linear\") or remove the entry");
     }
   }
   if (std::any_of(comm_dtypes_.begin(), comm_dtypes_.end(), [&](dtype d) { return d != spec.grad; })) {
@@ -519,12 +518,9 @@ pass* engine_state::acquire(event e) {
   // the graph. grad() accumulates into no parameter, so it must not touch the engine
   // (an epilogue would reduce every bucket, collectively, for nothing; fp16 would
   // refuse a gradient penalty). Only a parameter hook, which fires when autograd does
-  // accumulate into a parameter, opens a pass in such a task; an engine.scale() root
-  // seen first is remembered for it.
-  if (e != event::param && partial_graph_task()) {
-    if (e == event::scale_root) scaled_partial_task_ = task;
-    return nullptr;
-  }
+  // accumulate into a parameter, opens a pass in such a task (own_scaled_task_ remembers
+  // an engine.scale() root seen first).
+  if (e != event::param && partial_graph_task()) return nullptr;
 
   // A graph task this engine has not seen. Passes whose graph task died without running
   // its callbacks (an exception in backward) are over.
@@ -556,7 +552,7 @@ pass* engine_state::acquire(event e) {
     p->manual = true;
     manual_ = p;
   }
-  if (e == event::scale_root || task == scaled_partial_task_) p->scaled = true;
+  if (task == own_scaled_task_) p->scaled = true;
 
   // The epilogue belongs to the outermost user backward: not to a nested one, nor to a
   // backward run inside forward (that one's gradients join the next pass).
