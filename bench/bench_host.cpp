@@ -178,7 +178,7 @@ void BM_triad(benchmark::State& state) {
   set_host_counters(state, n, 12.0, 12.0 * static_cast<double>(n));
 }
 
-// 64K elements (one chunk: one thread) to 128M elements (0.9 to 3.5 GiB of model
+// 64K elements (one chunk: one thread) to 128M elements (1.0 to 2.25 GiB of model
 // state, several times this machine's 480 MiB last-level cache).
 void step_sizes(benchmark::internal::Benchmark* b) {
   for (std::int64_t n : {1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 27}) b->Arg(n);
