@@ -8,10 +8,13 @@
 #   bench   mpzero_bench_cuda (the step per policy vs the device copy bandwidth)
 #   gpt     train_gpt --device cuda (the precision comparison); GPT_ARGS adds flags,
 #           GPT_NAME names the run (default gpt; results under <work>/$GPT_NAME)
-# e.g.  scripts/gpu_run.sh build test      then      GPT_ARGS="--big --steps 1000" scripts/gpu_run.sh bench gpt
+#   states  train_gpt again, on a model whose memory is mostly model states (STATES_ARGS,
+#           default below; results under <work>/states): the memory and step-time targets
+# e.g.  scripts/gpu_run.sh build test bench      then      GPT_ARGS="--big --steps 1000" scripts/gpu_run.sh gpt states
 #
 # Each phase builds what it needs first (a no-op when build-gpu/ is up to date), so a
-# call on a fresh machine works whatever ran before. Logs and results go to a work
+# call on a fresh machine works whatever ran before; the first build of a call builds
+# the targets of all its phases in one parallel build. Logs and results go to a work
 # folder (out/gpu); when $OUT is set (the device tool, which brings back at most 8
 # files), they are packed there as one gpu_run.tar.gz, beside copies of the main
 # results (results.json, the plots, bench_cuda.json).
@@ -39,7 +42,20 @@ if [ -z "${NCCL_HOME:-}" ] && [ ! -e "$(dirname "$(dirname "$nvcc_bin")")/includ
   nccl_py="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)"
   [ -n "$nccl_py" ] && [ -e "$nccl_py/include/nccl.h" ] && export NCCL_HOME="$nccl_py"
 fi
+# cuBLAS/cuSPARSE/cuSOLVER headers (LibTorch's CUDA headers include them, e.g. through
+# ProcessGroupNCCL.hpp in the engine's [gpu] test): the toolkit's, else pip's CUDA
+# wheels' (searched after every -I and -isystem folder).
+cuda_include="$(dirname "$(dirname "$nvcc_bin")")/include"
+if [ ! -e "$cuda_include/cublas_v2.h" ]; then
+  cu_py="$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)/cu13/include"
+  [ -e "$cu_py/cublas_v2.h" ] && export CPATH="$cu_py${CPATH:+:$CPATH}"
+fi
 all_targets=(test_gpu test_zero_gpu test_comm_gpu test_torch_gpu mpzero_bench_cuda train_gpt)
+test_targets=(test_gpu test_zero_gpu test_comm_gpu test_torch_gpu)
+# The states run: about 151M parameters, 4 x 128 tokens a step, so that model states
+# (not activations) dominate peak memory, as in the DeepSpeed blog's 7B model.
+default_states_args="--big --dim 1024 --layers 12 --heads 16 --seq 128 --batch 4 --steps 200 \
+--configs bf16/z2,bf16-all-ac/z2,bf16-all/z2,fp16-master/z2,torch"
 failed=0
 
 # Configures build-gpu/ (again: cheap when it exists, and it refreshes a stale cache).
@@ -50,6 +66,10 @@ configure() {
     cmake --version | head -1; g++ --version | head -1
     python3 -c 'import torch; print("torch", torch.__version__, torch.version.cuda)'
     echo "NCCL_HOME=${NCCL_HOME:-}"
+    echo "CPATH=${CPATH:-}"
+    for h in cublas_v2.h cublasLt.h cusparse.h cusolverDn.h; do
+      [ -e "$cuda_include/$h" ] && echo "toolkit has $h" || echo "toolkit lacks $h"
+    done
   } >"$work/machine.txt" 2>&1
   local gen=()  # a generator only for a new build folder (an existing one keeps its own)
   [ ! -f "$build/CMakeCache.txt" ] && command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
@@ -61,12 +81,15 @@ configure() {
   grep "mpzero:" "$work/configure.log"
 }
 
-# Builds the named targets in one parallel build, leaving out (and reporting) any this
-# configuration does not define (no NCCL, no LibTorch found) and going on past failures.
+# Builds the named targets, together with the other phases' of this call
+# (GPU_RUN_TARGETS, set by the loop below) in one parallel build, leaving out (and
+# reporting) any this configuration does not define (no NCCL, no LibTorch found) and
+# going on past failures. Succeeds when the named ones built.
 ensure_built() {
   configure || return 1
   local defined=() t
-  for t in "$@"; do
+  # shellcheck disable=SC2086
+  for t in $(printf '%s\n' "$@" ${GPU_RUN_TARGETS:-} | sort -u); do
     if [ -n "$(find "$build" -type d -name "$t.dir" -print -quit)" ]; then
       defined+=("$t")
     else
@@ -76,18 +99,20 @@ ensure_built() {
   [ ${#defined[@]} -gt 0 ] || return 1
   local keep_going=(-- -k)
   [ -f "$build/build.ninja" ] && keep_going=(-- -k 0)
-  cmake --build "$build" -j "$(nproc)" --target "${defined[@]}" "${keep_going[@]}" >>"$work/build.log" 2>&1
-  local rc=$?
-  [ $rc -eq 0 ] || grep -E "error|Error" "$work/build.log" | head -20
-  [ ${#defined[@]} -eq $# ] || rc=1
-  return $rc
+  cmake --build "$build" -j "$(nproc)" --target "${defined[@]}" "${keep_going[@]}" >>"$work/build.log" 2>&1 ||
+    grep -E "error|Error" "$work/build.log" | head -20
+  # This phase's own targets: a no-op when they built, a failure when one did not.
+  local own=()
+  for t in "$@"; do printf '%s\n' "${defined[@]}" | grep -qx "$t" && own+=("$t"); done
+  [ ${#own[@]} -eq $# ] || return 1
+  cmake --build "$build" --target "${own[@]}" >>"$work/build.log" 2>&1
 }
 
 phase_build() {
   ensure_built "${all_targets[@]}"
 }
 phase_test() {
-  ensure_built test_gpu test_zero_gpu test_comm_gpu test_torch_gpu
+  ensure_built "${test_targets[@]}"
   # Below the device tool's 10 minutes a call: one hung test must not take the call down.
   (cd "$build" && ctest -L gpu --output-on-failure --timeout 240) 2>&1 | tee "$work/ctest_gpu.log" | tail -40
   return "${PIPESTATUS[0]}"
@@ -109,19 +134,27 @@ phase_gpt() {
   [ -f "$work/$name/results.json" ] && python3 "$root/examples/gpt/plot.py" "$work/$name/results.json" 2>&1 | tail -2
   return "$rc"
 }
+phase_states() {
+  GPT_NAME=states GPT_ARGS="${STATES_ARGS:-$default_states_args}" phase_gpt
+}
 
-# Everything in one archive under $OUT, plus the main results as files of their own.
+# Everything in one archive under $OUT, plus the main results as files of their own
+# (at most 8: the archive, bench_cuda.json, three per training run).
 bring_back() {
-  local name="${GPT_NAME:-gpt}" f
-  # A gpt phase stopped by the budget left results.json without its plots.
-  if [ -f "$work/$name/results.json" ] && [ "$work/$name/results.json" -nt "$work/$name/memory.png" ]; then
-    python3 "$root/examples/gpt/plot.py" "$work/$name/results.json" 2>&1 | tail -2
-  fi
+  local name f
+  for name in "${GPT_NAME:-gpt}" states; do
+    # A training phase stopped by the budget left results.json without its plots.
+    if [ -f "$work/$name/results.json" ] && [ "$work/$name/results.json" -nt "$work/$name/memory.png" ]; then
+      python3 "$root/examples/gpt/plot.py" "$work/$name/results.json" 2>&1 | tail -2
+    fi
+  done
   [ -n "${OUT:-}" ] || return 0
   tar -czf "$OUT/gpu_run.tar.gz" -C "$root/out" gpu 2>/dev/null
   [ -f "$work/bench_cuda.json" ] && cp "$work/bench_cuda.json" "$OUT/"
-  for f in "$work/$name/results.json" "$work/$name/loss_curves.png" "$work/$name/memory.png"; do
-    [ -f "$f" ] && cp "$f" "$OUT/${name}_$(basename "$f")"
+  for name in "${GPT_NAME:-gpt}" states; do
+    for f in "$work/$name/results.json" "$work/$name/loss_curves.png" "$work/$name/memory.png"; do
+      [ -f "$f" ] && cp "$f" "$OUT/${name}_$(basename "$f")"
+    done
   done
   ls "$OUT"
 }
@@ -134,12 +167,17 @@ if [ "${1:-}" = "--one" ]; then
 fi
 
 [ $# -gt 0 ] || set -- build test
+GPU_RUN_TARGETS=""
 for p in "$@"; do
   case "$p" in
-    build | test | bench | gpt) ;;
-    *) echo "gpu_run: unknown phase '$p' (build, test, bench, gpt)" >&2; exit 2 ;;
+    build) GPU_RUN_TARGETS+=" ${all_targets[*]}" ;;
+    test) GPU_RUN_TARGETS+=" ${test_targets[*]}" ;;
+    bench) GPU_RUN_TARGETS+=" mpzero_bench_cuda" ;;
+    gpt | states) GPU_RUN_TARGETS+=" train_gpt" ;;
+    *) echo "gpu_run: unknown phase '$p' (build, test, bench, gpt, states)" >&2; exit 2 ;;
   esac
 done
+export GPU_RUN_TARGETS
 budget="${GPU_RUN_BUDGET_S:-540}"
 # timeout puts the phase in a process group of its own: pass an interrupt of this script
 # (Ctrl-C, the device tool's stop) on to it, so no build or train_gpt outlives the call.

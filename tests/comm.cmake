@@ -12,5 +12,5 @@ endif()
 if(MPZERO_HAS_CUDA AND MPZERO_NCCL_FOUND)
   mpzero_add_test(test_comm_gpu SOURCES test_comm_gpu.cu TAGS gpu LIBS mpzero_nccl)
   mpzero_cuda_target(test_comm_gpu)
-  set_tests_properties(test_comm_gpu.gpu PROPERTIES TIMEOUT 300)
+  set_tests_properties(test_comm_gpu.gpu PROPERTIES TIMEOUT 240)  # within gpu_run.sh's --timeout 240
 endif()
