@@ -523,6 +523,24 @@ TEST_CASE("ZeRO-3: prefetch, gather and release; using a partitioned parameter w
   REQUIRE_THROWS_WITH(z.param(2), Catch::Contains("gather()"));
   REQUIRE_THROWS_WITH(z.release(0, 2), Catch::Contains("not gathered"));
   REQUIRE(z.memory().buckets == 0);
+
+  // What rewrites the partitions waits for every group to be released: a prefetch in
+  // flight or a gathered copy would see old or half-written values.
+  z.gather(0, 2);
+  z.gather(2, 4);
+  std::vector<float> g(numels[0], 1.0f);
+  z.accumulate_grad(0, to_grad<policies::bf16_all>(g).data());
+  z.end_backward();
+  REQUIRE_THROWS_WITH(z.step(), Catch::Contains("step: 2 parameter group(s) are gathered") &&
+                                    Catch::Contains("release() them first"));
+  const std::vector<float> v0(numels[0], 0.5f);
+  REQUIRE_THROWS_WITH(z.load_param(0, v0.data()), Catch::Contains("load_param: 2 parameter group(s)"));
+  z.release(0, 2);
+  z.release(2, 4);
+  z.prefetch(0, 2);  // in flight
+  REQUIRE_THROWS_WITH(z.step(), Catch::Contains("1 parameter group(s) are gathered (e.g. [0, 2))"));
+  z.release(0, 2);
+  REQUIRE(z.step().step == 1);  // the refused steps lost nothing: the gradients were still there
 }
 
 TEST_CASE("ZeRO: gradients may travel in another dtype (bf16 on the wire for fp32 gradients)", "[zero]") {
@@ -655,4 +673,15 @@ TEST_CASE("ZeRO-Offload: a zero sub-group size is refused with a message", "[off
   const std::vector<std::uint64_t> numels{10};
   using Z = ZeroOptimizer<policies::fp32, optim::adamw, stage<1>, comm::mpi_communicator, host_backend, offload_cpu>;
   REQUIRE_THROWS_WITH(Z(world(), numels, {}, zo), Catch::Contains("offload_sub_group_numel = 0"));
+}
+
+TEST_CASE("ZeRO-Offload: the offloaded step uses the host backend's thread count", "[offload]") {
+  const std::vector<std::uint64_t> numels{10, 3};
+  host_backend one_thread;
+  one_thread.options.threads = 1;
+  using Off = ZeroOptimizer<policies::fp32, optim::adamw, stage<2>, comm::mpi_communicator, host_backend, offload_cpu>;
+  using On = ZeroOptimizer<policies::fp32, optim::adamw, stage<2>, comm::mpi_communicator, host_backend>;
+  CHECK(Off(world(), numels, {}, {}, one_thread).host_options().threads == 1);
+  CHECK(On(world(), numels, {}, {}, one_thread).host_options().threads == 1);
+  CHECK(Off(world(), numels, {}, {}).host_options().threads == 0);
 }

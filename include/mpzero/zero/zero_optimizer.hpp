@@ -33,6 +33,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -186,6 +187,9 @@ class ZeroOptimizer {
     build_layout(numels);
     allocate();
     if constexpr (offloaded) {
+      // The host backend's threading applies to the offloaded step too (with a device
+      // backend it runs on OpenMP's default: OMP_NUM_THREADS or all cores).
+      if constexpr (std::is_same_v<Backend, host_backend>) host_.options = backend_.options;
       // One stepper per sub-group: a sub-group's upload overlaps the next one's update.
       for (const step_tensor<Policy, Optimizer>& t : sub_groups(shard_tensors())) {
         host_steppers_.push_back(host_.template make_stepper<Policy, Optimizer>({t}));
@@ -252,6 +256,7 @@ class ZeroOptimizer {
   // type. Every rank calls it with the same values.
   template <storage_type T>
   void load_param(std::size_t i, const T* values) {
+    require_no_gathered_groups("load_param");
     if constexpr (offloaded) wait_uploads();  // they read the host master this rewrites
     const std::size_t s = slot(i);
     const flat_range r = layout_.param_range(s);
@@ -417,6 +422,7 @@ class ZeroOptimizer {
   // rank's shard, gathers the parameters (stages 1 and 2) and zeroes the gradients.
   // Collective. Throws loss_scale_error (on every rank) when fp16 training diverges.
   step_report step() {
+    require_no_gathered_groups("step");
     reduce_gradients();
     reduced_ = false;
     const double W = static_cast<double>(world_);
@@ -511,6 +517,15 @@ class ZeroOptimizer {
   double loss_scale() const noexcept { return scaler_ ? scaler_->scale() : 1.0; }
   const std::optional<loss_scaler>& scaler() const noexcept { return scaler_; }
   const typename Optimizer::options& options() const noexcept { return opt_; }
+  // The threading of the host step (offload: the offloaded step's, which copies the host
+  // backend's; otherwise the host backend's).
+  const host::options& host_options() const noexcept {
+    if constexpr (offloaded || !std::is_same_v<Backend, host_backend>) {
+      return host_.options;
+    } else {
+      return backend_.options;
+    }
+  }
   void set_options(const typename Optimizer::options& o) {
     (void)Optimizer::prepare(o, 1);
     opt_ = o;
@@ -596,13 +611,7 @@ class ZeroOptimizer {
     // Everything is read and checked first; the optimizer changes only once every rank has its part.
     agree("load_checkpoint", "nothing was loaded on this rank", [&] {
       require_no_pending_grads("load_checkpoint");
-      if constexpr (zero_stage == 3) {
-        if (!groups_.empty()) {
-          detail::throw_invalid("ZeroOptimizer::load_checkpoint: " + std::to_string(groups_.size()) +
-                                " parameter group(s) are gathered; release() them first (a gathered copy would keep "
-                                "the old values)");
-        }
-      }
+      require_no_gathered_groups("load_checkpoint");
       read_checkpoint(dir, pieces, steps, scaler);
     });
     if constexpr (offloaded) wait_uploads();  // they read the host buffers rewritten here
@@ -779,6 +788,22 @@ class ZeroOptimizer {
     };
     detail::agree_on_failure(rank_, world_, max_over_ranks, "ZeroOptimizer::" + std::string(who), consequence,
                              std::forward<F>(f));
+  }
+
+  // Stage 3: what rewrites the partitions (step, load_param, load_checkpoint) needs
+  // every group released: a gathered copy would keep the old values, and a prefetch
+  // still in flight reads the partitions while they are written. Groups are gathered
+  // collectively, so every rank refuses alike.
+  void require_no_gathered_groups(const char* who) const {
+    if constexpr (zero_stage == 3) {
+      if (!groups_.empty()) {
+        const auto& [first, end] = groups_.begin()->first;
+        detail::throw_invalid("ZeroOptimizer::" + std::string(who) + ": " + std::to_string(groups_.size()) +
+                              " parameter group(s) are gathered (e.g. [" + std::to_string(first) + ", " +
+                              std::to_string(end) + ")); release() them first: this rewrites the partitions they "
+                              "were gathered from, and a gathered copy would keep the old values");
+      }
+    }
   }
 
   void require_no_pending_grads(const char* who) const {
