@@ -783,6 +783,28 @@ TEST_CASE("CUDA launchers refuse a bad workspace and a run before upload", "[gpu
     stream.sync();
   }
 
+  SECTION("empty gradient stats need no workspace and give 0") {
+    // No gradient views (a rank with no gradients): nothing to upload, the norm is 0.
+    const std::vector<grad_view<bf16>> views;
+    const multi_tensor_plan plan(std::vector<std::uint64_t>{});
+    mpzero::cuda::gradient_stats_launcher<bf16> launcher(plan, views);
+    REQUIRE(launcher.workspace_bytes() == 0);
+    REQUIRE_NOTHROW(launcher.upload(nullptr, 0, stream));
+    auto d_norm = device_alloc<double>(1);
+    auto d_flag = device_alloc<int>(1);
+    const double poison = -1.0;
+    MPZERO_CUDA_CHECK(cudaMemcpyAsync(d_norm.get(), &poison, sizeof poison, cudaMemcpyHostToDevice, stream));
+    zero_device(d_flag.get(), 1, stream);
+    REQUIRE_NOTHROW(launcher.run(d_norm.get(), d_flag.get(), stream));
+    double norm = -1.0;
+    int flag = -1;
+    MPZERO_CUDA_CHECK(cudaMemcpyAsync(&norm, d_norm.get(), sizeof norm, cudaMemcpyDeviceToHost, stream));
+    MPZERO_CUDA_CHECK(cudaMemcpyAsync(&flag, d_flag.get(), sizeof flag, cudaMemcpyDeviceToHost, stream));
+    stream.sync();
+    CHECK(norm == 0.0);
+    CHECK(flag == 0);
+  }
+
   SECTION("gradient_stats_launcher") {
     const std::vector<grad_view<bf16>> views = {grad_view<bf16>{grad.get(), n}};
     const std::vector<std::uint64_t> numels = {n};

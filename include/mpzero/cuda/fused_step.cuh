@@ -238,7 +238,9 @@ class gradient_stats_launcher {
   // Writes the squared norm to *d_norm_squared; sets *d_nonfinite to 1 if any
   // element is NaN or infinite (never clears it: the caller zeroes it per step).
   void run(double* d_norm_squared, int* d_nonfinite, cudaStream_t stream) const {
-    if (d_partials_ == nullptr) mpzero::detail::throw_invalid("gradient_stats_launcher::run: call upload() first");
+    // (No gradients: nothing to upload, and the sum of no partials writes 0.)
+    if (d_partials_ == nullptr && !chunks_.empty())
+      mpzero::detail::throw_invalid("gradient_stats_launcher::run: call upload() first");
     for (const launch_range& l : launches_) {
       detail::grad_stats_kernel<G, Tuning::threads><<<l.num_chunks, Tuning::threads, 0, stream>>>(
           d_grads_, d_chunks_ + l.first_chunk, d_partials_ + l.first_chunk, d_nonfinite);
