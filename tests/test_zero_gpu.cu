@@ -310,7 +310,8 @@ TEST_CASE("ZeroOptimizer refuses a communicator that reads the other memory spac
                                             Catch::Contains("Construct it with the backend's stream"));
 }
 
-TEST_CASE("cuda_backend::all_reduce_host: host values through reused device scratch, growing sizes", "[gpu][zero]") {
+TEST_CASE("cuda_backend::all_reduce_host and broadcast_host: host values through reused device scratch, in pieces",
+          "[gpu][zero]") {
   require_device();
   cudaStream_t stream = nullptr;
   MPZERO_CUDA_CHECK(cudaStreamCreate(&stream));
@@ -318,7 +319,9 @@ TEST_CASE("cuda_backend::all_reduce_host: host values through reused device scra
     const cuda_backend be{stream};
     comm::nccl_communicator nccl;
     // One rank: the sum and the max are the values themselves, through the device and back.
-    for (const std::uint64_t n : {std::uint64_t{1}, std::uint64_t{1000}, std::uint64_t{3}, std::uint64_t{5000}}) {
+    // 1.5M doubles: three pieces of 4 MiB, the last one short; the scratch stays one piece.
+    for (const std::uint64_t n : {std::uint64_t{1}, std::uint64_t{1000}, std::uint64_t{3}, std::uint64_t{5000},
+                                  std::uint64_t{1'500'000}}) {
       std::vector<double> v(n);
       for (std::uint64_t i = 0; i < n; ++i) v[i] = 0.5 * static_cast<double>(i) - 7.25;
       const std::vector<double> want = v;
@@ -329,6 +332,12 @@ TEST_CASE("cuda_backend::all_reduce_host: host values through reused device scra
       be.all_reduce_host(nccl, flags.data(), n, comm::reduce_op::max);
       CHECK(flags[n - 1] == 1);
       CHECK(std::count(flags.begin(), flags.end(), 1) == 1);
+      CHECK(be.host_collective_scratch_bytes() <= cuda_backend::host_collective_piece_bytes);
+      std::vector<float> b(n);
+      for (std::uint64_t i = 0; i < n; ++i) b[i] = static_cast<float>(i % 977) - 3.5f;
+      const std::vector<float> b_want = b;
+      be.broadcast_host(nccl, b.data(), n, 0);
+      CHECK(b == b_want);
     }
   }
   MPZERO_CUDA_CHECK(cudaStreamDestroy(stream));

@@ -105,15 +105,9 @@ class core_impl final : public zero_core {
   void broadcast(float* values, std::uint64_t n, int root) override {
     if (comm_.size() == 1 || n == 0) return;
     typename Context::scope s(ctx_);
-    if constexpr (device_memory) {  // device communicators (NCCL) read device memory
-      auto staged = backend_.template allocate<float>(n);
-      backend_.upload(staged.data(), values, n);
-      backend_.before_comm(comm_);
-      comm_.broadcast(staged.data(), n, root);
-      backend_.download(values, staged.data(), n);
-    } else {
-      comm_.broadcast(values, n, root);
-    }
+    // Device communicators (NCCL) read device memory: the CUDA backend stages the values
+    // through a small device buffer, a piece at a time (not the whole model at once).
+    backend_.broadcast_host(comm_, values, n, root);
   }
   void accumulate_grad(std::size_t i, const void* src, dtype t, float scale) override {
     typename Context::scope s(ctx_);

@@ -127,6 +127,10 @@ struct transfer_pool {
     }
     return scratch.data();
   }
+  std::size_t scratch_bytes() {
+    std::lock_guard lock(mutex);
+    return scratch.size();
+  }
   cudaStream_t stream() {
     std::lock_guard lock(mutex);
     if (copy == nullptr) MPZERO_CUDA_CHECK(cudaStreamCreateWithFlags(&copy, cudaStreamNonBlocking));
@@ -320,17 +324,44 @@ struct cuda_backend {
   // All-reduce of a few host values through device scratch (NCCL reads device memory).
   template <class Comm, class T>
   void all_reduce_host(Comm& c, T* values, std::uint64_t n, comm::reduce_op op) const {
-    if (n == 0) return;
-    T* scratch = static_cast<T*>(transfers_->scratch_for(static_cast<std::size_t>(n) * sizeof(T), stream));
-    upload(scratch, values, n);  // synchronous: the previous call's collective is long done
-    before_comm(c);
-    c.all_reduce(scratch, scratch, n, op);
-    download(values, scratch, n);
+    through_scratch(values, n, [&](T* d, std::uint64_t k) {
+      before_comm(c);
+      c.all_reduce(d, d, k, op);
+    });
   }
+  // Broadcast of host memory from `root`, through the same device scratch (the LibTorch
+  // engine's start-up broadcast of the model).
+  template <class Comm, class T>
+  void broadcast_host(Comm& c, T* values, std::uint64_t n, int root) const {
+    through_scratch(values, n, [&](T* d, std::uint64_t k) {
+      before_comm(c);
+      c.broadcast(d, k, root);
+    });
+  }
+  // The host collectives move values through one device scratch in pieces of at most
+  // this many bytes: the scratch is kept for the backend's lifetime, and a whole-model
+  // call (the engine's start-up broadcast, master_weights(), a large parameter's
+  // full_grad) would otherwise keep a model-sized buffer on the device. Sum, max and
+  // broadcast act element by element, so the pieces give each element its result.
+  static constexpr std::uint64_t host_collective_piece_bytes = std::uint64_t{4} << 20;
+  // Device bytes the host collectives keep between calls (at most one piece).
+  std::size_t host_collective_scratch_bytes() const { return transfers_->scratch_bytes(); }
 
   void synchronize() const { MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream)); }
 
  private:
+  template <class T, class Collective>
+  void through_scratch(T* values, std::uint64_t n, Collective&& collective) const {
+    constexpr std::uint64_t piece = host_collective_piece_bytes / sizeof(T);
+    for (std::uint64_t at = 0; at < n; at += piece) {
+      const std::uint64_t k = n - at < piece ? n - at : piece;
+      T* scratch = static_cast<T*>(transfers_->scratch_for(static_cast<std::size_t>(k) * sizeof(T), stream));
+      upload(scratch, values + at, k);  // synchronous: the previous piece's collective is done
+      collective(scratch, k);
+      download(values + at, scratch, k);
+    }
+  }
+
   transfer enqueue_copy(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind) const {
     if (bytes == 0) return {};
     cudaStream_t copy = transfers_->stream();

@@ -197,6 +197,11 @@ struct host_backend {
   void all_reduce_host(Comm& comm, T* values, std::uint64_t n, comm::reduce_op op) const {
     comm.all_reduce(values, values, n, op);
   }
+  // Broadcast of host memory from `root` (the LibTorch engine's start-up broadcast).
+  template <class Comm, class T>
+  void broadcast_host(Comm& comm, T* values, std::uint64_t n, int root) const {
+    comm.broadcast(values, n, root);
+  }
 
  private:
   // Splits [0, n) into blocks of whole cache lines across threads.
