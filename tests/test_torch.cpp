@@ -1174,3 +1174,28 @@ TEST_CASE("torch: a c10d ProcessGroup as the communicator", "[torch]") {
     check_weights(engine, ref.weights(), "c10d");
   }
 }
+
+namespace {
+// A host communicator that says it is bound to CUDA device 1 (as nccl_communicator does
+// through device()): enough to check the engine's device rule without a GPU.
+struct on_device_1 : mpzero::comm::local_communicator {
+  int device() const { return 1; }
+};
+}  // namespace
+
+TEST_CASE("torch: a communicator bound to another CUDA device than the parameters' is refused by name", "[torch]") {
+  const auto bound = mt::any_communicator::own(on_device_1{}, "nccl-on-1");
+  CHECK(bound.base().cuda_device() == 1);
+  CHECK(mt::any_communicator{}.base().cuda_device() == -1);  // the default local one: tied to no device
+  CHECK_NOTHROW(mt::detail::require_communicator_device(bound.base(), 1));
+  CHECK_NOTHROW(mt::detail::require_communicator_device(mt::any_communicator{}.base(), 0));
+  CHECK_THROWS_WITH(mt::detail::require_communicator_device(bound.base(), 0),
+                    Catch::Contains("parameters are on CUDA device 0") &&
+                        Catch::Contains("communicator 'nccl-on-1' works on CUDA device 1") &&
+                        Catch::Contains("cudaSetDevice(0)"));
+  // A c10d group on the CPU is tied to no CUDA device.
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(R(), W());
+  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, c10::make_intrusive<mpi_backend>());
+  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+  CHECK(mt::process_group_communicator(pg).base().cuda_device() == -1);
+}

@@ -83,7 +83,10 @@ struct cuda_context {
 // (ordered before the core's later work there with no host wait); a host communicator
 // of several ranks is refused.
 inline any_communicator device_communicator(any_communicator c, const cuda_context& ctx) {
-  if (c.base().reads_device_memory()) return c;
+  if (c.base().reads_device_memory()) {
+    require_communicator_device(c.base(), ctx.device);
+    return c;
+  }
   if (c.size() == 1) return any_communicator::own(comm::cuda_local_communicator(ctx.stream), "local (CUDA)");
   throw config_error("mpzero::torch: the parameters are on CUDA device " + std::to_string(ctx.device) +
                      ", but the communicator '" + c.name() + "' (" + std::to_string(c.size()) +

@@ -113,6 +113,7 @@ class pg_communicator final : public communicator_base {
   int rank() const override { return pg_->getRank(); }
   int size() const override { return pg_->getSize(); }
   bool reads_device_memory() const override { return device_.is_cuda(); }
+  int cuda_device() const override { return device_.is_cuda() ? device_.index() : -1; }
   std::string name() const override {
     return "c10d::ProcessGroup(" + pg_->getBackendName() + ", " + device_.str() + ")";
   }

@@ -15,6 +15,7 @@
 // Torch-free: this header needs only the core.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -91,7 +92,29 @@ class communicator_base {
   // An engine on CUDA parameters needs one, except at world size 1 (it copies on the
   // device itself).
   virtual bool reads_device_memory() const { return false; }
+  // The CUDA device whose memory the collectives read (NCCL's, a c10d group's), or -1
+  // where the communicator is tied to none. An engine checks it against its parameters'.
+  virtual int cuda_device() const { return -1; }
 };
+
+namespace detail {
+
+// An engine whose parameters are on CUDA device `device` refuses a communicator bound to
+// another device: its collectives would read the parameters' memory from the wrong GPU
+// (an illegal address, or reads unordered with the engine's stream).
+inline void require_communicator_device(const communicator_base& c, int device) {
+  const int d = c.cuda_device();
+  if (d >= 0 && d != device) {
+    throw mpzero::invalid_argument(
+        "mpzero::torch: the parameters are on CUDA device " + std::to_string(device) + ", but the communicator '" +
+        c.name() + "' works on CUDA device " + std::to_string(d) +
+        ". Create it with that device current (cudaSetDevice(" + std::to_string(device) +
+        ") or c10::cuda::set_device before nccl_communicator / the ProcessGroup), or move the model to cuda:" +
+        std::to_string(d));
+  }
+}
+
+}  // namespace detail
 
 namespace detail {
 
@@ -185,6 +208,14 @@ class communicator_adapter final : public communicator_base {
   // (C::wait_for(cudaStream_t), as nccl_communicator and cuda_local_communicator) works on
   // device memory.
   bool reads_device_memory() const override { return comm::reads_device_memory(c_); }
+  // C::device() where C has it (mpzero's nccl_communicator).
+  int cuda_device() const override {
+    if constexpr (requires { { c_.device() } -> std::convertible_to<int>; }) {
+      return c_.device();
+    } else {
+      return -1;
+    }
+  }
   // Forwarded to C::wait_for(cudaStream_t) where C has it (mpzero's nccl_communicator).
   bool wait_for_stream(void* stream) override {
     if constexpr (comm::stream_ordered<C>) {
