@@ -62,10 +62,9 @@ json config(const std::string& prec, int stage, bool offload, json extra = json:
 // power of two), with no reduction whose order could differ between devices.
 struct LinearFormImpl : torch::nn::Module {
   std::vector<Tensor> ws;
-  LinearFormImpl() {
+  explicit LinearFormImpl(const std::vector<std::int64_t>& sizes = {1, 7, 300, 4099, 65537}) {
     torch::manual_seed(7);
-    const std::int64_t sizes[] = {1, 7, 300, 4099, 65537};
-    for (std::size_t k = 0; k < std::size(sizes); ++k) {
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
       ws.push_back(register_parameter("w" + std::to_string(k), torch::randn({sizes[k]}) * 0.5));
     }
   }
@@ -251,6 +250,65 @@ TEST_CASE("gpu: backward and step on another stream are ordered with the engine'
   }
   for (std::size_t k = 0; k < ea.parameters().size(); ++k) {
     check_bits(ea.parameters()[k], eb.parameters()[k], "w" + std::to_string(k) + ", stage " + std::to_string(stage));
+  }
+}
+
+TEST_CASE("gpu: a forward on another stream right after step() sees the uploaded parameters", "[gpu][torch][hooks]") {
+  require_gpu();
+  // One parameter of 2^26 elements (256 MB), CPU offload in one sub-group: step() returns
+  // while the updated parameters' upload (pinned, about 10 ms) still runs on the engine's
+  // copy stream. A clone queued on the side stream at once reads them half-written unless
+  // step() ordered the side stream after that upload.
+  const std::int64_t n = std::int64_t{1} << 26;
+  json cfg = config("fp32", 1, true);
+  cfg["zero_optimization"]["sub_group_size"] = n;
+  cfg["zero_optimization"]["reduce_bucket_size"] = n;
+  LinearForm m(std::vector<std::int64_t>{n});
+  m->to(torch::kCUDA);
+  auto e = mt::initialize(m, cfg);
+  const c10::Device dev(c10::kCUDA, c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index());
+  const c10::Stream side = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStreamFromGlobalPool(dev);
+  for (int step = 0; step < 2; ++step) {
+    const auto cs = coefficients(m, step, torch::kCUDA);
+    torch::cuda::synchronize();
+    Tensor snap;
+    {
+      c10::StreamGuard guard(side);
+      e.backward(e(cs));
+      e.step();
+      snap = e.parameters()[0].clone();
+    }
+    torch::cuda::synchronize();
+    check_bits(snap, e.parameters()[0], "the side stream's copy after step " + std::to_string(step + 1));
+  }
+}
+
+TEST_CASE("gpu: a gradient's memory stays the engine's until it has read it (backward on another stream)",
+          "[gpu][torch][hooks]") {
+  require_gpu();
+  // Eight parameters of 2^20 elements: torch drops each gradient once the engine has taken
+  // it, and the caching allocator would give that block to the next gradient of the same
+  // size on the side stream at once. The engine's stream (the default one) is kept busy
+  // (about 0.2 s), so its reads of the gradients queue behind that: without record_stream
+  // w_k would read c_{k+1}'s values.
+  const int stage = GENERATE(0, 2);
+  LinearForm m(std::vector<std::int64_t>(8, std::int64_t{1} << 20));
+  m->to(torch::kCUDA);
+  auto e = mt::initialize(m, config("fp32", stage, false));
+  const auto cs = coefficients(m, 0, torch::kCUDA);
+  torch::cuda::synchronize();
+  const c10::Device dev(c10::kCUDA, c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDevice().index());
+  const c10::Stream side = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStreamFromGlobalPool(dev);
+  {
+    c10::StreamGuard busy(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getDefaultStream(dev));
+    at::cuda::sleep(400'000'000);
+  }
+  {
+    c10::StreamGuard guard(side);
+    e.backward(e(cs));
+  }
+  for (std::size_t k = 0; k < cs.size(); ++k) {
+    check_bits(e.full_grad(m->ws[k]), cs[k], "w" + std::to_string(k) + ", stage " + std::to_string(stage));
   }
 }
 
