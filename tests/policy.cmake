@@ -105,3 +105,12 @@ foreach(_mode IN LISTS _modes)
                    -P ${CMAKE_CURRENT_SOURCE_DIR}/consumer/run_consumer.cmake)
   set_tests_properties(install.consumer_${_mode} PROPERTIES LABELS install TIMEOUT 1200)
 endforeach()
+
+# The GPU machine has no MPI: a configure without it must still generate (the
+# multi-rank tests are left out, the [gpu] tests stay).
+add_test(NAME build.configure_without_mpi
+         COMMAND ${CMAKE_COMMAND} -S ${PROJECT_SOURCE_DIR} -B ${CMAKE_CURRENT_BINARY_DIR}/configure_without_mpi
+                 "-G${CMAKE_GENERATOR}" -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DMPZERO_ENABLE_CUDA=${MPZERO_ENABLE_CUDA}
+                 "-DTorch_DIR=${Torch_DIR}")
+set_tests_properties(build.configure_without_mpi PROPERTIES LABELS "policy;build" TIMEOUT 300
+                     FAIL_REGULAR_EXPRESSION "CMake Error;Generate step failed")
