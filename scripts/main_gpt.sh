@@ -14,21 +14,21 @@ out="${MPZERO_GPT_OUT:-$root/results/gpt}"
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
 
-# The corpus and the plotting library, when missing. The package, not the directory:
+# The corpus, when missing. The package, not the directory:
 # fortunes-min (which fortune-mod pulls in) fills the same directory with 3 small files.
 if ! dpkg -s fortunes >/dev/null 2>&1; then
   echo "main_gpt: installing Debian's fortunes (the training corpus)"
   $sudo apt-get update -qq
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fortunes >/dev/null
 fi
-if ! python3 -c "import matplotlib" 2>/dev/null; then
-  echo "main_gpt: installing matplotlib (for the plots)"
-  python3 -m pip install -q matplotlib 2>/dev/null || python3 -m pip install -q --break-system-packages matplotlib
-fi
-if ! python3 -c "import torch" 2>/dev/null; then
-  echo "main_gpt: torch for python3 is missing (LibTorch comes from it); run scripts/setup.sh first" >&2
-  exit 1
-fi
+# The PyPI packages come from scripts/setup.sh (which scripts/main.sh runs first).
+for module in torch matplotlib; do
+  if ! python3 -c "import $module" 2>/dev/null; then
+    echo "main_gpt: $module for python3 is missing (torch: LibTorch for the engine; matplotlib: the plots);" \
+      "run scripts/setup.sh first" >&2
+    exit 1
+  fi
+done
 
 # Only the trainer and the library it needs; with the engine's CUDA cores where there is
 # a GPU to run them (nvidia-smi sees one) and nvcc to build them, so that train_gpt's
