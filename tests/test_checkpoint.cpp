@@ -279,6 +279,34 @@ TEST_CASE("Checkpoint: loads at another world size, stage and precision policy",
     z.load_checkpoint(one.path);
     require_same(take(z, c), saved);
   }
+  SECTION("re-saved into the same directory by one rank alone: the larger save's extra shard files go") {
+    const auto shard = [&](int k) { return checkpoint::shard_path(dir.path, static_cast<std::uint32_t>(k)); };
+    if (c.rank() == 0) {
+      // One more, as a save at a world size one larger would have left (so that one rank
+      // alone has something to remove too); and a file that only looks like a shard, which
+      // stays: only names save_checkpoint writes are removed.
+      fs::copy_file(shard(0), shard(c.size()));
+      std::ofstream(dir.path / "zero_shard_1.mpz") << "not ours";
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (c.rank() == 0) {  // CHECK, not REQUIRE: the other ranks wait at the barrier below
+      zopt<policies::bf16_fp32_master, optim::adamw, 2> z(self, model_numels, {}, zo);
+      z.load_checkpoint(dir.path);
+      z.save_checkpoint(dir.path);
+      CHECK(fs::exists(shard(0)));
+      for (int k = 1; k <= c.size(); ++k) CHECK_FALSE(fs::exists(shard(k)));
+      CHECK(fs::exists(dir.path / "zero_shard_1.mpz"));
+      CHECK(checkpoint::remove_stale_shards(dir.path, 1) == 0);  // nothing left to remove
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    zopt<policies::bf16_fp32_master, optim::adamw, 2> z(c, model_numels, {}, zo);
+    z.load_checkpoint(dir.path);
+    require_same(take(z, c), saved);
+    // And a save at the full world size keeps all of its files.
+    z.save_checkpoint(dir.path);
+    MPI_Barrier(MPI_COMM_WORLD);
+    for (int k = 0; k < c.size(); ++k) REQUIRE(fs::exists(shard(k)));
+  }
   SECTION("into fp32 (the master becomes the parameter) and all-bf16 (rounded to nearest)") {
     zopt<policies::fp32, optim::adamw, 2> z32(c, model_numels, {}, zo);
     z32.load_checkpoint(dir.path);

@@ -567,7 +567,8 @@ class ZeroOptimizer {
   // are the caller's configuration. Both are collective: a failure on any rank throws on
   // every rank; a failed load changes nothing, and a failed save leaves every file that
   // was there whole (each is written beside its name and renamed into place), though
-  // the set of files may then mix two saves, which load_checkpoint detects.
+  // the set of files may then mix two saves, which load_checkpoint detects. A save that
+  // succeeds removes the shard files an earlier save at a larger world size left there.
   // save_checkpoint returns the save id every file of this save carries
   // (checkpoint::shard_header::save_id), for callers that write files of their own beside
   // the shards and want a load to tell whether they belong together.
@@ -601,6 +602,9 @@ class ZeroOptimizer {
                                 for (const auto& st : p.states) put(st.data());
                               });
     });
+    // Every file of this save is in place: what an earlier, larger save left goes. Each rank
+    // removes what it sees (a directory per node, or one shared: removing twice is harmless).
+    checkpoint::remove_stale_shards(dir, shard_files());
     return id;
   }
 
@@ -830,12 +834,15 @@ class ZeroOptimizer {
     return static_cast<std::uint64_t>(id);
   }
 
+  // How many shard files a save writes: one in all at stage 0, one per rank otherwise.
+  std::uint32_t shard_files() const noexcept { return zero_stage == 0 ? 1u : static_cast<std::uint32_t>(world_); }
+
   checkpoint::shard_header checkpoint_header(std::uint64_t id) const {
     checkpoint::shard_header h;
     h.save_id = id;
     h.rank = static_cast<std::uint32_t>(rank_);
     h.world = static_cast<std::uint32_t>(world_);
-    h.files = zero_stage == 0 ? 1u : static_cast<std::uint32_t>(world_);
+    h.files = shard_files();
     h.stage = static_cast<std::uint32_t>(zero_stage);
     h.param = dtype_of_v<param_type>;
     h.master = dtype_of_v<master_type>;
