@@ -26,10 +26,16 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr float to_float(bf16 x) noexcept 
 }
 
 // Round to nearest, ties to even. Overflow goes to infinity, as IEEE requires.
+// Adding 0x7fff plus the kept part's lowest bit carries into the kept bits exactly when
+// the discarded half exceeds one half, or equals it and the kept part is odd: the same
+// decision as detail::round_nearest_even (tests check every rounding boundary), in three
+// integer operations instead of seven, which the vectorized host step, rounding three
+// values per element under bf16_all, feels. Infinities stay (their low half is zero);
+// NaN takes one select, as in bf16_from_float_sr.
 MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr bf16 bf16_from_float_rn(float f) noexcept {
   const std::uint32_t u = detail::float_as_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{0x7fffu};  // canonical NaN
-  return bf16{static_cast<std::uint16_t>(detail::round_nearest_even(u >> 16, u & 0xffffu, 0x8000u))};
+  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return bf16{static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fffu : rounded)};  // NaN: canonical
 }
 
 // Stochastic rounding: the magnitude rounds up with probability equal to the
