@@ -412,6 +412,8 @@ TEST_CASE("mpi_communicator: construction, options and rank/size", "[comm]") {
   }
   ::setenv("MPZERO_COMM_TIMEOUT_S", "soon", 1);
   CHECK_THROWS_AS(mpi_communicator(), mpzero::invalid_argument);
+  ::setenv("MPZERO_COMM_TIMEOUT_S", "2e9", 1);  // positive, but above the limit: the message says which
+  CHECK_THROWS_WITH(mpi_communicator(), Catch::Contains("'2e9' is not a positive number of seconds (at most 1e9)"));
   ::unsetenv("MPZERO_COMM_TIMEOUT_S");
   {
     mpi_communicator d;
@@ -672,6 +674,10 @@ TEST_CASE("mpi deadline: a request that never completes throws comm_error, not a
   MPI_Request raw = MPI_REQUEST_NULL;
   MPI_Irecv(&sink, 1, MPI_INT, c.rank(), /*tag=*/4242, c.native(), &raw);
   mpi_request r = c.adopt(raw, "test receive");
+  int sink2 = 0;  // a second one, pending when the first times out
+  MPI_Request raw2 = MPI_REQUEST_NULL;
+  MPI_Irecv(&sink2, 1, MPI_INT, c.rank(), /*tag=*/4243, c.native(), &raw2);
+  mpi_request r2 = c.adopt(raw2, "second receive");
   const auto start = std::chrono::steady_clock::now();
   std::string msg;
   try {
@@ -687,13 +693,18 @@ TEST_CASE("mpi deadline: a request that never completes throws comm_error, not a
   CHECK(waited >= 0.2);
   CHECK_FALSE(c.usable());
   CHECK_THROWS_AS(c.barrier(), comm_error);  // refused locally: nothing is posted
+  // Polling another request of the broken communicator says so, instead of reporting
+  // whatever MPI says of a call its peers may never match.
+  CHECK_THROWS_WITH(r2.test(), Catch::Contains("second receive") && Catch::Contains("unusable"));
   CHECK_FALSE(r.done());
-  MPI_Cancel(&r.native_handles()[0]);
-  MPI_Status status;
-  MPI_Wait(&r.native_handles()[0], &status);
-  int cancelled = 0;
-  MPI_Test_cancelled(&status, &cancelled);
-  CHECK(cancelled == 1);
+  for (mpi_request* q : {&r, &r2}) {
+    MPI_Cancel(&q->native_handles()[0]);
+    MPI_Status status;
+    MPI_Wait(&q->native_handles()[0], &status);
+    int cancelled = 0;
+    MPI_Test_cancelled(&status, &cancelled);
+    CHECK(cancelled == 1);
+  }
 }
 
 TEST_CASE("mpi deadline: a collective whose peers come late times out on rank 0", "[comm]") {

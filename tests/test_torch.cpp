@@ -1176,6 +1176,71 @@ TEST_CASE("torch: a c10d ProcessGroup as the communicator", "[torch]") {
 }
 
 namespace {
+// A backend whose allreduce never completes (a peer that never comes), recording what
+// the communicator does with it: an abort at the deadline, and no wait that would block.
+struct stuck_work : c10d::Work {
+  bool isCompleted() override { return false; }
+  bool wait(std::chrono::milliseconds) override {
+    waited = true;
+    return false;
+  }
+  static inline bool waited = false;
+};
+struct stuck_backend : c10d::Backend {
+  stuck_backend() : Backend(0, 1) {}
+  const std::string getBackendName() const override { return "test-stuck"; }
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>&, const c10d::AllreduceOptions&) override {
+    ++posted;
+    return c10::make_intrusive<stuck_work>();
+  }
+  void abort() override { aborted = true; }
+  int posted = 0;
+  bool aborted = false;
+};
+}  // namespace
+
+TEST_CASE("torch: a c10d call that never completes throws comm_error at MPZERO_COMM_TIMEOUT_S, not a hang", "[torch]") {
+  auto backend = c10::make_intrusive<stuck_backend>();
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(0, 1);
+  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, backend);
+  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+  ::setenv("MPZERO_COMM_TIMEOUT_S", "2e9", 1);  // read when the communicator is made: a bad value is refused there
+  CHECK_THROWS_WITH(mt::process_group_communicator(pg), Catch::Contains("'2e9' is not a positive number of seconds"));
+  ::setenv("MPZERO_COMM_TIMEOUT_S", "0.3", 1);
+  const auto c = mt::process_group_communicator(pg);
+  ::unsetenv("MPZERO_COMM_TIMEOUT_S");
+  stuck_work::waited = false;
+  std::vector<float> v(8, 1.0f), w(8, 2.0f);
+  std::string msg;
+  const auto start = std::chrono::steady_clock::now();
+  {
+    auto r = c.base().iall_reduce(v.data(), v.data(), v.size(), mt::wire_dtype::f32, mpzero::comm::reduce_op::sum);
+    auto other = c.base().iall_reduce(w.data(), w.data(), w.size(), mt::wire_dtype::f32, mpzero::comm::reduce_op::sum);
+    CHECK_FALSE(r->test());
+    try {
+      r->wait();
+    } catch (const mpzero::comm::comm_error& e) {
+      msg = e.what();
+    }
+    // The other request of the aborted group says so; neither destructor blocks.
+    CHECK_THROWS_WITH(other->test(), Catch::Contains("unusable"));
+  }
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  INFO(msg);
+  CHECK_THAT(msg, Catch::Contains("ProcessGroup allreduce timed out on rank 0 of 1") &&
+                      Catch::Contains("raise MPZERO_COMM_TIMEOUT_S") && Catch::Contains("aborted"));
+  CHECK(waited >= 0.3);
+  CHECK(waited < 30);
+  CHECK(backend->aborted);
+  CHECK_FALSE(stuck_work::waited);
+  // Nothing more is posted on the aborted group.
+  CHECK_THROWS_WITH(c.base().barrier(), Catch::Contains("barrier") && Catch::Contains("refused"));
+  CHECK_THROWS_AS(c.base().iall_reduce(v.data(), v.data(), v.size(), mt::wire_dtype::f32, mpzero::comm::reduce_op::sum),
+                  mpzero::comm::comm_error);
+  CHECK(backend->posted == 2);
+}
+
+namespace {
 // A host communicator that says it is bound to CUDA device 1 (as nccl_communicator does
 // through device()): enough to check the engine's device rule without a GPU.
 struct on_device_1 : mpzero::comm::local_communicator {

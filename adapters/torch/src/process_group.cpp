@@ -6,6 +6,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
+#include <memory>
 #include <cstring>
 #include <optional>
 #include <functional>
@@ -41,34 +43,66 @@ at::Tensor view(const void* p, std::uint64_t n, at::ScalarType t, c10::Device de
                             ::torch::TensorOptions().dtype(t).device(device));
 }
 
+// What a communicator's requests share: the group (to abort it at a deadline), the
+// deadline, and why the communicator is unusable (empty while it is fine).
+struct pg_state {
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  double timeout_s = comm::default_timeout_s;
+  std::string broken;
+
+  std::string where() const {
+    return "rank " + std::to_string(pg->getRank()) + " of " + std::to_string(pg->getSize());
+  }
+  void check_usable(const std::string& op) const {
+    if (!broken.empty()) {
+      throw comm::comm_error("mpzero: ProcessGroup " + op + " on " + where() +
+                             " refused: the communicator failed earlier and is unusable; end the job. Earlier "
+                             "failure: " + broken);
+    }
+  }
+};
+
 // A posted ProcessGroup call plus the copies that finish it.
+//
+// The wait polls Work::isCompleted() under mpzero's deadline (MPZERO_COMM_TIMEOUT_S, as
+// every communicator), not c10d's own timeout: with ProcessGroupNCCL, Work::wait() only
+// orders the current stream, and the host would then block in the stream's
+// synchronization with no limit. At the deadline the group is aborted
+// (ProcessGroup::abort: NCCL's kernels stop; a no-op for backends without it), the
+// communicator becomes unusable and comm_error names the call and the setting to raise.
 class pg_request final : public request_base {
  public:
-  pg_request(c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish, std::string what, int rank, int size,
-             c10::Device device)
-      : work_(std::move(work)),
+  pg_request(std::shared_ptr<pg_state> st, c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish,
+             std::string what, c10::Device device)
+      : st_(std::move(st)),
+        work_(std::move(work)),
         finish_(std::move(finish)),
         what_(std::move(what)),
-        rank_(rank),
-        size_(size),
-        device_(device) {}
+        device_(device),
+        posted_(comm::detail::clock::now()) {}
   ~pg_request() override {
-    // The backend may still read or write our temporaries: wait, never throw.
-    if (!done_ && work_) {
-      try {
-        work_->wait();
-      } catch (...) {
-      }
+    // The backend may still read or write our temporaries: wait, never throw. Not on a
+    // broken communicator (its group was aborted; its work may never complete).
+    if (done_ || !work_ || !st_->broken.empty()) return;
+    try {
+      if (poll_until_deadline()) work_->wait();
+    } catch (...) {
     }
   }
   void wait() override {
     if (done_) return;
-    try {
-      if (work_) work_->wait();
-    } catch (const std::exception& e) {
-      done_ = true;
-      throw comm::comm_error("mpzero: ProcessGroup " + what_ + " failed on rank " + std::to_string(rank_) + " of " +
-                             std::to_string(size_) + ": " + e.what());
+    if (work_) {
+      st_->check_usable(what_);
+      if (!poll_until_deadline()) {
+        done_ = true;
+        throw comm::comm_error(st_->broken);
+      }
+      try {
+        work_->wait();  // completed: returns at once, or throws the backend's error
+      } catch (const std::exception& e) {
+        done_ = true;
+        throw comm::comm_error("mpzero: ProcessGroup " + what_ + " failed on " + st_->where() + ": " + e.what());
+      }
     }
     done_ = true;
     if (finish_) finish_();
@@ -81,17 +115,51 @@ class pg_request final : public request_base {
   }
   bool test() override {
     if (done_) return true;
-    if (work_ && !work_->isCompleted()) return false;
+    if (work_) {
+      st_->check_usable(what_);
+      if (!work_->isCompleted()) return false;
+    }
     wait();
     return true;
   }
 
  private:
+  // True once the work completed; false at the deadline, with the communicator marked
+  // broken and the group aborted.
+  bool poll_until_deadline() {
+    const auto start = comm::detail::clock::now();  // the deadline runs from the wait, as in mpi_request
+    const auto until = start + std::chrono::duration_cast<comm::detail::clock::duration>(
+                                   std::chrono::duration<double>(st_->timeout_s));
+    comm::detail::backoff backoff;
+    while (!work_->isCompleted()) {
+      if (!st_->broken.empty()) return false;  // another request timed out meanwhile
+      if (comm::detail::clock::now() >= until) {
+        st_->broken = timeout_message(start);
+        try {
+          st_->pg->abort();
+        } catch (...) {  // a backend that cannot abort: the message says to end the job
+        }
+        return false;
+      }
+      backoff.pause();
+    }
+    return true;
+  }
+  std::string timeout_message(comm::detail::clock::time_point start) const {
+    return "mpzero: ProcessGroup " + what_ + " timed out on " + st_->where() + " after waiting " +
+           comm::detail::format_seconds(comm::detail::seconds_since(start)) + " (posted " +
+           comm::detail::format_seconds(comm::detail::seconds_since(posted_)) + " ago; timeout " +
+           comm::detail::format_seconds(st_->timeout_s) +
+           "): a peer rank has stopped or has not reached the matching call. If the peers are only slow, raise "
+           "MPZERO_COMM_TIMEOUT_S; otherwise end the job: the group was aborted and this communicator is unusable now";
+  }
+
+  std::shared_ptr<pg_state> st_;
   c10::intrusive_ptr<c10d::Work> work_;
   std::function<void()> finish_;
   std::string what_;
-  int rank_, size_;
   c10::Device device_;
+  comm::detail::clock::time_point posted_;
   bool done_ = false;
 };
 
@@ -100,6 +168,8 @@ class pg_communicator final : public communicator_base {
   pg_communicator(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::optional<c10::Device> device)
       : pg_(std::move(pg)), device_(c10::kCPU) {
     if (!pg_) throw mpzero::invalid_argument("mpzero::torch::process_group_communicator: the ProcessGroup is null");
+    st_->pg = pg_;
+    st_->timeout_s = comm::detail::timeout_from_env();  // a bad value is refused here, before any call
     if (device) {
       device_ = *device;
     } else if (pg_->getBackendName() == "nccl") {  // NCCL reads device memory: the current CUDA device's
@@ -120,6 +190,7 @@ class pg_communicator final : public communicator_base {
 
   std::unique_ptr<request_base> iall_reduce(const void* in, void* out, std::uint64_t n, wire_dtype t,
                                             comm::reduce_op op) override {
+    check_usable("allreduce");
     if (n == 0) return ready();
     const at::ScalarType st = scalar_type_of(t);
     at::Tensor buf;
@@ -140,6 +211,7 @@ class pg_communicator final : public communicator_base {
 
   std::unique_ptr<request_base> ireduce_scatter_v(const void* in, void* out, std::span<const std::uint64_t> counts,
                                                   wire_dtype t, comm::reduce_op op) override {
+    check_usable("reduce_scatter_v (allreduce)");
     const std::uint64_t total = comm::detail::checked_total(counts, size(), "reduce_scatter_v");
     if (total == 0) return ready();
     const at::ScalarType st = scalar_type_of(t);
@@ -161,6 +233,7 @@ class pg_communicator final : public communicator_base {
 
   std::unique_ptr<request_base> iall_gather_v(const void* in, std::uint64_t n_in, void* out,
                                               std::span<const std::uint64_t> counts, wire_dtype t) override {
+    check_usable("all_gather_v (allgather)");
     comm::detail::checked_total(counts, size(), "all_gather_v");
     comm::detail::check_count_match(n_in, counts, rank(), "all_gather_v");
     const std::uint64_t maxc = *std::max_element(counts.begin(), counts.end());
@@ -192,6 +265,7 @@ class pg_communicator final : public communicator_base {
   }
 
   std::unique_ptr<request_base> ibroadcast(void* data, std::uint64_t n, wire_dtype t, int root) override {
+    check_usable("broadcast");
     comm::detail::check_root(root, size(), "broadcast");
     if (n == 0) return ready();
     std::vector<at::Tensor> ts{view(data, n * wire_size(t), at::kByte, device_)};
@@ -200,19 +274,25 @@ class pg_communicator final : public communicator_base {
     return post(pg_->broadcast(ts, o), {}, "broadcast");
   }
 
-  void barrier() override { post(pg_->barrier(), {}, "barrier")->wait(); }
+  void barrier() override {
+    check_usable("barrier");
+    post(pg_->barrier(), {}, "barrier")->wait();
+  }
 
  private:
   std::unique_ptr<request_base> ready() const {
-    return std::make_unique<pg_request>(c10::intrusive_ptr<c10d::Work>(), std::function<void()>{}, "", rank(), size(),
+    return std::make_unique<pg_request>(st_, c10::intrusive_ptr<c10d::Work>(), std::function<void()>{}, "",
                                         c10::Device(c10::kCPU));
   }
   std::unique_ptr<request_base> post(c10::intrusive_ptr<c10d::Work> w, std::function<void()> finish,
                                      const char* what) const {
-    return std::make_unique<pg_request>(std::move(w), std::move(finish), what, rank(), size(), device_);
+    return std::make_unique<pg_request>(st_, std::move(w), std::move(finish), what, device_);
   }
+  // Before anything is posted on a group that an earlier timeout aborted.
+  void check_usable(const char* op) const { st_->check_usable(op); }
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  std::shared_ptr<pg_state> st_ = std::make_shared<pg_state>();
   c10::Device device_;  // where the buffers the core passes live
 };
 

@@ -61,7 +61,8 @@ class comm_error : public mpzero::error {
 };
 
 // Element types that may travel. Sums of bf16/fp16 are computed in fp32 and rounded
-// to nearest once per pairwise combine (see each backend); int32 sums wrap like the
+// to nearest: once per pairwise combine in the MPI and NCCL communicators, once at the
+// end in the torch adapter's c10d one (see each backend); int32 sums wrap like the
 // backend's native integer sum would (do not rely on overflow); uint8 sums wrap mod 256
 // on every backend.
 template <class T>
@@ -167,7 +168,7 @@ inline double timeout_from_env() {
   const double t = std::strtod(v, &end);
   if (end == v || *end != '\0' || !(t > 0.0) || t > 1e9) {
     throw mpzero::invalid_argument(std::string("mpzero: MPZERO_COMM_TIMEOUT_S='") + v +
-                                   "' is not a positive number of seconds; set it to e.g. 300 or unset it");
+                                   "' is not a positive number of seconds (at most 1e9); set it to e.g. 300 or unset it");
   }
   return t;
 }

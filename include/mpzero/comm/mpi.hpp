@@ -178,6 +178,7 @@ class mpi_request {
   // Polls once; true (and the results are in place) when complete.
   bool test() {
     if (reqs_.empty()) return true;
+    st_->check_usable(what_);  // after a timeout elsewhere, "complete" would not mean the results are there
     int flag = 0;
     st_->check(MPI_Testall(static_cast<int>(reqs_.size()), reqs_.data(), &flag, MPI_STATUSES_IGNORE), "MPI_Testall",
                what_);

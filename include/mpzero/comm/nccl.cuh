@@ -107,6 +107,8 @@ struct nccl_state {
   int size = 1;
   int device = 0;
   double timeout_s = default_timeout_s;
+  // What sets timeout_s, for the timeout message: what to raise.
+  std::string timeout_setting = "MPZERO_COMM_TIMEOUT_S or nccl_options::timeout_s";
   std::string broken;  // why the communicator is unusable; empty while it is fine
 
   nccl_state() = default;
@@ -191,7 +193,7 @@ struct nccl_state {
          format_seconds(seconds_since(start)) + " (posted " + format_seconds(seconds_since(posted)) +
          " ago; timeout " + format_seconds(timeout_s) +
          "): a peer rank has stopped or has not reached the matching call, or the work it depends on never "
-         "finished. If the peers are only slow, raise MPZERO_COMM_TIMEOUT_S or nccl_options::timeout_s");
+         "finished. If the peers are only slow, raise " + timeout_setting);
   }
 
   // Non-blocking NCCL returns ncclInProgress until a call's work is enqueued (or the
@@ -238,6 +240,7 @@ class nccl_request {
   // True when the operation finished on the device. Throws on an NCCL error.
   bool test() {
     if (event_ == nullptr) return true;
+    st_->check_usable(what_);  // an abort elsewhere lets the event fire on incomplete results
     detail::device_guard g(st_->device);
     if (st_->comm != nullptr) {
       ncclResult_t state = ncclSuccess;
@@ -456,6 +459,7 @@ class nccl_communicator : public blocking_collectives<nccl_communicator> {
     st->device = device;
     // Construction waits under its own deadline; every later wait under `timeout`.
     st->timeout_s = opt.init_timeout_s ? detail::checked_timeout(*opt.init_timeout_s) : timeout;
+    if (opt.init_timeout_s) st->timeout_setting = "nccl_options::init_timeout_s";
     const char* op = "communicator construction";
     st->check_cuda(cudaStreamCreateWithFlags(&st->stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags", op);
     st->check_cuda(cudaEventCreateWithFlags(&st->producer_event, cudaEventDisableTiming), "cudaEventCreateWithFlags",
@@ -467,6 +471,7 @@ class nccl_communicator : public blocking_collectives<nccl_communicator> {
     st->check_nccl(ncclCommInitRankConfig(&st->comm, size, id, rank, &config), "ncclCommInitRankConfig", op);
     st->wait_ready(op);
     st->timeout_s = timeout;
+    st->timeout_setting = opt.timeout_s ? "nccl_options::timeout_s" : "MPZERO_COMM_TIMEOUT_S or nccl_options::timeout_s";
     st_ = std::move(st);
   }
 

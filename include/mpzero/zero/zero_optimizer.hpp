@@ -1175,8 +1175,9 @@ class ZeroOptimizer {
       const flat_range r{persistent_begin_, layout_.padded_numel()};
       if (r.empty()) return;
       const std::vector<std::uint64_t> counts = layout_.rank_counts(r);
-      const flat_range own = intersect(r, shard_);
-      param_type* in = persistent_.data() + (own.empty() ? 0 : own.begin - persistent_begin_);
+      // In place on every rank, as MPI requires of MPI_IN_PLACE: a rank whose block is
+      // empty passes its (empty) block's place too.
+      param_type* in = persistent_.data() + comm::detail::offset_of(counts, rank_);
       comm_.all_gather_v(in, counts[static_cast<std::size_t>(rank_)], persistent_.data(), counts);
     }
   }

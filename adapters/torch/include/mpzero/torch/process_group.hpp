@@ -10,9 +10,14 @@
 //    temporary of the whole input.
 //  - all_gather_v: an allgather of blocks padded to the largest count, then compacted:
 //    at most W x max(counts) elements instead of sum(counts); exact bits.
-//  - bf16/fp16 reductions run in fp32 (converted in and out: twice the bytes; one
-//    rounding per element, so the result does not depend on the reduction order).
-// Operations run asynchronously on the backend; wait() finishes the copies.
+//  - bf16/fp16 reductions run in fp32 (converted in and out: twice the bytes) and are
+//    rounded to 16 bits once, at the end. The fp32 partial sums follow the backend's
+//    order, so from 3 ranks up the bits may differ from mpi_communicator's and
+//    nccl_communicator's, which round after every pairwise combine.
+// Operations run asynchronously on the backend; wait() finishes the copies. Waits run
+// under mpzero's deadline (MPZERO_COMM_TIMEOUT_S, read when the communicator is made),
+// polling Work::isCompleted(), not under c10d's: at the deadline the group is aborted
+// (ProcessGroup::abort) and comm_error is thrown; the communicator is then unusable.
 // Buffers: the core's memory, as tensors on `device`: by default the CPU, or, for a
 // group whose backend is "nccl", the current CUDA device (an engine on CUDA parameters
 // needs a group that takes device tensors: NCCL, or Gloo given the device explicitly).
