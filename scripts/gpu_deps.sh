@@ -9,8 +9,17 @@ deps="$root/.deps"
 packages=(catch2 libbenchmark-dev libbenchmark1debian nlohmann-json3-dev fortunes fortunes-min)
 mkdir -p "$deps/debs" "$deps/root"
 cd "$deps/debs"
+updated=0
 for p in "${packages[@]}"; do
-  ls "$p"_*.deb >/dev/null 2>&1 || apt-get download "$p"
+  ls "$p"_*.deb >/dev/null 2>&1 && continue
+  # A machine whose packages all came preinstalled may never have fetched the lists.
+  if [ "$updated" -eq 0 ]; then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    updated=1
+  fi
+  apt-get download "$p"
 done
 for d in *.deb; do dpkg -x "$d" "$deps/root"; done
 du -sh "$deps/root"

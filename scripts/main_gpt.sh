@@ -16,7 +16,8 @@ sudo=""
 
 # The corpus, when missing. The package, not the directory:
 # fortunes-min (which fortune-mod pulls in) fills the same directory with 3 small files.
-if ! dpkg -s fortunes >/dev/null 2>&1; then
+# dpkg-query, not dpkg -s: a package removed but not purged still answers dpkg -s.
+if ! dpkg-query -W -f='${Status}' fortunes 2>/dev/null | grep -q 'install ok installed'; then
   echo "main_gpt: installing Debian's fortunes (the training corpus)"
   $sudo apt-get update -qq
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fortunes >/dev/null
@@ -38,9 +39,17 @@ done
 cuda=(-DMPZERO_ENABLE_CUDA=OFF -DMPZERO_TORCH_CUDA=OFF)
 nvcc_bin="$(command -v nvcc || true)"
 [ -n "$nvcc_bin" ] || { [ -x /usr/local/cuda/bin/nvcc ] && nvcc_bin=/usr/local/cuda/bin/nvcc; }
-if [ -n "$nvcc_bin" ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-  echo "main_gpt: a GPU is present: building the engine's CUDA cores"
-  cuda=(-DMPZERO_ENABLE_CUDA=ON -DMPZERO_TORCH_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc_bin")
+# The CUDA cores need a CUDA build of torch too (a +cpu wheel has no libtorch_cuda), and
+# are built for the GPUs that are there (scripts/gpu_arch.sh), not only for sm_90.
+arch="$("$root/scripts/gpu_arch.sh")"
+if [ -n "$nvcc_bin" ] && [ -n "$arch" ]; then
+  if python3 -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then
+    echo "main_gpt: a GPU is present: building the engine's CUDA cores for it (sm_${arch//;/, sm_})"
+    cuda=(-DMPZERO_ENABLE_CUDA=ON -DMPZERO_TORCH_CUDA=ON -DCMAKE_CUDA_COMPILER="$nvcc_bin" "-DCMAKE_CUDA_ARCHITECTURES=$arch")
+  else
+    echo "main_gpt: a GPU is present, but python3's torch $(python3 -c 'import torch; print(torch.__version__)')" \
+      "is a CPU-only build: training on the CPU (install a CUDA build of torch==2.11.0 to train on the GPU)"
+  fi
 fi
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DMPZERO_BUILD_BENCH=OFF -DMPZERO_BUILD_TESTS=OFF \
   "${cuda[@]}" >/dev/null

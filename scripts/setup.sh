@@ -12,7 +12,8 @@ safetensors_version="0.8.0"
 packages=(cmake g++ make python3 python3-pip catch2 libbenchmark-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${packages[@]}"; do
-  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+  # dpkg-query, not dpkg -s: a package removed but not purged still answers dpkg -s.
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "mpzero setup: installing ${missing[*]}"

@@ -184,6 +184,7 @@ def main():
                   (" ".join(extra), want, p.returncode, p.stderr[-300:]))
         refused(["--steps", "4x"], "--steps 4x: not an integer")
         refused(["--lr", "3e-3abc"], "--lr 3e-3abc: not a number")
+        refused(["--seed", "-1"], "--seed -1: not an integer from 0 to 18446744073709551615")
         blocker = os.path.join(a.work, "a_file")
         with open(blocker, "w") as f:
             f.write("not a directory\n")
@@ -191,10 +192,11 @@ def main():
         refused(["--save", os.path.join(blocker, "ckpt")], "--save")
 
         # A run that stops (fp16 overflowing at its minimum loss scale, from a far too large
-        # learning rate) is reported as not finished; the next configuration still runs.
+        # learning rate) is reported as not finished; the next configuration still runs, and
+        # becomes the base, which the table says. (A seed above 2^32 is taken: seeds are 64 bits.)
         stop_out = os.path.join(a.work, "stopped")
         p = subprocess.run([a.train_gpt, *TINY, "--lr", "100", "--configs", "fp16/z0,fp32/z0", "--corpus", corpus,
-                            "--out", stop_out], capture_output=True, text=True)
+                            "--out", stop_out, "--seed", "30000000000"], capture_output=True, text=True)
         check(p.returncode == 0, "train_gpt goes on after a run stops (rc %d, stderr %r)" % (p.returncode, p.stderr[-400:]))
         if p.returncode == 0:
             with open(os.path.join(stop_out, "results.json")) as f:
@@ -203,6 +205,9 @@ def main():
             check(len(stopped["not_run"]) == 1 and stopped["not_run"][0]["id"] == "fp16/z0" and
                   stopped["not_run"][0]["reason"].startswith("stopped during training"),
                   "fp16/z0 is listed as not finished, with the reason (got %s)" % stopped["not_run"])
+            check("fp16/z0, did not finish: fp32/z0 is the base instead" in p.stdout,
+                  "the table says fp32/z0 is the base because fp16/z0 did not finish")
+            check(stopped["meta"]["seed"] == 30000000000, "--seed 30000000000 is taken (got %s)" % stopped["meta"]["seed"])
 
     def png_width(path):
         with open(path, "rb") as f:

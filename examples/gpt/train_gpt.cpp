@@ -326,7 +326,7 @@ void usage() {
       "  --configs: comma-separated ids (bf16/z2, fp16/z1+off), precisions (every variant: fp32, bf16,\n"
       "             bf16-master, bf16-all, bf16-all-sr, fp16, fp16-master; with bf16 autocast: fp32-ac, bf16-all-ac,\n"
       "             bf16-all-sr-ac), 'torch' (plain LibTorch AdamW, no mpzero) or 'all'. The first is\n"
-      "             the base the others are compared with.\n"
+      "             the base the others are compared with (if it does not finish, the first that does).\n"
       "             Default:\n             %s\n"
       "  --big:     6 layers, dim 384, 6 heads, seq 256, batch 32, 2000 steps, lr 1e-3 (later flags override);\n"
       "             meant for a GPU\n"
@@ -372,7 +372,16 @@ options parse_args(int argc, char** argv) {
     else if (a == "--seq") o.seq = integer(2);
     else if (a == "--batch") o.batch = integer(1);
     else if (a == "--eval-batches") o.eval_batches = integer(1);
-    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(integer(0));
+    else if (a == "--seed") {  // the engine's seed is 64 bits (docs/config.md)
+      std::size_t used = 0;
+      try {
+        if (!v.empty() && v[0] != '-') o.seed = std::stoull(v, &used);
+      } catch (...) {
+        used = 0;
+      }
+      if (used == 0 || used != v.size())
+        throw std::invalid_argument("--seed " + v + ": not an integer from 0 to 18446744073709551615");
+    }
     else if (a == "--lr") {
       std::size_t used = 0;
       try {
@@ -677,7 +686,8 @@ result train_engine(mt::engine<GPT>& engine, const run_spec& spec, const options
   return r;
 }
 
-void print_table(const std::vector<result>& rs, bool gpu) {
+// `first`: the id of the first selected configuration, the intended base.
+void print_table(const std::vector<result>& rs, bool gpu, const std::string& first) {
   const auto& b = rs.front();
   std::printf("\n%-18s %8s %6s %10s %10s %8s %9s %8s %8s %8s %8s %7s\n", "config", "steps/s", "speed", "states MiB",
               "host MiB", "B/param", "B/param", "final", "mean", "eval", "eval", "skipped");
@@ -706,6 +716,10 @@ void print_table(const std::vector<result>& rs, bool gpu) {
               "'predicted' is mpzero::bytes_per_param for the engine's dtypes. final train: mean of the last 10\n"
               "steps' losses; losses in nats per byte; eval: held-out fortunes.\n",
               b.spec.id().c_str());
+  if (b.spec.id() != first) {
+    std::printf("(the first selected configuration, %s, did not finish: %s is the base instead)\n", first.c_str(),
+                b.spec.id().c_str());
+  }
 }
 
 // The DeepSpeed blog's comparison and issue 6's targets, for whichever of its rows ran:
@@ -919,7 +933,7 @@ int run(int argc, char** argv, mt::any_communicator comm) {
   }
   if (rs.empty()) throw std::runtime_error("no selected configuration finished (see above)");
   if (root) {
-    print_table(rs, device.is_cuda());
+    print_table(rs, device.is_cuda(), specs.front().id());
     const json blog = blog_comparison(rs, device.is_cuda(), o.steps);
     print_blog_comparison(blog, device.is_cuda());
     if (!refused.empty()) {
