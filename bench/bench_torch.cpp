@@ -10,7 +10,11 @@
 //                     fused AdamW takes no loss scale here)  vs policies::fp16_fp32_master
 //   bf16_all          torch all-bf16 _fused_adamw_        vs policies::bf16_all
 //   bf16_all_sr       the same torch run                  vs policies::bf16_all_sr
-// Both sides of a pair report the mpzero policy's bytes per element
+// A third run per config, "pattern", is the ceiling of the access pattern: the step's
+// loads and stores over the same buffers and chunks, with an XOR in place of the
+// update's arithmetic. Neither side can stream faster than it, so pattern / torch bounds
+// the ratio any step could reach against torch on this machine.
+// Every run of a pair reports the mpzero policy's bytes per element
 // (step_bytes_per_element), so their bytes_per_second divide into the speed ratio;
 // the summary printed after the run gives that ratio (mpzero / torch) per size.
 //
@@ -28,6 +32,7 @@
 #include <torch/version.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -174,6 +179,79 @@ class torch_side<policies::fp16_fp32_master> : public torch_side_fp32_master<pol
   using torch_side_fp32_master::torch_side_fp32_master;
 };
 
+// ---- the access pattern's ceiling -------------------------------------------------------
+
+// The bits of a storage type, and back; and a change of width (the high half, as a
+// conversion between float and bf16 would keep).
+template <class T>
+using bits_t = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint16_t>;
+template <class T>
+bits_t<T> to_bits(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return std::bit_cast<std::uint32_t>(x);
+  } else {
+    return x.bits;
+  }
+}
+template <class T>
+T of_bits(bits_t<T> b) {
+  if constexpr (std::is_same_v<T, float>) {
+    return std::bit_cast<float>(b);
+  } else {
+    return T::from_bits(b);
+  }
+}
+template <class To, class From>
+bits_t<To> rewidth(bits_t<From> b) {
+  if constexpr (sizeof(To) == sizeof(From)) {
+    return b;
+  } else if constexpr (sizeof(To) > sizeof(From)) {
+    return static_cast<std::uint32_t>(b) << 16;
+  } else {
+    return static_cast<std::uint16_t>(b >> 16);
+  }
+}
+
+// Policy's AdamW step with the arithmetic taken out: reads the gradient, reads and
+// writes the master (the parameter when it is the master) and both states, writes the
+// parameter when it is separate; each value changes by an XOR, so the stores are real.
+// The same chunks and threads as host::run.
+template <precision_policy Policy>
+class pattern_side {
+  using P = typename Policy::param_type;
+  using G = typename Policy::grad_type;
+  using M = typename Policy::master_type;
+  using S = typename Policy::state_type;
+
+ public:
+  explicit pattern_side(model_state<Policy>& s) : s_(s) {}
+  void run() const {
+    P* MPZERO_RESTRICT pp = s_.param.data();
+    const G* MPZERO_RESTRICT pg = s_.grad.data();
+    M* MPZERO_RESTRICT pw = nullptr;
+    if constexpr (!Policy::master_is_param) pw = s_.master.data();
+    S* MPZERO_RESTRICT pm = s_.exp_avg.data();
+    S* MPZERO_RESTRICT pv = s_.exp_avg_sq.data();
+    parallel_chunks(s_.n, kChunk, [&](std::uint64_t lo, std::uint64_t hi) {
+      for (std::uint64_t i = lo; i < hi; ++i) {
+        const bits_t<G> g = to_bits(pg[i]);
+        if constexpr (Policy::master_is_param) {
+          pp[i] = of_bits<P>(to_bits(pp[i]) ^ rewidth<P, G>(g));
+        } else {
+          const bits_t<M> w = to_bits(pw[i]) ^ rewidth<M, G>(g);
+          pw[i] = of_bits<M>(w);
+          pp[i] = of_bits<P>(rewidth<P, M>(w));
+        }
+        pm[i] = of_bits<S>(to_bits(pm[i]) ^ bits_t<S>{1});
+        pv[i] = of_bits<S>(to_bits(pv[i]) ^ bits_t<S>{2});
+      }
+    });
+  }
+
+ private:
+  model_state<Policy>& s_;
+};
+
 // ---- the benchmarks --------------------------------------------------------------------
 
 // Runs Side's step over a fresh model_state<Policy> of n elements; reports Policy's
@@ -181,7 +259,7 @@ class torch_side<policies::fp16_fp32_master> : public torch_side_fp32_master<pol
 template <precision_policy Policy, class Side>
 void bench_side(benchmark::State& state, std::uint64_t n, std::uint64_t extra_bytes_per_element) {
   model_state<Policy> s(n);
-  const Side side(s);
+  Side side(s);
   side.run();  // warm-up: thread pool, TLB, and torch's dispatcher
   for (auto _ : state) {
     side.run();
@@ -205,8 +283,14 @@ void BM_torch(benchmark::State& state, std::uint64_t n) {
   bench_side<Policy, torch_side<Policy>>(state, n, torch_side<Policy>::extra_bytes_per_element);
 }
 
+template <precision_policy Policy>
+void BM_pattern(benchmark::State& state, std::uint64_t n) {
+  bench_side<Policy, pattern_side<Policy>>(state, n, 0);
+}
+
 // 256K elements (4 of mpzero's chunks: threading overhead, in L2/L3), 4M (64 MiB of
-// fp32 state), 32M and 128M (past this machine's last-level cache for every policy).
+// fp32 state), 32M (past this machine's 480 MiB last-level cache for the fp32 configs)
+// and 128M (past it for all).
 const std::vector<std::uint64_t> kSizes = {1u << 18, 1u << 22, 1u << 25, 1u << 27};
 
 // A pair: the mpzero config and the torch config its ratio is taken against.
@@ -233,12 +317,15 @@ void register_benchmarks() {
     };
     reg("fp32", "mpzero", BM_mpzero<policies::fp32>);
     reg("fp32", "torch", BM_torch<policies::fp32>);
+    reg("fp32", "pattern", BM_pattern<policies::fp32>);
     reg("bf16_fp32_master", "mpzero", BM_mpzero<policies::bf16_fp32_master>);
     reg("bf16_fp32_master", "torch", BM_torch<policies::bf16_fp32_master>);
+    reg("bf16_fp32_master", "pattern", BM_pattern<policies::bf16_fp32_master>);
     reg("fp16_fp32_master", "mpzero", BM_mpzero<policies::fp16_fp32_master>);
     reg("fp16_fp32_master", "torch", BM_torch<policies::fp16_fp32_master>);
     reg("bf16_all", "mpzero", BM_mpzero<policies::bf16_all>);
     reg("bf16_all", "torch", BM_torch<policies::bf16_all>);
+    reg("bf16_all", "pattern", BM_pattern<policies::bf16_all>);
     reg("bf16_all_sr", "mpzero", BM_mpzero<policies::bf16_all_sr>);
   }
 }
@@ -288,6 +375,27 @@ class summary_reporter : public benchmark::ConsoleReporter {
         }
         std::snprintf(line, sizeof line, "%12llu  %-18s %-18s %12.2f %12.2f %8.2f\n",
                       static_cast<unsigned long long>(n), p.mpzero, p.torch, a / 1e9, b / 1e9, a / b);
+        out << line;
+      }
+    }
+    header = false;
+    for (const std::uint64_t n : kSizes) {
+      for (const pair_name& p : kPairs) {
+        if (std::string(p.mpzero) != p.torch) continue;  // one line per config
+        const double c = value(bench_name(p.mpzero, n, "pattern"));
+        const double a = value(bench_name(p.mpzero, n, "mpzero"));
+        const double b = value(bench_name(p.torch, n, "torch"));
+        if (c <= 0 || a <= 0 || b <= 0) continue;
+        if (!header) {
+          out << "\nthe access pattern's ceiling (\"pattern\": the step's loads and stores, no arithmetic); "
+                 "pattern / torch bounds what any step can reach against torch here\n";
+          std::snprintf(line, sizeof line, "%12s  %-18s %13s %15s %14s %14s\n", "n", "config", "pattern GB/s",
+                        "mpzero/pattern", "torch/pattern", "pattern/torch");
+          out << line;
+          header = true;
+        }
+        std::snprintf(line, sizeof line, "%12llu  %-18s %13.2f %15.2f %14.2f %14.2f\n",
+                      static_cast<unsigned long long>(n), p.mpzero, c / 1e9, a / c, b / c, c / b);
         out << line;
       }
     }
