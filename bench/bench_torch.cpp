@@ -12,8 +12,9 @@
 //   bf16_all_sr       the same torch run                  vs policies::bf16_all_sr
 // A third run per config, "pattern", is the ceiling of the access pattern: the step's
 // loads and stores over the same buffers and chunks, with an XOR in place of the
-// update's arithmetic. Neither side can stream faster than it, so pattern / torch bounds
-// the ratio any step could reach against torch on this machine.
+// update's arithmetic. Neither side streams faster than its access pattern, so pattern /
+// torch approximates the ratio the best possible step could reach against torch (each
+// run allocates its own buffers: on a shared machine runs differ by several percent).
 // Every run of a pair reports the mpzero policy's bytes per element
 // (step_bytes_per_element), so their bytes_per_second divide into the speed ratio;
 // the summary printed after the run gives that ratio (mpzero / torch) per size.
@@ -388,7 +389,7 @@ class summary_reporter : public benchmark::ConsoleReporter {
         if (c <= 0 || a <= 0 || b <= 0) continue;
         if (!header) {
           out << "\nthe access pattern's ceiling (\"pattern\": the step's loads and stores, no arithmetic); "
-                 "pattern / torch bounds what any step can reach against torch here\n";
+                 "pattern / torch approximates the best ratio any step can reach against torch here\n";
           std::snprintf(line, sizeof line, "%12s  %-18s %13s %15s %14s %14s\n", "n", "config", "pattern GB/s",
                         "mpzero/pattern", "torch/pattern", "pattern/torch");
           out << line;

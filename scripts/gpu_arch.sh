@@ -6,4 +6,5 @@
 set -uo pipefail
 command -v nvidia-smi >/dev/null 2>&1 || exit 0
 caps=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null) || exit 0
-printf '%s\n' "$caps" | tr -d ' .' | grep -E '^[0-9]+$' | sort -un | paste -sd ';' -
+# Nothing usable (e.g. "[N/A]") prints nothing and still succeeds: callers run under set -e.
+printf '%s\n' "$caps" | tr -d ' .' | grep -E '^[0-9]+$' | sort -un | paste -sd ';' - || true

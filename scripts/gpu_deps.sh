@@ -16,7 +16,7 @@ for p in "${packages[@]}"; do
   if [ "$updated" -eq 0 ]; then
     sudo=""
     [ "$(id -u)" -eq 0 ] || sudo="sudo"
-    $sudo apt-get update -qq
+    $sudo apt-get update -qq || echo "gpu_deps: apt-get update failed; trying the download with the lists there are" >&2
     updated=1
   fi
   apt-get download "$p"

@@ -1177,7 +1177,8 @@ TEST_CASE("torch: a c10d ProcessGroup as the communicator", "[torch]") {
 
 namespace {
 // A backend whose allreduce never completes (a peer that never comes), recording what
-// the communicator does with it: an abort at the deadline, and no wait that would block.
+// the communicator does with it: no abort (only NCCL groups are aborted), no wait that
+// would block, and where the data it was handed lives.
 struct stuck_work : c10d::Work {
   bool isCompleted() override { return false; }
   bool wait(std::chrono::milliseconds) override {
@@ -1189,13 +1190,15 @@ struct stuck_work : c10d::Work {
 struct stuck_backend : c10d::Backend {
   stuck_backend() : Backend(0, 1) {}
   const std::string getBackendName() const override { return "test-stuck"; }
-  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>&, const c10d::AllreduceOptions&) override {
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions&) override {
     ++posted;
+    handed.push_back(ts[0].data_ptr());
     return c10::make_intrusive<stuck_work>();
   }
   void abort() override { aborted = true; }
   int posted = 0;
   bool aborted = false;
+  std::vector<const void*> handed;
 };
 }  // namespace
 
@@ -1228,10 +1231,16 @@ TEST_CASE("torch: a c10d call that never completes throws comm_error at MPZERO_C
   const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   INFO(msg);
   CHECK_THAT(msg, Catch::Contains("ProcessGroup allreduce timed out on rank 0 of 1") &&
-                      Catch::Contains("raise MPZERO_COMM_TIMEOUT_S") && Catch::Contains("aborted"));
+                      Catch::Contains("raise MPZERO_COMM_TIMEOUT_S") &&
+                      Catch::Contains("abandoned (backend 'test-stuck' cannot abort it)"));
   CHECK(waited >= 0.3);
   CHECK(waited < 30);
-  CHECK(backend->aborted);
+  CHECK_FALSE(backend->aborted);  // aborting is for NCCL: Gloo cannot, and MPI's would hang
+  // The abandoned calls hold buffers of their own, not views of v and w, which a late
+  // peer could otherwise write after they are freed.
+  REQUIRE(backend->handed.size() == 2);
+  CHECK(backend->handed[0] != static_cast<const void*>(v.data()));
+  CHECK(backend->handed[1] != static_cast<const void*>(w.data()));
   CHECK_FALSE(stuck_work::waited);
   // Nothing more is posted on the aborted group.
   CHECK_THROWS_WITH(c.base().barrier(), Catch::Contains("barrier") && Catch::Contains("refused"));

@@ -49,7 +49,21 @@ struct pg_state {
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
   double timeout_s = comm::default_timeout_s;
   std::string broken;
+  // Whether a timed-out call can be stopped: ProcessGroupNCCL aborts its communicators
+  // (Work::abort, ProcessGroup::abort). Other backends cannot (Gloo's abort is a no-op;
+  // ProcessGroupMPI's joins the worker stuck in the call, a hang): their calls get
+  // buffers of their own (see pg_communicator::owned), so that a call abandoned at the
+  // deadline and completed later by a late peer writes into nothing mpzero frees.
+  bool abortable = false;
 
+  // The default backend's own name ("gloo", "nccl", a custom backend's), else the group's.
+  std::string backend_name() const {
+    try {
+      return pg->getDefaultBackend()->getBackendName();
+    } catch (...) {
+      return pg->getBackendName();
+    }
+  }
   std::string where() const {
     return "rank " + std::to_string(pg->getRank()) + " of " + std::to_string(pg->getSize());
   }
@@ -67,9 +81,11 @@ struct pg_state {
 // The wait polls Work::isCompleted() under mpzero's deadline (MPZERO_COMM_TIMEOUT_S, as
 // every communicator), not c10d's own timeout: with ProcessGroupNCCL, Work::wait() only
 // orders the current stream, and the host would then block in the stream's
-// synchronization with no limit. At the deadline the group is aborted
-// (ProcessGroup::abort: NCCL's kernels stop; a no-op for backends without it), the
-// communicator becomes unusable and comm_error names the call and the setting to raise.
+// synchronization with no limit. At the deadline an NCCL group is aborted (its kernels
+// stop; other backends' calls are abandoned, see pg_state::abortable), the communicator
+// becomes unusable and comm_error names the call and the setting to raise. A backend's
+// Work must report its completion through isCompleted() without a call to wait(), as
+// c10d's NCCL, Gloo and MPI works do.
 class pg_request final : public request_base {
  public:
   pg_request(std::shared_ptr<pg_state> st, c10::intrusive_ptr<c10d::Work> work, std::function<void()> finish,
@@ -82,7 +98,7 @@ class pg_request final : public request_base {
         posted_(comm::detail::clock::now()) {}
   ~pg_request() override {
     // The backend may still read or write our temporaries: wait, never throw. Not on a
-    // broken communicator (its group was aborted; its work may never complete).
+    // broken communicator (its call was aborted or abandoned; it may never complete).
     if (done_ || !work_ || !st_->broken.empty()) return;
     try {
       if (poll_until_deadline()) work_->wait();
@@ -135,9 +151,12 @@ class pg_request final : public request_base {
       if (!st_->broken.empty()) return false;  // another request timed out meanwhile
       if (comm::detail::clock::now() >= until) {
         st_->broken = timeout_message(start);
-        try {
-          st_->pg->abort();
-        } catch (...) {  // a backend that cannot abort: the message says to end the job
+        if (st_->abortable) {
+          try {
+            work_->abort();
+            st_->pg->abort();
+          } catch (...) {  // the message says to end the job either way
+          }
         }
         return false;
       }
@@ -151,7 +170,10 @@ class pg_request final : public request_base {
            comm::detail::format_seconds(comm::detail::seconds_since(posted_)) + " ago; timeout " +
            comm::detail::format_seconds(st_->timeout_s) +
            "): a peer rank has stopped or has not reached the matching call. If the peers are only slow, raise "
-           "MPZERO_COMM_TIMEOUT_S; otherwise end the job: the group was aborted and this communicator is unusable now";
+           "MPZERO_COMM_TIMEOUT_S; otherwise end the job: " +
+           (st_->abortable ? std::string("the group was aborted")
+                           : "the call was abandoned (backend '" + st_->backend_name() + "' cannot abort it)") +
+           " and this communicator is unusable now";
   }
 
   std::shared_ptr<pg_state> st_;
@@ -170,6 +192,7 @@ class pg_communicator final : public communicator_base {
     if (!pg_) throw mpzero::invalid_argument("mpzero::torch::process_group_communicator: the ProcessGroup is null");
     st_->pg = pg_;
     st_->timeout_s = comm::detail::timeout_from_env();  // a bad value is refused here, before any call
+    st_->abortable = pg_->getBackendName() == "nccl";
     if (device) {
       device_ = *device;
     } else if (pg_->getBackendName() == "nccl") {  // NCCL reads device memory: the current CUDA device's
@@ -199,9 +222,12 @@ class pg_communicator final : public communicator_base {
     if (is_half(t)) {
       buf = view(in, n, st, dev).to(at::kFloat);  // a copy: the reduction runs in fp32
       finish = [buf, out, n, st, dev] { view(out, n, st, dev).copy_(buf); };
-    } else {
+    } else if (st_->abortable) {
       buf = view(out, n, st, dev);
       if (in != out) buf.copy_(view(in, n, st, dev));  // the core never passes overlapping distinct ranges
+    } else {  // a buffer of its own (pg_state::abortable), copied out when the call completes
+      buf = view(in, n, st, dev).clone();
+      finish = [buf, out, n, st, dev] { view(out, n, st, dev).copy_(buf); };
     }
     std::vector<at::Tensor> ts{buf};
     c10d::AllreduceOptions o;
@@ -268,10 +294,16 @@ class pg_communicator final : public communicator_base {
     check_usable("broadcast");
     comm::detail::check_root(root, size(), "broadcast");
     if (n == 0) return ready();
-    std::vector<at::Tensor> ts{view(data, n * wire_size(t), at::kByte, device_)};
+    at::Tensor buf = view(data, n * wire_size(t), at::kByte, device_);
+    std::function<void()> finish;
+    if (!st_->abortable) {  // a buffer of its own (pg_state::abortable), copied back when the call completes
+      buf = buf.clone();
+      finish = [buf, data, n, t, dev = device_] { view(data, n * wire_size(t), at::kByte, dev).copy_(buf); };
+    }
+    std::vector<at::Tensor> ts{buf};
     c10d::BroadcastOptions o;
     o.rootRank = root;
-    return post(pg_->broadcast(ts, o), {}, "broadcast");
+    return post(pg_->broadcast(ts, o), std::move(finish), "broadcast");
   }
 
   void barrier() override {

@@ -14,10 +14,18 @@
 //    rounded to 16 bits once, at the end. The fp32 partial sums follow the backend's
 //    order, so from 3 ranks up the bits may differ from mpi_communicator's and
 //    nccl_communicator's, which round after every pairwise combine.
+//  - with backends other than NCCL, all-reduce and broadcast also run on a copy of their
+//    own (one more pass over the data): a call abandoned at the deadline (below) that a
+//    late peer completes then writes into nothing the core has freed.
 // Operations run asynchronously on the backend; wait() finishes the copies. Waits run
 // under mpzero's deadline (MPZERO_COMM_TIMEOUT_S, read when the communicator is made),
-// polling Work::isCompleted(), not under c10d's: at the deadline the group is aborted
-// (ProcessGroup::abort) and comm_error is thrown; the communicator is then unusable.
+// polling Work::isCompleted() (a custom backend's Work must report completion there
+// without a call to wait(), as c10d's NCCL, Gloo and MPI works do): at the deadline an
+// NCCL group is aborted (Work::abort, ProcessGroup::abort), other backends' calls are
+// abandoned, and comm_error is thrown; the communicator is then unusable. Two limits:
+// c10d's NCCL watchdog acts first when the group's own timeout is the shorter (and by
+// default tears the process down), and a group that connects lazily blocks inside its
+// first call, before any deadline runs.
 // Buffers: the core's memory, as tensors on `device`: by default the CPU, or, for a
 // group whose backend is "nccl", the current CUDA device (an engine on CUDA parameters
 // needs a group that takes device tensors: NCCL, or Gloo given the device explicitly).
