@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Plots train_gpt's results: loss_curves.png (every configuration's training loss, and
-its held-out loss as a marker at the end) and memory.png (measured bytes of model states
+"""Plots train_gpt's results: loss_curves.png (every configuration's training loss, its
+held-out loss as a marker at the end, and a cross at each step that an fp16 overflow
+skipped) and memory.png (measured bytes of model states
 per configuration as bars, device and host stacked, with the memory model's prediction;
 on a GPU, a second panel with each configuration's peak device memory).
 
@@ -76,10 +77,16 @@ def main():
         steps = range(1, len(ys) + 1)
         ax.plot(steps, ys, color=c, linestyle=ls, linewidth=1.3, label=f"{r['id']} ({eval_label(r)})")
         ax.plot([len(ys)], [finite(r.get("eval_loss"))], marker="o", color=c, markersize=5)
+        # Steps an fp16 overflow skipped (the parameters did not change), on the curve.
+        skipped = [s for s in r.get("skipped_at", []) if 1 <= s <= len(ys) and not math.isnan(ys[s - 1])]
+        if skipped:
+            ax.plot(skipped, [ys[s - 1] for s in skipped], linestyle="none", marker="x", color=c, markersize=6)
         n = min(len(ys), len(base))
         dax.plot(range(1, n + 1), [ys[i] - base[i] for i in range(n)], color=c, linestyle=ls, linewidth=1.3)
     ax.set_ylabel(f"training loss, nats/byte\n({k}-step moving average)")
-    ax.set_title(title + "\n(dots: held-out loss at the end)", fontsize=10)
+    any_skipped = any(r.get("skipped_at") for r in runs)
+    ax.set_title(title + "\n(dots: held-out loss at the end" +
+                 ("; crosses: steps skipped by an fp16 overflow)" if any_skipped else ")"), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     dax.axhline(0, color="black", linewidth=0.8)

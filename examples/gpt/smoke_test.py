@@ -161,6 +161,27 @@ def main():
     rc = subprocess.call([sys.executable, a.plot, os.path.join(shaped, "results.json")])
     check(rc == 0, "plot.py exits 0 on GPU-shaped results (got %d)" % rc)
 
+    # Skipped steps: every run lists them (as many as it counts), and the plot marks them;
+    # drawn here from these results with made-up skips, since the tiny fp16 runs skip none.
+    for r in res["runs"]:
+        check(len(r.get("skipped_at", [None])) == r["skipped_steps"] and
+              all(1 <= x <= res["meta"]["steps"] for x in r.get("skipped_at", [])),
+              "%s: skipped_at lists its %d skipped steps (got %s)" % (r["id"], r["skipped_steps"], r.get("skipped_at")))
+    marked = os.path.join(a.work, "skipped_plot")
+    os.makedirs(marked, exist_ok=True)
+    skip_res = json.loads(json.dumps(res))
+    for r in skip_res["runs"]:
+        if r["precision"].startswith("fp16"):
+            r["skipped_at"], r["skipped_steps"] = [1, 2, 5, len(r["train_loss"])], 4
+    with open(os.path.join(marked, "results.json"), "w") as f:
+        json.dump(skip_res, f)
+    rc = subprocess.call([sys.executable, a.plot, os.path.join(marked, "results.json")])
+    check(rc == 0 and os.path.isfile(os.path.join(marked, "loss_curves.png")),
+          "plot.py marks skipped steps (got %d)" % rc)
+    if rc == 0:
+        with open(os.path.join(marked, "loss_curves.png"), "rb") as f1, open(os.path.join(out, "loss_curves.png"), "rb") as f2:
+            check(f1.read() != f2.read(), "the marked loss curves differ from the unmarked ones")
+
     # A diverged run: train_gpt writes its NaN losses as null. The plots still come out.
     diverged = os.path.join(a.work, "diverged_plot")
     os.makedirs(diverged, exist_ok=True)

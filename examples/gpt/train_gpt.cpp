@@ -7,7 +7,8 @@
 // configuration costs; activations are the same for all), the bytes per parameter the
 // memory model predicts next to the measured ones, the final and mean training loss and
 // the held-out evaluation loss. Output: a table on stdout, summary.csv and results.json
-// (with the loss curves) in --out; examples/gpt/plot.py draws the PNGs.
+// (with the loss curves and, per configuration, the steps an fp16 overflow skipped:
+// skipped_at) in --out; examples/gpt/plot.py draws the PNGs (skipped steps as crosses).
 //
 //   ./train_gpt                         defaults: a few minutes on 2 CPU cores
 //   ./train_gpt --configs bf16,fp16     every stage/offload variant of those precisions
@@ -412,6 +413,7 @@ struct result {
   std::vector<double> losses;
   double steps_per_s = 0, steps_per_s_mean = 0, final_loss = 0, mean_loss = 0, eval_loss = 0, loss_scale = 1;
   std::uint64_t skipped = 0, numel = 0, padding = 0, device_bytes = 0, host_bytes = 0;
+  std::vector<std::uint64_t> skipped_at;  // the optimizer steps (1-based) an fp16 overflow skipped
   // On a GPU: LibTorch's caching allocator peak, and that plus the core's device bytes.
   std::uint64_t torch_peak_bytes = 0, peak_device_bytes = 0;
   // --save: the checkpoint's directory, the save's wall time, and the held-out loss of its
@@ -664,10 +666,14 @@ result train_engine(mt::engine<GPT>& engine, const run_spec& spec, const options
                                     n_states(cfg.optimizer.type)};
   r.predicted = mpzero::bytes_per_param(layout, spec.stage, spec.offload ? mpzero::offload_kind::cpu : mpzero::offload_kind::none,
                                         comm.size());
+  std::uint64_t calls = 0;
   auto step = [&](const torch::Tensor& x, const torch::Tensor& y) {
     auto loss = engine.forward(x, y);
     engine.backward(loss);  // applies the fp16 loss scale; plain loss.backward() elsewhere
+    const std::uint64_t skipped_before = engine.skipped_steps();
     engine.step();
+    ++calls;
+    if (engine.skipped_steps() > skipped_before) r.skipped_at.push_back(calls);
     return loss.detach();
   };
   // engine.forward: under autocast when the configuration trains with it.
@@ -831,6 +837,7 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
                     {"mean_train_loss", r.mean_loss},
                     {"eval_loss", r.eval_loss},
                     {"skipped_steps", r.skipped},
+                    {"skipped_at", r.skipped_at},
                     {"final_loss_scale", r.loss_scale},
                     {"checkpoint", r.checkpoint.empty() ? json(nullptr) : json(r.checkpoint)},
                     {"save_seconds", r.checkpoint.empty() ? json(nullptr) : json(r.save_s)},
