@@ -1195,6 +1195,11 @@ struct stuck_backend : c10d::Backend {
     handed.push_back(ts[0].data_ptr());
     return c10::make_intrusive<stuck_work>();
   }
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& ts, const c10d::BroadcastOptions&) override {
+    ++posted;
+    handed.push_back(ts[0].data_ptr());
+    return c10::make_intrusive<stuck_work>();
+  }
   void abort() override { aborted = true; }
   int posted = 0;
   bool aborted = false;
@@ -1219,6 +1224,8 @@ TEST_CASE("torch: a c10d call that never completes throws comm_error at MPZERO_C
   {
     auto r = c.base().iall_reduce(v.data(), v.data(), v.size(), mt::wire_dtype::f32, mpzero::comm::reduce_op::sum);
     auto other = c.base().iall_reduce(w.data(), w.data(), w.size(), mt::wire_dtype::f32, mpzero::comm::reduce_op::sum);
+    auto from_to = c.base().iall_reduce(v.data(), w.data(), v.size(), mt::wire_dtype::f32, mpzero::comm::reduce_op::sum);
+    auto bcast = c.base().ibroadcast(w.data(), w.size(), mt::wire_dtype::f32, 0);
     CHECK_FALSE(r->test());
     try {
       r->wait();
@@ -1237,16 +1244,19 @@ TEST_CASE("torch: a c10d call that never completes throws comm_error at MPZERO_C
   CHECK(waited < 30);
   CHECK_FALSE(backend->aborted);  // aborting is for NCCL: Gloo cannot, and MPI's would hang
   // The abandoned calls hold buffers of their own, not views of v and w, which a late
-  // peer could otherwise write after they are freed.
-  REQUIRE(backend->handed.size() == 2);
-  CHECK(backend->handed[0] != static_cast<const void*>(v.data()));
-  CHECK(backend->handed[1] != static_cast<const void*>(w.data()));
+  // peer could otherwise write after they are freed: in place, from one to the other,
+  // and a broadcast.
+  REQUIRE(backend->handed.size() == 4);
+  for (const void* p : backend->handed) {
+    CHECK(p != static_cast<const void*>(v.data()));
+    CHECK(p != static_cast<const void*>(w.data()));
+  }
   CHECK_FALSE(stuck_work::waited);
   // Nothing more is posted on the aborted group.
   CHECK_THROWS_WITH(c.base().barrier(), Catch::Contains("barrier") && Catch::Contains("refused"));
   CHECK_THROWS_AS(c.base().iall_reduce(v.data(), v.data(), v.size(), mt::wire_dtype::f32, mpzero::comm::reduce_op::sum),
                   mpzero::comm::comm_error);
-  CHECK(backend->posted == 2);
+  CHECK(backend->posted == 4);
 }
 
 namespace {

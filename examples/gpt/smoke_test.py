@@ -164,23 +164,27 @@ def main():
     # Skipped steps: every run lists them (as many as it counts), and the plot marks them;
     # drawn here from these results with made-up skips, since the tiny fp16 runs skip none.
     for r in res["runs"]:
-        check(len(r.get("skipped_at", [None])) == r["skipped_steps"] and
-              all(1 <= x <= res["meta"]["steps"] for x in r.get("skipped_at", [])),
+        check("skipped_at" in r and len(r["skipped_at"]) == r["skipped_steps"] and
+              all(1 <= x <= res["meta"]["steps"] for x in r["skipped_at"]),
               "%s: skipped_at lists its %d skipped steps (got %s)" % (r["id"], r["skipped_steps"], r.get("skipped_at")))
-    marked = os.path.join(a.work, "skipped_plot")
-    os.makedirs(marked, exist_ok=True)
-    skip_res = json.loads(json.dumps(res))
-    for r in skip_res["runs"]:
-        if r["precision"].startswith("fp16"):
-            r["skipped_at"], r["skipped_steps"] = [1, 2, 5, len(r["train_loss"])], 4
-    with open(os.path.join(marked, "results.json"), "w") as f:
-        json.dump(skip_res, f)
-    rc = subprocess.call([sys.executable, a.plot, os.path.join(marked, "results.json")])
-    check(rc == 0 and os.path.isfile(os.path.join(marked, "loss_curves.png")),
-          "plot.py marks skipped steps (got %d)" % rc)
-    if rc == 0:
-        with open(os.path.join(marked, "loss_curves.png"), "rb") as f1, open(os.path.join(out, "loss_curves.png"), "rb") as f2:
-            check(f1.read() != f2.read(), "the marked loss curves differ from the unmarked ones")
+    # Two plots with the same title (both list skipped steps): one whose steps are all out
+    # of range (no cross drawn), one with crosses. They differ only if crosses are drawn.
+    pngs = []
+    for name, at in (("skipped_none_drawn", [10 ** 6]), ("skipped_plot", [1, 2, 5, res["meta"]["steps"]])):
+        marked = os.path.join(a.work, name)
+        os.makedirs(marked, exist_ok=True)
+        skip_res = json.loads(json.dumps(res))
+        for r in skip_res["runs"]:
+            if r["precision"].startswith("fp16"):
+                r["skipped_at"], r["skipped_steps"] = at, len(at)
+        with open(os.path.join(marked, "results.json"), "w") as f:
+            json.dump(skip_res, f)
+        rc = subprocess.call([sys.executable, a.plot, os.path.join(marked, "results.json")])
+        check(rc == 0 and os.path.isfile(os.path.join(marked, "loss_curves.png")),
+              "plot.py draws results with skipped steps %s (got %d)" % (at, rc))
+        with open(os.path.join(marked, "loss_curves.png"), "rb") as f:
+            pngs.append(f.read() if rc == 0 else b"")
+    check(pngs[0] != pngs[1], "plot.py draws crosses at the skipped steps")
 
     # A diverged run: train_gpt writes its NaN losses as null. The plots still come out.
     diverged = os.path.join(a.work, "diverged_plot")

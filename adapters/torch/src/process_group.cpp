@@ -49,21 +49,17 @@ struct pg_state {
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
   double timeout_s = comm::default_timeout_s;
   std::string broken;
+  // The name of the backend that serves the communicator's device ("nccl", "gloo", a
+  // custom backend's): in a group of several ("cpu:gloo,cuda:nccl") not necessarily the
+  // group's default.
+  std::string backend;
   // Whether a timed-out call can be stopped: ProcessGroupNCCL aborts its communicators
   // (Work::abort, ProcessGroup::abort). Other backends cannot (Gloo's abort is a no-op;
-  // ProcessGroupMPI's joins the worker stuck in the call, a hang): their calls get
-  // buffers of their own (see pg_communicator::owned), so that a call abandoned at the
-  // deadline and completed later by a late peer writes into nothing mpzero frees.
+  // ProcessGroupMPI's joins the worker stuck in the call, a hang): their all-reduce and
+  // broadcast get buffers of their own (pg_communicator::iall_reduce, ::ibroadcast; the
+  // other calls have theirs anyway), so that a call abandoned at the deadline and
+  // completed later by a late peer writes into nothing mpzero frees.
   bool abortable = false;
-
-  // The default backend's own name ("gloo", "nccl", a custom backend's), else the group's.
-  std::string backend_name() const {
-    try {
-      return pg->getDefaultBackend()->getBackendName();
-    } catch (...) {
-      return pg->getBackendName();
-    }
-  }
   std::string where() const {
     return "rank " + std::to_string(pg->getRank()) + " of " + std::to_string(pg->getSize());
   }
@@ -141,7 +137,8 @@ class pg_request final : public request_base {
 
  private:
   // True once the work completed; false at the deadline, with the communicator marked
-  // broken and the group aborted.
+  // broken and, for NCCL, the call and the group aborted (other backends' calls are
+  // abandoned).
   bool poll_until_deadline() {
     const auto start = comm::detail::clock::now();  // the deadline runs from the wait, as in mpi_request
     const auto until = start + std::chrono::duration_cast<comm::detail::clock::duration>(
@@ -151,11 +148,14 @@ class pg_request final : public request_base {
       if (!st_->broken.empty()) return false;  // another request timed out meanwhile
       if (comm::detail::clock::now() >= until) {
         st_->broken = timeout_message(start);
-        if (st_->abortable) {
+        if (st_->abortable) {  // each on its own: the group's abort must run even if the work's throws
           try {
             work_->abort();
-            st_->pg->abort();
           } catch (...) {  // the message says to end the job either way
+          }
+          try {
+            st_->pg->abort();
+          } catch (...) {
           }
         }
         return false;
@@ -172,7 +172,7 @@ class pg_request final : public request_base {
            "): a peer rank has stopped or has not reached the matching call. If the peers are only slow, raise "
            "MPZERO_COMM_TIMEOUT_S; otherwise end the job: " +
            (st_->abortable ? std::string("the group was aborted")
-                           : "the call was abandoned (backend '" + st_->backend_name() + "' cannot abort it)") +
+                           : "the call was abandoned (backend '" + st_->backend + "' cannot abort it)") +
            " and this communicator is unusable now";
   }
 
@@ -192,7 +192,6 @@ class pg_communicator final : public communicator_base {
     if (!pg_) throw mpzero::invalid_argument("mpzero::torch::process_group_communicator: the ProcessGroup is null");
     st_->pg = pg_;
     st_->timeout_s = comm::detail::timeout_from_env();  // a bad value is refused here, before any call
-    st_->abortable = pg_->getBackendName() == "nccl";
     if (device) {
       device_ = *device;
     } else if (pg_->getBackendName() == "nccl") {  // NCCL reads device memory: the current CUDA device's
@@ -202,6 +201,12 @@ class pg_communicator final : public communicator_base {
       throw mpzero::invalid_argument("mpzero::torch::process_group_communicator: device " + device_.str() +
                                      " is neither the CPU nor a CUDA device; pass torch::kCPU or a CUDA device");
     }
+    try {
+      st_->backend = pg_->getBackend(device_.type())->getBackendName();
+    } catch (...) {  // no backend for this device: the group's own calls will say so
+      st_->backend = pg_->getBackendName();
+    }
+    st_->abortable = st_->backend == "nccl";
   }
   int rank() const override { return pg_->getRank(); }
   int size() const override { return pg_->getSize(); }
