@@ -14,7 +14,9 @@
 //    rounded to 16 bits once, at the end. The fp32 partial sums follow the backend's
 //    order, so from 3 ranks up the bits may differ from mpi_communicator's and
 //    nccl_communicator's, which round after every pairwise combine.
-//  - with backends other than NCCL, all-reduce and broadcast also run on a copy of their
+//  - when another backend than NCCL serves the communicator's device (in a group of
+//    several, "cpu:gloo,cuda:nccl", the device's backend counts, not the group's
+//    default), all-reduce and broadcast also run on a copy of their
 //    own (one more pass over the data): a call abandoned at the deadline (below) that a
 //    late peer completes then writes into nothing the core has freed.
 // Operations run asynchronously on the backend; wait() finishes the copies. Waits run
