@@ -434,4 +434,12 @@ TEST_CASE("ZeRO wire dtypes: a wrong list is refused with a message", "[zero]") 
                                                 Catch::Contains("dtype::fp16"));
   zo.wire_dtypes = {dtype::bf16, dtype::fp16, dtype::fp32};
   REQUIRE_NOTHROW(Z(c, numels, {}, zo));
+  // A bf16 policy's gradients may travel in bf16 or fp32, not fp16 (nothing scales them).
+  using B = ZeroOptimizer<policies::bf16_all, optim::adamw, stage<2>, comm::mpi_communicator>;
+  zo.wire_dtypes = {dtype::bf16, dtype::fp16, dtype::fp32};
+  REQUIRE_THROWS_WITH(B(c, numels, {}, zo), Catch::Contains("wire_dtypes[1] = fp16 mixes bf16 and fp16 with this "
+                                                            "policy's bf16") &&
+                                                Catch::Contains("use bf16 or fp32"));
+  zo.wire_dtypes = {dtype::bf16, dtype::fp32, dtype::bf16};
+  REQUIRE_NOTHROW(B(c, numels, {}, zo));
 }

@@ -15,6 +15,9 @@
 // stages 2 and 3 reduced gradients go from the buckets straight to the host. Alignment padding of the flat buffers (fewer
 // than 8 x W elements per model: partitions align to 8 elements) and transient communication buckets are not
 // per-parameter costs and are left out; tests account for them separately.
+// Also left out: at stage 3, parameters at or below zero_options::param_persistence_threshold
+// stay whole on every rank (P x their count x (1 - 1/W) more); with offload and a separate
+// master, the host's parameter-typed copy of the partition (P / W, memory().host_buckets).
 #pragma once
 
 #include <string>

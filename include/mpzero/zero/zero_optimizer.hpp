@@ -122,6 +122,10 @@ template <precision_policy Policy, optim::rule Optimizer, class Stage, comm::com
           class Backend = host_backend, class Offload = offload_none, class Wire = typename Policy::grad_type>
 class ZeroOptimizer {
   static_assert(storage_type<Wire>, "mpzero: the wire type of gradients is mpzero::fp32, mpzero::bf16 or mpzero::fp16.");
+  static_assert(!detail::is_16bit_pair<Wire, typename Policy::param_type> &&
+                    !detail::is_16bit_pair<Wire, typename Policy::grad_type>,
+                "mpzero: the gradient wire type mixes bf16 and fp16 with the policy's 16-bit type (fp16 overflows "
+                "above 65504 and nothing scales it); reduce in the policy's own 16-bit type or in mpzero::fp32.");
   static_assert(Offload::value == offload_kind::none || Stage::value >= 1,
                 "mpzero: CPU offload keeps each rank's partition on the host: use ZeRO stage 1, 2 or 3.");
 
@@ -1006,11 +1010,19 @@ class ZeroOptimizer {
                             " parameters; give one mpzero::dtype per parameter, in the order of numels, or leave it "
                             "empty (every gradient then travels in " + std::string(name_of(dtype_of_v<Wire>)) + ")");
     }
+    // The policy's 16-bit type, if it has one (precision<> allows only one of bf16, fp16).
+    constexpr dtype p16 = dtype_of_v<param_type> != dtype::fp32 ? dtype_of_v<param_type> : dtype_of_v<grad_type>;
     for (std::size_t i = 0; i < wd.size(); ++i) {
       if (wd[i] != dtype::fp32 && wd[i] != dtype::bf16 && wd[i] != dtype::fp16) {
         detail::throw_invalid("ZeroOptimizer: zero_options::wire_dtypes[" + std::to_string(i) + "] = " +
                               std::to_string(static_cast<int>(wd[i])) +
                               " is not a dtype; use mpzero::dtype::fp32, dtype::bf16 or dtype::fp16");
+      }
+      if (p16 != dtype::fp32 && wd[i] != dtype::fp32 && wd[i] != p16) {
+        detail::throw_invalid("ZeroOptimizer: zero_options::wire_dtypes[" + std::to_string(i) + "] = " +
+                              std::string(name_of(wd[i])) + " mixes bf16 and fp16 with this policy's " +
+                              std::string(name_of(p16)) + " (fp16 overflows above 65504 and nothing scales it); use " +
+                              std::string(name_of(p16)) + " or fp32");
       }
     }
     runs_.clear();
