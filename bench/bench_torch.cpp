@@ -33,7 +33,6 @@
 #include <torch/version.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -189,7 +188,7 @@ using bits_t = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint16_t>;
 template <class T>
 bits_t<T> to_bits(T x) {
   if constexpr (std::is_same_v<T, float>) {
-    return std::bit_cast<std::uint32_t>(x);
+    return mpzero::detail::float_as_bits(x);
   } else {
     return x.bits;
   }
@@ -197,7 +196,7 @@ bits_t<T> to_bits(T x) {
 template <class T>
 T of_bits(bits_t<T> b) {
   if constexpr (std::is_same_v<T, float>) {
-    return std::bit_cast<float>(b);
+    return mpzero::detail::bits_as_float(b);
   } else {
     return T::from_bits(b);
   }

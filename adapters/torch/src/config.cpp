@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include <mpzero/optim/optimizer.hpp>
+#include <mpzero/policy/precision.hpp>
 
 namespace mpzero::torch {
 
@@ -924,9 +925,7 @@ void validate(config& c, bool autocast_dtype_given) {
     with_context("", [&] { loss_scaler check(c.loss_scaler); });
   }
   const dtype model = c.param_dtype();
-  auto mixes = [](dtype a, dtype b) {
-    return (a == dtype::bf16 && b == dtype::fp16) || (a == dtype::fp16 && b == dtype::bf16);
-  };
+  constexpr auto mixes = mpzero::detail::mixes_16bit;
   if (c.communication_data_type && mixes(model, *c.communication_data_type)) {
     fail("'communication_data_type' = \"" + std::string(name_of(*c.communication_data_type)) +
          "\" mixes bf16 and fp16 with a " + std::string(name_of(model)) +

@@ -14,6 +14,10 @@ namespace detail {
 template <class A, class B>
 inline constexpr bool is_16bit_pair = (std::same_as<A, bf16> && std::same_as<B, fp16>) ||
                                       (std::same_as<A, fp16> && std::same_as<B, bf16>);
+// The same rule for dtypes chosen at run time (ZeroOptimizer's wire_dtypes, the JSON config).
+constexpr bool mixes_16bit(dtype a, dtype b) noexcept {
+  return (a == dtype::bf16 && b == dtype::fp16) || (a == dtype::fp16 && b == dtype::bf16);
+}
 }  // namespace detail
 
 // Param:  the model's weights as the forward pass reads them.

@@ -101,27 +101,20 @@ inline std::filesystem::path shard_path(const std::filesystem::path& dir, std::u
 }
 
 // Removes the shard files in `dir` numbered `files` and above: what an earlier save into
-// the same directory at a larger world size left behind. A load reads the number of files
-// from file 0 and ignores the others, so they are only wasted space and a trap for
-// whoever copies the directory by hand. Called by save_checkpoint once every file of the
-// new save is in place. Best effort: a file that cannot be removed stays, and is still
-// ignored. Only names shard_path writes are touched. Returns how many files it removed.
+// the same directory at a larger world size left behind (a save's files are numbered
+// 0, 1, ... without gaps, so they end at the first number that is missing). A load reads
+// the number of files from file 0 and ignores the others, so they are only wasted space
+// and a trap for whoever copies the directory by hand. Called by save_checkpoint once
+// every file of the new save is in place. Best effort: a file that cannot be removed
+// stays, and is still ignored. Returns how many files it removed.
 inline std::size_t remove_stale_shards(const std::filesystem::path& dir, std::uint32_t files) {
-  namespace fs = std::filesystem;
-  constexpr std::string_view prefix = "zero_shard_", suffix = ".mpz";
-  std::vector<fs::path> stale;
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (name.size() <= prefix.size() + suffix.size() || !name.starts_with(prefix) || !name.ends_with(suffix)) continue;
-    const std::string_view digits(name.data() + prefix.size(), name.size() - prefix.size() - suffix.size());
-    if (digits.size() > 10 || !std::all_of(digits.begin(), digits.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) continue;
-    const std::uint64_t k = std::stoull(std::string(digits));
-    if (k < files || k > UINT32_MAX || shard_path(dir, static_cast<std::uint32_t>(k)).filename() != name) continue;
-    stale.push_back(it->path());
-  }
   std::size_t removed = 0;
-  for (const fs::path& p : stale) removed += fs::remove(p, ec) ? 1 : 0;
+  std::error_code ec;
+  for (std::uint32_t k = files; k != UINT32_MAX; ++k) {
+    const std::filesystem::path p = shard_path(dir, k);
+    if (!std::filesystem::exists(p, ec)) break;
+    removed += std::filesystem::remove(p, ec) ? 1 : 0;
+  }
   return removed;
 }
 

@@ -1010,19 +1010,20 @@ class ZeroOptimizer {
                             " parameters; give one mpzero::dtype per parameter, in the order of numels, or leave it "
                             "empty (every gradient then travels in " + std::string(name_of(dtype_of_v<Wire>)) + ")");
     }
-    // The policy's 16-bit type, if it has one (precision<> allows only one of bf16, fp16).
-    constexpr dtype p16 = dtype_of_v<param_type> != dtype::fp32 ? dtype_of_v<param_type> : dtype_of_v<grad_type>;
     for (std::size_t i = 0; i < wd.size(); ++i) {
       if (wd[i] != dtype::fp32 && wd[i] != dtype::bf16 && wd[i] != dtype::fp16) {
         detail::throw_invalid("ZeroOptimizer: zero_options::wire_dtypes[" + std::to_string(i) + "] = " +
                               std::to_string(static_cast<int>(wd[i])) +
                               " is not a dtype; use mpzero::dtype::fp32, dtype::bf16 or dtype::fp16");
       }
-      if (p16 != dtype::fp32 && wd[i] != dtype::fp32 && wd[i] != p16) {
-        detail::throw_invalid("ZeroOptimizer: zero_options::wire_dtypes[" + std::to_string(i) + "] = " +
-                              std::string(name_of(wd[i])) + " mixes bf16 and fp16 with this policy's " +
-                              std::string(name_of(p16)) + " (fp16 overflows above 65504 and nothing scales it); use " +
-                              std::string(name_of(p16)) + " or fp32");
+      // The Wire static_assert's rule, for the run-time list.
+      for (const dtype own : {dtype_of_v<param_type>, dtype_of_v<grad_type>}) {
+        if (detail::mixes_16bit(wd[i], own)) {
+          detail::throw_invalid("ZeroOptimizer: zero_options::wire_dtypes[" + std::to_string(i) + "] = " +
+                                std::string(name_of(wd[i])) + " mixes bf16 and fp16 with this policy's " +
+                                std::string(name_of(own)) + " (fp16 overflows above 65504 and nothing scales it); use " +
+                                std::string(name_of(own)) + " or fp32");
+        }
       }
     }
     runs_.clear();
