@@ -523,7 +523,26 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
       {"{" M R"(, "fp16": {"enabled": true, "auto_cast": true}})", 1,
        {"'fp16.auto_cast' = true is not supported", "only false is accepted"}},
       {"{" M R"(, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})", 1,
-       {"'zero_optimization.offload_param' is a DeepSpeed setting"}},
+       {"'zero_optimization.offload_param' is a DeepSpeed setting",
+        "(or set 'zero_optimization.offload_param.device' to \"none\")"}},
+      // a switchable DeepSpeed section is refused only when switched on, and says how to switch it off
+      {"{" M R"(, "tensorboard": {"enabled": true, "output_path": "runs"}})", 1,
+       {"'tensorboard' is a DeepSpeed setting that mpzero does not implement: no monitors",
+        "(or set 'tensorboard.enabled' to false)"}},
+      {"{" M R"(, "compile": {"deepcompile": true}})", 1, {"'compile'", "no DeepCompile", "'compile.deepcompile' to false"}},
+      {"{" M R"(, "activation_checkpointing": {"partition_activations": false}})", 1,
+       {"'activation_checkpointing' is a DeepSpeed setting", "checkpoint activations in the model"}},
+      {"{" M R"(, "zero_optimization": {"stage": 1, "cpu_offload": true}})", 1,
+       {"'zero_optimization.cpu_offload' = true is not supported", "\"offload_optimizer\": {\"device\": \"cpu\"}"}},
+      {"{" M R"(, "managed_gradient_accumulation": false})", 1,
+       {"'managed_gradient_accumulation' = false is not supported", "only true is accepted"}},
+      // the seed blog's spelling of the fp16 flag
+      {"{" M R"(, "fp16": {"enabled": true, "fp16_master_weights_and_gradients": true}})", 1,
+       {"unknown key 'fp16.fp16_master_weights_and_gradients'", "did you mean 'fp16_master_weights_and_grads'?"}},
+      {"{" M R"(, "bf16": {"enabled": true, "bf16_master_weights_and_gradients": true}})", 1,
+       {"did you mean 'bf16_master_weights_and_grads'?"}},
+      {"{" M R"(, "data_types": {"param_dtype": "bf16"}})", 1,
+       {"'data_types.param_dtype' is a DeepSpeed setting", "from \"bf16\" / \"fp16\""}},
       {"{" M R"(, "optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}})", 1,
        {"'optimizer.params.max_grad_norm'", "use the top-level \"gradient_clipping\""}},
       {"{" M R"(, "optimizer": {"type": "Adam", "params": {"amsgrad": true}}})", 1,
@@ -577,7 +596,10 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
        {"'zero_optimization.reduce_bucket_size' = 0 is out of range", ">= 1"}},
       {"{" M R"(, "zero_optimization": {"sub_group_size": 0}})", 1,
        {"'zero_optimization.sub_group_size' = 0 is out of range", ">= 1"}},
-      {"{" M R"(, "seed": -1})", 1, {"'seed' = -1 is out of range"}},
+      {"{" M R"(, "seed": -1})", 1, {"'seed' = -1 is out of range", ">= 0"}},
+      {"{" M R"(, "seed": 1e20})", 1, {"'seed' = ", "is out of range", "in [0, 18446744073709551615]"}},
+      {"{" M R"(, "zero_optimization": {"reduce_bucket_size": 2e19}})", 1,
+       {"'zero_optimization.reduce_bucket_size' = ", "in [1, 18446744073709551615]"}},
       // precision rules
       {"{" M R"(, "bf16": {"enabled": true}, "fp16": {"enabled": true}})", 1,
        {"'bf16.enabled' and 'fp16.enabled' are both true"}},
@@ -590,7 +612,11 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
       {"{" M R"(, "bf16": {"enabled": true, "bf16_optimizer_states": true}, "zero_optimization": {"stage": 2}})", 1,
        {"'bf16.bf16_optimizer_states' needs 'bf16.bf16_master_weights_and_grads' = true"}},
       {"{" M R"(, "bf16": {"bf16_master_weights_and_grads": true}, "zero_optimization": {"stage": 1}})", 1,
-       {"'bf16.bf16_master_weights_and_grads' is true but 'bf16.enabled' is not"}},
+       {"'bf16.bf16_master_weights_and_grads' is true but 'bf16.enabled' is not",
+        "keeps a bf16 model's master weights and gradients in bf16"}},
+      {"{" M R"(, "bf16": {"bf16_optimizer_states": true}, "zero_optimization": {"stage": 1}})", 1,
+       {"'bf16.bf16_optimizer_states' is true but 'bf16.enabled' is not",
+        "keeps a bf16 model's optimizer states in bf16", "or drop the flag"}},
       {"{" M R"(, "bf16": {"enabled": true}, "fp16": {"fp16_master_weights_and_grads": true},
             "zero_optimization": {"stage": 1}})",
        1, {"'fp16.fp16_master_weights_and_grads' is true but 'fp16.enabled' is not"}},
@@ -606,6 +632,15 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
        {"'communication_data_type' = \"fp8\" is invalid", "\"fp32\", \"bf16\", \"fp16\""}},
       {"{" M R"(, "bf16": {"enabled": true}, "communication_data_type": "fp16"})", 1,
        {"'communication_data_type' = \"fp16\" mixes bf16 and fp16"}},
+      {"{" M R"(, "fp16": {"enabled": true}, "communication_data_type": "BF16"})", 1,
+       {"'communication_data_type' = \"bf16\" mixes bf16 and fp16 with a fp16 model", "\"fp32\""}},
+      {"{" M R"(, "communication_data_type": 16})", 1, {"'communication_data_type' must be a string", "got integer 16"}},
+      {"{" M R"(, "torch_autocast": {"dtype": 16}})", 1, {"'torch_autocast.dtype' must be a string"}},
+      {"{" M R"(, "data_types": {"grad_accum_dtype": "int8"}})", 1,
+       {"'data_types.grad_accum_dtype' = \"int8\" is invalid", "\"fp32\", \"bf16\" or \"fp16\""}},
+      {"{" M R"(, "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}, "zero_optimization": {"stage": 2},
+            "data_types": {"grad_accum_dtype": "fp32"}})",
+       1, {"'data_types.grad_accum_dtype' = \"fp32\" contradicts 'fp16.fp16_master_weights_and_grads'"}},
       {"{" M R"(, "torch_autocast": {"enabled": true, "dtype": "float32"}})", 1,
        {"'torch_autocast.dtype' = \"float32\" is invalid", "16-bit"}},
       {"{" M R"(, "bf16": {"enabled": true}, "torch_autocast": {"enabled": true, "dtype": "half"}})", 1,
@@ -639,6 +674,9 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
       {"{" M R"(, "fp16": {"enabled": true, "initial_scale_power": 2, "min_loss_scale": 8}})", 1,
        {"is below fp16.min_loss_scale = 8"}},
       {"{" M R"(, "fp16": {"enabled": true, "loss_scale": -2}})", 1, {"'fp16.loss_scale' = -2 is invalid"}},
+      {"{" M R"(, "fp16": {"enabled": true, "min_loss_scale": 0}})", 1,
+       {"fp16.min_loss_scale = 0 is invalid", "a finite number > 0"}},
+      {"{" M R"(, "fp16": {"enabled": true, "min_loss_scale": -0.5}})", 1, {"fp16.min_loss_scale = -0.5 is invalid"}},
       // optimizer
       {"{" M R"(, "optimizer": {"type": "Lamb"}})", 1,
        {"'optimizer.type' = \"Lamb\" is not supported", "Adam, AdamW, SGD, Lion"}},
@@ -666,6 +704,17 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
        {"'scheduler.params.cos_min_ratio' = 2 is out of range", "[0, 1]"}},
       {"{" M R"(, "scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 5}}})", 1,
        {"'scheduler.params.last_batch_iteration' = 5 is not supported"}},
+      {"{" M R"(, "scheduler": {"params": {}}})", 1, {"'scheduler.type' is missing", "WarmupLR, WarmupDecayLR"}},
+      {"{" M R"(, "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": -0.1}}})", 1,
+       {"'scheduler.params.warmup_min_lr' = -0.1 is out of range", "[0, 1000000]"}},
+      {"{" M R"(, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_max_lr": 2e6}}})", 1,
+       {"'scheduler.params.warmup_max_lr' = 2000000 is out of range"}},
+      {"{" M R"(, "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 0}}})", 1,
+       {"'scheduler.params.total_num_steps' = 0 is out of range", ">= 1"}},
+      {"{" M R"(, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "warmup_min_ratio": -0.5}}})", 1,
+       {"'scheduler.params.warmup_min_ratio' = -0.5 is out of range", "[0, 1]", "warmup_min_ratio x optimizer lr"}},
+      {"{" M R"(, "scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 100}}})", 1,
+       {"'scheduler.params.total_num_steps'", "use WarmupDecayLR to decay"}},
       // batch sizes
       {R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2})", 2,
        {"train_batch_size (32)", "train_micro_batch_size_per_gpu (4)", "gradient_accumulation_steps (2)",
@@ -678,11 +727,19 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
       {R"({"gradient_accumulation_steps": 4})", 1, {"no batch size", "train_micro_batch_size_per_gpu"}},
       {R"({})", 1, {"no batch size"}},
       {R"({"train_micro_batch_size_per_gpu": 0})", 1, {"'train_micro_batch_size_per_gpu' = 0 is out of range", ">= 1"}},
+      {R"({"train_batch_size": 0})", 1, {"'train_batch_size' = 0 is out of range", ">= 1"}},
+      {R"({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 0})", 1,
+       {"'gradient_accumulation_steps' = 0 is out of range", ">= 1"}},
+      {R"({"train_batch_size": 4.5})", 1, {"'train_batch_size' must be an integer", "got number 4.5"}},
+      {R"({"train_micro_batch_size_per_gpu": 1e19, "gradient_accumulation_steps": 4})", 1,
+       {"batch sizes overflow 64 bits"}},
       {R"({"train_micro_batch_size_per_gpu": 1})", 0, {"world_size = 0 is invalid"}},
       // text-level
       {"{" M R"(, "zero_optimization": {"stage": 1, "stage": 2}})", 1, {"duplicate key 'zero_optimization.stage'"}},
       {"{" M R"(, "zero_optimization": {"prefetch_bucket_size": 1, "stage3_prefetch_bucket_size": 2}})", 1,
        {"'zero_optimization.stage3_prefetch_bucket_size' and its alias", "keep one"}},
+      {"{" M R"(, "zero_optimization": {"param_persistence_threshold": 1, "stage3_param_persistence_threshold": 2}})",
+       1, {"'zero_optimization.stage3_param_persistence_threshold' and its alias 'zero_optimization.param_persistence_threshold'"}},
   };
   // Each row fails for its own reason: the base it extends is valid.
   REQUIRE(error_of("{" M "}").empty());
@@ -732,6 +789,35 @@ TEST_CASE("config: DeepSpeed keys accepted because they cannot change the result
   CHECK(c.zero.offload_optimizer == offload_device::cpu);
   CHECK(c.optimizer.type == optimizer_type::adamw);
   CHECK(c.optimizer.weight_decay == 0);
+}
+
+TEST_CASE("config: DeepSpeed sections that are switched off, or cannot act, are accepted and change nothing",
+          "[config]") {
+  // Each section below is what a DeepSpeed config commonly carries: switched off with
+  // "enabled": false (or without "enabled", which DeepSpeed defaults to false), or
+  // "device": "none", or a key that only logging or DeepSpeed's own data loader reads.
+  const std::string base = R"({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": true},
+      "zero_optimization": {"stage": 2)";
+  const config plain = parse_config_text(base + "}}", 1);
+  const config with = parse_config_text(base + R"(, "offload_param": {"device": "none", "pin_memory": true},
+          "cpu_offload": false, "cpu_offload_param": false, "cpu_offload_use_pin_memory": true},
+      "tensorboard": {"enabled": false, "output_path": "runs", "job_name": "x"},
+      "wandb": {"project": "p"}, "csv_monitor": {"enabled": false}, "comet": {"enabled": false},
+      "amp": {"enabled": false, "opt_level": "O1"}, "flops_profiler": {"enabled": false, "profile_step": 1},
+      "comms_logger": {"enabled": false, "verbose": true}, "elasticity": {"enabled": false},
+      "autotuning": {"enabled": false}, "eigenvalue": {"enabled": false}, "progressive_layer_drop": {"enabled": false},
+      "curriculum_learning": {"enabled": false}, "data_efficiency": {"enabled": false, "seed": 1234},
+      "hybrid_engine": {"enabled": false}, "nebula": {"enabled": false}, "compile": {"deepcompile": false},
+      "aio": {"block_size": 1048576, "queue_depth": 8}, "dataloader_drop_last": true, "log_level": "info",
+      "dump_state": false, "timers": {"throughput": {"enabled": true}}, "disable_allgather": false,
+      "graph_harvesting": true, "managed_gradient_accumulation": true, "use_data_before_expert_parallelism": false})",
+                                          1);
+  require_same(with, plain);
+  // A switch written as null is absent too, so the section is off.
+  CHECK_NOTHROW(parse_config_text(base + R"(}, "tensorboard": {"enabled": null}})", 1));
+  // The off switch must be the off value exactly: "enabled": "false" is a string, so on.
+  CHECK(error_of(base + R"(}, "wandb": {"enabled": "false"}})").find("'wandb' is a DeepSpeed setting") !=
+        std::string::npos);
 }
 
 TEST_CASE("config: DeepSpeed's field names of its stage-3 keys are accepted too", "[config]") {

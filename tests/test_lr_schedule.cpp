@@ -1,8 +1,8 @@
 // DeepSpeed's LR schedules. The reference mirrors DeepSpeed's stateful scheduler objects
 // (last_batch_iteration starts at -1; step() increments it; get_lr() reads it), written
 // from the formulas in long double, and shares no code with lr_schedule.hpp. Spot values
-// are worked out by hand. One difference from DeepSpeed is mpzero's on purpose and
-// mirrored here: WarmupCosineLR's progress is clamped at 1 after total_num_steps.
+// are worked out by hand. WarmupCosineLR's progress is clamped at 1 after
+// total_num_steps, as in DeepSpeed since v0.19.3 (PR #8142; older versions differ there).
 #include <catch2/catch.hpp>
 
 #include <algorithm>

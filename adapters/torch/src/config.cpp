@@ -63,6 +63,8 @@ std::string describe(const json& v) {
 }
 
 std::string format_number(double v) {
+  // Whole numbers as written in JSON, without an exponent: 1000000, not 1e+06.
+  if (std::isfinite(v) && v == std::floor(v) && std::fabs(v) < 1e15) return std::to_string(static_cast<long long>(v));
   std::ostringstream os;
   os.precision(17);
   os << v;
@@ -108,8 +110,20 @@ std::vector<std::string> tokens(std::string_view s) {
   return r;
 }
 
+// Two words of a key name are the same word when they are equal, or when, without a
+// plural "s", one begins the other and the shorter has at least 4 letters: "gradients"
+// and "grads" (both "grad..."), "weight" and "weights".
+bool same_word(std::string_view a, std::string_view b) {
+  if (a == b) return true;
+  auto stem = [](std::string_view w) { return w.size() > 4 && w.back() == 's' ? w.substr(0, w.size() - 1) : w; };
+  a = stem(a), b = stem(b);
+  if (a.size() > b.size()) std::swap(a, b);
+  return a.size() >= 4 && b.substr(0, a.size()) == a;
+}
+
 // The closest candidate: one edit away; failing that, the shortest candidate holding
-// every word of a multi-word key ("warmup_steps" -> "warmup_num_steps"); failing that,
+// every word of a multi-word key ("warmup_steps" -> "warmup_num_steps",
+// "fp16_master_weights_and_gradients" -> "fp16_master_weights_and_grads"); failing that,
 // within a few edits (scaled with the length); or "".
 std::string closest(std::string_view word, const std::vector<std::string_view>& candidates) {
   auto nearest = [&](std::size_t limit) {
@@ -128,7 +142,7 @@ std::string closest(std::string_view word, const std::vector<std::string_view>& 
     for (auto c : candidates) {
       const auto have = tokens(c);
       const bool all = std::all_of(words.begin(), words.end(), [&](const std::string& w) {
-        return std::find(have.begin(), have.end(), w) != have.end();
+        return std::any_of(have.begin(), have.end(), [&](const std::string& h) { return same_word(w, h); });
       });
       if (all && (best.empty() || c.size() < best.size())) best = std::string(c);
     }
@@ -154,11 +168,22 @@ std::string auto_hint() {
 
 // A DeepSpeed key mpzero does not implement. `accepted` is the JSON text of the one
 // value that matches what mpzero does anyway ("*": any value, the key cannot change
-// results; nullptr: no value, the key must go).
+// results; nullptr: no value, the key must go). A section that DeepSpeed switches off
+// with one of its keys names it in `off_key`: the section is accepted whole when that
+// key is absent (DeepSpeed's default is off) or equals `off_value` (JSON text), as in
+// "tensorboard": {"enabled": false, ...} or "offload_param": {"device": "none"}.
 struct foreign_key {
   std::string_view name;
   const char* accepted;
   std::string_view why;
+  std::string_view off_key = {};
+  const char* off_value = nullptr;
+
+  bool switched_off(const json& v) const {
+    if (off_key.empty() || !v.is_object()) return false;
+    const auto it = v.find(std::string(off_key));
+    return it == v.end() || it->is_null() || *it == json::parse(off_value);
+  }
 };
 
 // Checks every key of `obj` against the supported ones (and DeepSpeed's keys that mpzero
@@ -173,6 +198,7 @@ void check_keys(const json& obj, const std::string& path, const std::vector<std:
     if (f != foreign.end()) {
       if (it.value().is_null()) continue;  // null means absent, as everywhere
       if (f->accepted != nullptr && std::string_view(f->accepted) == "*") continue;
+      if (f->switched_off(it.value())) continue;
       if (f->accepted != nullptr) {
         if (it.value() == json::parse(f->accepted)) continue;
         const bool is_auto = it.value().is_string() && it.value().get<std::string>() == "auto";
@@ -180,8 +206,12 @@ void check_keys(const json& obj, const std::string& path, const std::vector<std:
              " (only " + std::string(f->accepted) + " is accepted; remove the key or set it to " +
              std::string(f->accepted) + ")" + (is_auto ? "; " + auto_hint() : std::string()));
       }
-      fail(squote(full) + " is a DeepSpeed setting that mpzero does not implement: " + std::string(f->why) +
-           "; remove it");
+      std::string msg = squote(full) + " is a DeepSpeed setting that mpzero does not implement: " +
+                        std::string(f->why) + "; remove it";
+      if (!f->off_key.empty()) {
+        msg += " (or set " + squote(join_path(full, f->off_key)) + " to " + f->off_value + ")";
+      }
+      fail(msg);
     }
     std::vector<std::string_view> candidates = supported;
     for (const auto& k : foreign) candidates.push_back(k.name);
@@ -323,8 +353,12 @@ class reader {
     fail(squote(path(key)) + " = " + v.dump() + " is out of range; it must be an integer in [" + std::to_string(lo) +
          ", " + std::to_string(hi) + "]");
   }
+  // Below `lo` says ">= lo"; above 2^64 - 1 names that bound too.
   [[noreturn]] void unsigned_error(std::string_view key, const json& v, std::uint64_t lo) const {
-    fail(squote(path(key)) + " = " + v.dump() + " is out of range; it must be an integer >= " + std::to_string(lo));
+    const bool too_big = v.is_number_float() && v.get<double>() > 0;
+    fail(squote(path(key)) + " = " + v.dump() + " is out of range; it must be an integer " +
+         (too_big ? "in [" + std::to_string(lo) + ", 18446744073709551615] (at most 2^64 - 1)"
+                  : ">= " + std::to_string(lo)));
   }
 
   const json& obj_;
@@ -379,26 +413,48 @@ const std::vector<foreign_key> top_level_foreign = {
     {"steps_per_print", "*", "logging only"},
     {"wall_clock_breakdown", "*", "logging only"},
     {"memory_breakdown", "*", "logging only"},
+    {"log_level", "*", "logging only"},
+    {"dump_state", "*", "logging only"},
+    {"timers", "*", "logging only"},
+    {"dataloader_drop_last", "*", "it configures DeepSpeed's data loader; the caller feeds mpzero's engine"},
+    {"disable_allgather", "*", "DeepSpeed's engine does not read it"},
+    {"graph_harvesting", "*", "CUDA-graph capture of DeepSpeed's bf16 optimizer kernels; the results are the same"},
+    {"use_data_before_expert_parallelism", "*", "no expert parallelism"},
     {"zero_allow_untested_optimizer", "*", "mpzero runs only its own optimizers"},
+    {"zero_force_ds_cpu_optimizer", "*", "the CPU optimizer is mpzero's own"},
+    {"aio", "*", "asynchronous I/O for NVMe offload, which mpzero does not have"},
+    {"managed_gradient_accumulation", "true",
+     "the engine counts micro-batches up to gradient_accumulation_steps"},
     {"bfloat16", nullptr, "it is DeepSpeed's old name of the section; write \"bf16\""},
     {"prescale_gradients", "false", "gradients are averaged after the reduction"},
     {"gradient_predivide_factor", "1.0", "gradients are averaged after the reduction"},
     {"gradient_allreduce_op", "\"mean\"", "data-parallel gradients are averaged"},
     {"sparse_gradients", "false", "gradients are dense"},
-    {"amp", nullptr, "use \"bf16\", \"fp16\" or \"torch_autocast\""},
-    {"zero_force_ds_cpu_optimizer", "*", "the CPU optimizer is mpzero's own"},
+    // Sections DeepSpeed switches off with "enabled" (off by default).
+    {"amp", nullptr, "use \"bf16\", \"fp16\" or \"torch_autocast\"", "enabled", "false"},
+    {"flops_profiler", nullptr, "no profiler", "enabled", "false"},
+    {"tensorboard", nullptr, "no monitors", "enabled", "false"},
+    {"wandb", nullptr, "no monitors", "enabled", "false"},
+    {"csv_monitor", nullptr, "no monitors", "enabled", "false"},
+    {"comet", nullptr, "no monitors", "enabled", "false"},
+    {"comms_logger", nullptr, "no communication logger", "enabled", "false"},
+    {"elasticity", nullptr, "no elastic training", "enabled", "false"},
+    {"autotuning", nullptr, "no autotuner", "enabled", "false"},
+    {"eigenvalue", nullptr, "no eigenvalue computation", "enabled", "false"},
+    {"progressive_layer_drop", nullptr, "no progressive layer drop", "enabled", "false"},
+    {"curriculum_learning", nullptr, "no curriculum learning", "enabled", "false"},
+    {"data_efficiency", nullptr, "no data-efficiency pipeline", "enabled", "false"},
+    {"hybrid_engine", nullptr, "no hybrid (RLHF) engine", "enabled", "false"},
+    {"nebula", nullptr, "no Nebula checkpointing", "enabled", "false"},
+    {"compile", nullptr, "no DeepCompile", "deepcompile", "false"},
     {"activation_checkpointing", nullptr, "checkpoint activations in the model"},
-    {"flops_profiler", nullptr, "no profiler"},
-    {"tensorboard", nullptr, "no monitors"},
-    {"wandb", nullptr, "no monitors"},
-    {"csv_monitor", nullptr, "no monitors"},
-    {"comms_logger", nullptr, "no communication logger"},
     {"pipeline", nullptr, "no pipeline parallelism"},
-    {"elasticity", nullptr, "no elastic training"},
+    {"tensor_parallel", nullptr, "no tensor parallelism"},
+    {"expert_parallel", nullptr, "no expert parallelism"},
+    {"weight_quantization", nullptr, "no weight quantization"},
     {"checkpoint", nullptr, "checkpointing is configured in code"},
     {"compression_training", nullptr, "no compression"},
     {"sparse_attention", nullptr, "no sparse attention kernels"},
-    {"aio", nullptr, "no NVMe offload"},
     {"seq_parallel_communication_data_type", nullptr, "no sequence parallelism"},
 };
 
@@ -557,10 +613,11 @@ void parse_zero(const json& j, config& c) {
              {"stage", "offload_optimizer", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "sub_group_size",
               "contiguous_gradients", "reduce_scatter", "stage3_param_persistence_threshold",
               "stage3_prefetch_bucket_size", "leaf_module", "param_persistence_threshold", "prefetch_bucket_size"},
-             {{"offload_param", nullptr, "parameters stay on the device (offload_optimizer offloads the optimizer)"},
-              {"cpu_offload", nullptr, "deprecated in DeepSpeed; write \"offload_optimizer\": {\"device\": \"cpu\"}"},
-              {"cpu_offload_param", nullptr, "parameters stay on the device"},
-              {"cpu_offload_use_pin_memory", nullptr, "write \"offload_optimizer\": {\"pin_memory\": ...}"},
+             {{"offload_param", nullptr, "parameters stay on the device (offload_optimizer offloads the optimizer)",
+               "device", "\"none\""},
+              {"cpu_offload", "false", "deprecated in DeepSpeed; write \"offload_optimizer\": {\"device\": \"cpu\"}"},
+              {"cpu_offload_param", "false", "parameters stay on the device"},
+              {"cpu_offload_use_pin_memory", "*", "it acts only with cpu_offload; offload_optimizer has pin_memory"},
               {"allgather_partitions", "true", "parameters are gathered with allgather"},
               {"use_multi_rank_bucket_allreduce", "*", "a communication detail"},
               {"load_from_fp32_weights", "*", "checkpoints are loaded in code"},
@@ -895,15 +952,19 @@ void resolve_batch(const std::optional<std::uint64_t>& train, const std::optiona
 void validate(config& c, bool autocast_dtype_given) {
   const int stage = c.zero.stage;
   if (c.bf16 && c.fp16) fail("'bf16.enabled' and 'fp16.enabled' are both true; enable one of them");
-  auto need_enabled = [&](bool flag, bool enabled, const char* key, const char* section) {
+  // Each flag lowers part of a 16-bit model's states, so it needs that model.
+  auto need_enabled = [&](bool flag, bool enabled, const char* key, const char* section, const char* keeps) {
     if (flag && !enabled) {
       fail(std::string("'") + key + "' is true but '" + section + ".enabled' is not; set " + section +
-           ".enabled = true (the flag keeps a " + section + " copy of " + section + " parameters)");
+           ".enabled = true (the flag keeps a " + section + " model's " + keeps + " in " + section +
+           "; without a " + section + " model it has nothing to act on), or drop the flag");
     }
   };
-  need_enabled(c.bf16_master_weights_and_grads, c.bf16, "bf16.bf16_master_weights_and_grads", "bf16");
-  need_enabled(c.bf16_optimizer_states, c.bf16, "bf16.bf16_optimizer_states", "bf16");
-  need_enabled(c.fp16_master_weights_and_grads, c.fp16, "fp16.fp16_master_weights_and_grads", "fp16");
+  need_enabled(c.bf16_master_weights_and_grads, c.bf16, "bf16.bf16_master_weights_and_grads", "bf16",
+               "master weights and gradients");
+  need_enabled(c.bf16_optimizer_states, c.bf16, "bf16.bf16_optimizer_states", "bf16", "optimizer states");
+  need_enabled(c.fp16_master_weights_and_grads, c.fp16, "fp16.fp16_master_weights_and_grads", "fp16",
+               "master weights and gradients");
   auto need_zero = [&](bool flag, const char* key) {
     if (flag && stage < 1) {
       fail(std::string("'") + key + "' needs ZeRO stage 1, 2 or 3 (zero_optimization.stage is " +

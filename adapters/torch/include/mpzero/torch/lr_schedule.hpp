@@ -1,7 +1,7 @@
 // mpzero::torch: DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR,
 // WarmupCosineLR), torch-free.
 //
-// The formulas are DeepSpeed's (deepspeed/runtime/lr_schedules.py, v0.19), step for step,
+// The formulas are DeepSpeed's (deepspeed/runtime/lr_schedules.py, v0.19.3+), step for step,
 // so that a run ported from DeepSpeed sees the same learning rates:
 //  - `step` counts the scheduler steps taken, i.e. the optimizer updates applied so far
 //    (DeepSpeed's engine steps the scheduler after every update it does not skip). The
@@ -19,8 +19,8 @@
 //    WarmupDecayLR:  lr = min_lr + (max_lr - min_lr) * max(0, (T - i) / max(1, T - W))
 //    WarmupCosineLR: p = min(1, (i - W + 1) / max(1, T - W)),
 //                    lr = base_lr * max(0, cos_min + (1 - cos_min) * (1 + cos(pi p)) / 2)
-//    The min(1, ...) is mpzero's: DeepSpeed's p keeps growing past T, so its cosine turns
-//    back up (and alternates when T <= W); the two agree up to total_num_steps.
+//    DeepSpeed clamps p the same way since v0.19.3 (its PR #8142); before, its p kept
+//    growing past T, so its cosine turned back up. All agree up to total_num_steps.
 //  - WarmupLR and WarmupDecayLR set the lr outright (base_lr is not used); WarmupCosineLR
 //    scales the optimizer's lr. scheduler_type::none returns base_lr.
 #pragma once
