@@ -534,6 +534,14 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
        {"'activation_checkpointing' is a DeepSpeed setting", "checkpoint activations in the model"}},
       {"{" M R"(, "zero_optimization": {"stage": 1, "cpu_offload": true}})", 1,
        {"'zero_optimization.cpu_offload' = true is not supported", "\"offload_optimizer\": {\"device\": \"cpu\"}"}},
+      // a nested "enabled" switches a part on even when the section's own flag is off
+      {"{" M R"(, "data_efficiency": {"enabled": false, "data_routing": {"random_ltd": {"enabled": true}}}})", 1,
+       {"'data_efficiency' is a DeepSpeed setting that mpzero does not implement"}},
+      {"{" M R"(, "zero_optimization": {"stage": 2, "cpu_offload": false, "offload_optimizer": {"device": "cpu"}}})",
+       1, {"'zero_optimization.cpu_offload' is DeepSpeed's deprecated form of 'zero_optimization.offload_optimizer'",
+           "remove cpu_offload"}},
+      {"{" M R"(, "zero_optimization": {"stage": 3, "cpu_offload_param": false, "offload_param": {"device": "none"}}})",
+       1, {"'zero_optimization.cpu_offload_param' is DeepSpeed's deprecated form"}},
       {"{" M R"(, "managed_gradient_accumulation": false})", 1,
        {"'managed_gradient_accumulation' = false is not supported", "only true is accepted"}},
       // the seed blog's spelling of the fp16 flag
@@ -800,19 +808,22 @@ TEST_CASE("config: DeepSpeed sections that are switched off, or cannot act, are 
       "zero_optimization": {"stage": 2)";
   const config plain = parse_config_text(base + "}}", 1);
   const config with = parse_config_text(base + R"(, "offload_param": {"device": "none", "pin_memory": true},
-          "cpu_offload": false, "cpu_offload_param": false, "cpu_offload_use_pin_memory": true},
+          "cpu_offload": false, "cpu_offload_use_pin_memory": true},
       "tensorboard": {"enabled": false, "output_path": "runs", "job_name": "x"},
       "wandb": {"project": "p"}, "csv_monitor": {"enabled": false}, "comet": {"enabled": false},
       "amp": {"enabled": false, "opt_level": "O1"}, "flops_profiler": {"enabled": false, "profile_step": 1},
-      "comms_logger": {"enabled": false, "verbose": true}, "elasticity": {"enabled": false},
+      "comms_logger": {"enabled": true, "verbose": true}, "elasticity": {"enabled": false},
       "autotuning": {"enabled": false}, "eigenvalue": {"enabled": false}, "progressive_layer_drop": {"enabled": false},
-      "curriculum_learning": {"enabled": false}, "data_efficiency": {"enabled": false, "seed": 1234},
+      "curriculum_learning": {"enabled": false},
+      "data_efficiency": {"enabled": false, "seed": 1234, "data_sampling": {"enabled": false, "num_workers": 0}},
       "hybrid_engine": {"enabled": false}, "nebula": {"enabled": false}, "compile": {"deepcompile": false},
       "aio": {"block_size": 1048576, "queue_depth": 8}, "dataloader_drop_last": true, "log_level": "info",
       "dump_state": false, "timers": {"throughput": {"enabled": true}}, "disable_allgather": false,
       "graph_harvesting": true, "managed_gradient_accumulation": true, "use_data_before_expert_parallelism": false})",
                                           1);
   require_same(with, plain);
+  // The deprecated form alone, without the key that replaced it.
+  require_same(parse_config_text(base + R"(, "cpu_offload_param": false}})", 1), plain);
   // A switch written as null is absent too, so the section is off.
   CHECK_NOTHROW(parse_config_text(base + R"(}, "tensorboard": {"enabled": null}})", 1));
   // The off switch must be the off value exactly: "enabled": "false" is a string, so on.

@@ -182,7 +182,20 @@ struct foreign_key {
   bool switched_off(const json& v) const {
     if (off_key.empty() || !v.is_object()) return false;
     const auto it = v.find(std::string(off_key));
-    return it == v.end() || it->is_null() || *it == json::parse(off_value);
+    const bool off = it == v.end() || it->is_null() || *it == json::parse(off_value);
+    // A nested "enabled" switches a part on by itself: DeepSpeed's data_efficiency runs
+    // data_routing.random_ltd when that says true, whatever the section's own flag says.
+    return off && (off_key != "enabled" || !nested_enabled(v));
+  }
+
+ private:
+  static bool nested_enabled(const json& obj) {
+    for (auto it = obj.begin(); it != obj.end(); ++it) {
+      if (!it->is_object()) continue;
+      if (const auto e = it->find("enabled"); e != it->end() && !e->is_null() && *e != json(false)) return true;
+      if (nested_enabled(*it)) return true;
+    }
+    return false;
   }
 };
 
@@ -416,6 +429,7 @@ const std::vector<foreign_key> top_level_foreign = {
     {"log_level", "*", "logging only"},
     {"dump_state", "*", "logging only"},
     {"timers", "*", "logging only"},
+    {"comms_logger", "*", "logging only"},
     {"dataloader_drop_last", "*", "it configures DeepSpeed's data loader; the caller feeds mpzero's engine"},
     {"disable_allgather", "*", "DeepSpeed's engine does not read it"},
     {"graph_harvesting", "*", "CUDA-graph capture of DeepSpeed's bf16 optimizer kernels; the results are the same"},
@@ -437,7 +451,6 @@ const std::vector<foreign_key> top_level_foreign = {
     {"wandb", nullptr, "no monitors", "enabled", "false"},
     {"csv_monitor", nullptr, "no monitors", "enabled", "false"},
     {"comet", nullptr, "no monitors", "enabled", "false"},
-    {"comms_logger", nullptr, "no communication logger", "enabled", "false"},
     {"elasticity", nullptr, "no elastic training", "enabled", "false"},
     {"autotuning", nullptr, "no autotuner", "enabled", "false"},
     {"eigenvalue", nullptr, "no eigenvalue computation", "enabled", "false"},
@@ -617,7 +630,7 @@ void parse_zero(const json& j, config& c) {
                "device", "\"none\""},
               {"cpu_offload", "false", "deprecated in DeepSpeed; write \"offload_optimizer\": {\"device\": \"cpu\"}"},
               {"cpu_offload_param", "false", "parameters stay on the device"},
-              {"cpu_offload_use_pin_memory", "*", "it acts only with cpu_offload; offload_optimizer has pin_memory"},
+              {"cpu_offload_use_pin_memory", "*", "deprecated; DeepSpeed does not read it"},
               {"allgather_partitions", "true", "parameters are gathered with allgather"},
               {"use_multi_rank_bucket_allreduce", "*", "a communication detail"},
               {"load_from_fp32_weights", "*", "checkpoints are loaded in code"},
@@ -656,6 +669,16 @@ void parse_zero(const json& j, config& c) {
               {"memory_efficient_linear", "*", "a DeepSpeed stage-3 implementation detail"},
               {"zenflow", nullptr, "no ZenFlow"}});
   reader r(j, p);
+  // DeepSpeed refuses a deprecated key beside the key that replaced it, whatever its value.
+  for (auto [old_key, new_key] : {std::pair<std::string_view, std::string_view>{"cpu_offload", "offload_optimizer"},
+                                  {"cpu_offload_param", "offload_param"}}) {
+    const auto o = j.find(std::string(old_key)), n = j.find(std::string(new_key));
+    if (o != j.end() && !o->is_null() && n != j.end() && !n->is_null()) {
+      fail("'" + p + "." + std::string(old_key) + "' is DeepSpeed's deprecated form of '" + p + "." +
+           std::string(new_key) + "', and both are given (DeepSpeed refuses this too); remove " +
+           std::string(old_key));
+    }
+  }
   if (const json* v = r.find("stage")) {
     if (!v->is_number()) r.type_error("stage", *v, "an integer 0, 1, 2 or 3");
   }
