@@ -193,6 +193,38 @@ void copy_sizes(benchmark::internal::Benchmark* b) {
   b->ArgNames({"n", "B/elem"})->UseRealTime()->Unit(benchmark::kMicrosecond);
 }
 
+// Ablation, not an optimizer: AdamW's update with parts of its arithmetic taken out, to
+// see which part bounds a step (docs/perf.md, session 13). Variant 0 is all of AdamW's
+// arithmetic (the same operations as optim::adamw); 1 multiplies where AdamW divides;
+// 2 skips the square root; 3 does both; 4 keeps no arithmetic but a move of each value
+// (the loads, conversions, rounding and stores of the step stay in every variant).
+template <int Variant>
+struct adamw_ablation : optim::adamw {
+  MPZERO_FORCEINLINE static void update(const params& p, float& w, float g, float (&s)[2]) noexcept {
+    if constexpr (Variant == 4) {
+      s[0] = g;
+      s[1] = fp::add(s[1], g);
+      w = fp::sub(w, g);
+    } else {
+      w = fp::mul(w, p.decay_factor);
+      const float m = fp::add(fp::mul(p.beta1, s[0]), fp::mul(p.one_minus_beta1, g));
+      const float v = fp::add(fp::mul(p.beta2, s[1]), fp::mul(fp::mul(p.one_minus_beta2, g), g));
+      const float root = Variant == 2 || Variant == 3 ? v : fp::sqrt(v);
+      const float denom = fp::add(fp::mul(root, p.inv_sqrt_bias2), p.eps);
+      const float ratio = Variant == 1 || Variant == 3 ? fp::mul(m, denom) : fp::div(m, denom);
+      w = fp::sub(w, fp::mul(p.step_size, ratio));
+      s[0] = m;
+      s[1] = v;
+    }
+  }
+};
+
+// In the cache (64K) and above it (32M, 128M elements).
+void ablation_sizes(benchmark::internal::Benchmark* b) {
+  for (std::int64_t n : {1 << 16, 1 << 25, 1 << 27}) b->Arg(n);
+  b->UseRealTime()->Unit(benchmark::kMicrosecond);
+}
+
 }  // namespace
 
 BENCHMARK_TEMPLATE(BM_step, policies::fp32, optim::adamw)->Apply(step_sizes);
@@ -213,6 +245,11 @@ BENCHMARK_TEMPLATE(BM_accumulate, float, bf16)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_accumulate, bf16, bf16)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_accumulate, fp16, fp16)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_accumulate, float, fp16)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_step, policies::bf16_all, adamw_ablation<0>)->Apply(ablation_sizes);
+BENCHMARK_TEMPLATE(BM_step, policies::bf16_all, adamw_ablation<1>)->Apply(ablation_sizes);
+BENCHMARK_TEMPLATE(BM_step, policies::bf16_all, adamw_ablation<2>)->Apply(ablation_sizes);
+BENCHMARK_TEMPLATE(BM_step, policies::bf16_all, adamw_ablation<3>)->Apply(ablation_sizes);
+BENCHMARK_TEMPLATE(BM_step, policies::bf16_all, adamw_ablation<4>)->Apply(ablation_sizes);
 BENCHMARK(BM_copy)->Apply(copy_sizes);
 BENCHMARK(BM_rmw)->Apply(copy_sizes);
 BENCHMARK(BM_triad)->Apply(step_sizes);
