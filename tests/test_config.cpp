@@ -696,6 +696,13 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
        {"optimizer.params: AdamW: beta1", "out of range"}},
       {"{" M R"(, "optimizer": {"type": "SGD", "params": {"nesterov": true}}})", 1,
        {"optimizer.params: SGD: nesterov = true needs momentum > 0"}},
+      {"{" M R"(, "optimizer": {"type": "sgd", "params": {"momentum": 1.5}}})", 1,
+       {"optimizer.params: SGD: momentum", "out of range"}},
+      {"{" M R"(, "optimizer": {"type": "Lion", "params": {"betas": [0.9, 1.5]}}})", 1,
+       {"optimizer.params: Lion: beta2", "out of range"}},
+      {"{" M R"(, "optimizer": {"type": "AdamW", "params": {"eps": 0}}})", 1,
+       {"optimizer.params: AdamW: eps", "out of range"}},
+      {"{" M R"(, "optimizer": {"type": 3}})", 1, {"'optimizer.type' must be a string", "got integer 3"}},
       // scheduler
       {"{" M R"(, "scheduler": {"type": "OneCycle", "params": {}}})", 1,
        {"'scheduler.type' = \"OneCycle\" is not supported", "not implemented", "WarmupLR, WarmupDecayLR, WarmupCosineLR"}},
