@@ -133,9 +133,10 @@ __global__ void from_float_kernel(std::uint32_t first, std::uint32_t n, mismatch
 
 // Every 16-bit pattern: to_float against __bfloat162float and __half2float. For a NaN
 // input both must give a NaN; whether the payload matches too is counted apart
-// (`*_payload`): sm_90 widens with cvt.f32.bf16/f16, which may return the canonical
-// NaN where CUDA's host conversion (and mpzero, on host and device alike) keeps the
-// payload. `ours` gets mpzero's device results, which the host compares with its own.
+// (`*_payload`): for bf16, sm_90 widens with cvt.f32.bf16, which may return the
+// canonical NaN where CUDA's host conversion (and mpzero, on host and device alike)
+// keeps the payload; for fp16 both mpzero and CUDA's host code give the canonical NaN
+// 0x7fffffff. `ours` gets mpzero's device results, which the host compares with its own.
 __global__ void to_float_kernel(mismatch_counter* bf, mismatch_counter* hf, mismatch_counter* bf_payload,
                                 mismatch_counter* hf_payload, std::uint32_t* ours_bf, std::uint32_t* ours_hf) {
   const std::uint32_t h = blockIdx.x * blockDim.x + threadIdx.x;

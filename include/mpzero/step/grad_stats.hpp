@@ -16,7 +16,7 @@ struct grad_view {
 };
 
 struct grad_stats {
-  double norm_squared = 0;  // sum of squares in fp64, chunk partials added in plan order
+  double norm_squared = 0;  // sum of squares in fp64 (host: chunk partials in plan order; CUDA: CUB trees)
   bool nonfinite = false;   // some element is NaN or infinite
 };
 
