@@ -93,7 +93,8 @@ configure() {
 # reporting) any this configuration does not define (no NCCL, no LibTorch found) and
 # any that failed earlier in this call, and going on past failures. Succeeds when the
 # named ones built. A target that fails is recorded, so that no later phase compiles
-# its failing file again (each try of a long nvcc error costs minutes of the budget).
+# its failing file again (each try of a long nvcc error costs minutes of the budget):
+# a failing file is compiled once by the build and once more per target that needs it.
 ensure_built() {
   configure || return 1
   local defined=() t
@@ -107,27 +108,28 @@ ensure_built() {
       echo "gpu_run: target $t is not defined in this configuration (see configure.log)"
     fi
   done
+  local built=0
   if [ ${#defined[@]} -gt 0 ]; then
     local keep_going=(-- -k)
     [ -f "$build/build.ninja" ] && keep_going=(-- -k 0)
-    cmake --build "$build" -j "$(nproc)" --target "${defined[@]}" "${keep_going[@]}" >>"$work/build.log" 2>&1 ||
+    if ! cmake --build "$build" -j "$(nproc)" --target "${defined[@]}" "${keep_going[@]}" >>"$work/build.log" 2>&1; then
       grep -E "error|Error" "$work/build.log" | head -20
-  fi
-  # Which targets built: with Ninja a dry run tells without compiling, so every target
-  # of the build is checked; with Make only this phase's, by building them again.
-  local check=("$@") ok=0
-  [ -f "$build/build.ninja" ] && check=("${defined[@]}")
-  for t in "${check[@]}"; do
-    printf '%s\n' "${defined[@]}" | grep -qx "$t" || continue
-    if [ -f "$build/build.ninja" ]; then
-      cmake --build "$build" --target "$t" -- -n 2>/dev/null | grep -q "no work to do" && continue
-    else
-      cmake --build "$build" --target "$t" >>"$work/build.log" 2>&1 && continue
+      built=1
     fi
-    echo "$t" >>"$failed_list"
-  done
+  fi
+  # After a failed build, find which targets did not build, each by building it alone
+  # (a no-op for one that built; a dry run cannot tell, as it always sees CMake's glob
+  # check as work): every target of the build, so that later phases skip the failures.
+  local ok=0 bad=()
+  if [ "$built" -ne 0 ]; then
+    for t in "${defined[@]}"; do
+      cmake --build "$build" -j "$(nproc)" --target "$t" >>"$work/build.log" 2>&1 && continue
+      bad+=("$t")
+      echo "$t" >>"$failed_list"
+    done
+  fi
   for t in "$@"; do
-    if grep -qx "$t" "$failed_list" 2>/dev/null; then
+    if grep -qx "$t" "$failed_list" 2>/dev/null || printf '%s\n' "${bad[@]}" | grep -qx "$t"; then
       echo "gpu_run: $t did not build (see build.log)"
       ok=1
     elif ! printf '%s\n' "${defined[@]}" | grep -qx "$t"; then
@@ -147,11 +149,15 @@ phase_test() {
   local built=0
   ensure_built "${test_targets[@]}" || built=1
   [ "$built" -eq 0 ] || echo "gpu_run: not every [gpu] test program built (see build.log); running those that did"
+  # A program that did not build is left out: a stale binary of it must not run instead.
+  local skip=() t exclude=()
+  for t in "${test_targets[@]}"; do grep -qx "$t" "$failed_list" 2>/dev/null && skip+=("$t"); done
+  [ ${#skip[@]} -gt 0 ] && exclude=(-E "^($(IFS='|'; echo "${skip[*]}"))\\.")
   # Below the device tool's 10 minutes a call: one hung test must not take the call down.
   # A stuck collective raises mpzero's own error (naming the call) at 60 s, before
   # ctest's 240 s kill; NCCL's warnings go to the log.
-  (cd "$build" && MPZERO_COMM_TIMEOUT_S=60 NCCL_DEBUG=WARN ctest -L gpu --no-tests=error --output-on-failure \
-    --timeout 240) 2>&1 | tee "$work/ctest_gpu.log" | tail -40
+  (cd "$build" && MPZERO_COMM_TIMEOUT_S=60 NCCL_DEBUG=WARN ctest -L gpu "${exclude[@]}" --no-tests=error \
+    --output-on-failure --timeout 240) 2>&1 | tee "$work/ctest_gpu.log" | tail -40
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] && rc=$built
   return "$rc"
