@@ -53,9 +53,10 @@ if [ ! -e "$cuda_include/cublas_v2.h" ]; then
   cu_py="$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)/cu13/include"
   [ -e "$cu_py/cublas_v2.h" ] && cxx_flags=("-DCMAKE_CXX_FLAGS=-idirafter $cu_py")
 fi
-# Targets that failed to build earlier in this call (the loop below starts it empty):
-# later phases report them instead of compiling the failing file again.
-failed_list="${GPU_RUN_FAILED:-/dev/null}"
+# Targets that failed to build earlier in this call (the loop below starts it empty; a
+# phase run alone with --one gets a list of its own): later phases report them instead
+# of compiling the failing file again.
+failed_list="${GPU_RUN_FAILED:-$(mktemp)}"
 all_targets=(test_gpu test_zero_gpu test_comm_gpu test_torch_gpu mpzero_bench_cuda train_gpt)
 test_targets=(test_gpu test_zero_gpu test_comm_gpu test_torch_gpu)
 # The states run: about 151M parameters, 4 x 128 tokens a step, so that model states
@@ -120,16 +121,14 @@ ensure_built() {
   # After a failed build, find which targets did not build, each by building it alone
   # (a no-op for one that built; a dry run cannot tell, as it always sees CMake's glob
   # check as work): every target of the build, so that later phases skip the failures.
-  local ok=0 bad=()
+  local ok=0
   if [ "$built" -ne 0 ]; then
     for t in "${defined[@]}"; do
-      cmake --build "$build" -j "$(nproc)" --target "$t" >>"$work/build.log" 2>&1 && continue
-      bad+=("$t")
-      echo "$t" >>"$failed_list"
+      cmake --build "$build" -j "$(nproc)" --target "$t" >>"$work/build.log" 2>&1 || echo "$t" >>"$failed_list"
     done
   fi
   for t in "$@"; do
-    if grep -qx "$t" "$failed_list" 2>/dev/null || printf '%s\n' "${bad[@]}" | grep -qx "$t"; then
+    if grep -qx "$t" "$failed_list" 2>/dev/null; then
       echo "gpu_run: $t did not build (see build.log)"
       ok=1
     elif ! printf '%s\n' "${defined[@]}" | grep -qx "$t"; then

@@ -171,13 +171,16 @@ std::string auto_hint() {
 // results; nullptr: no value, the key must go). A section that DeepSpeed switches off
 // with one of its keys names it in `off_key`: the section is accepted whole when that
 // key is absent (DeepSpeed's default is off) or equals `off_value` (JSON text), as in
-// "tensorboard": {"enabled": false, ...} or "offload_param": {"device": "none"}.
+// "tensorboard": {"enabled": false, ...} or "offload_param": {"device": "none"}. A
+// deprecated key names the key that replaced it in `replaced_by`: DeepSpeed refuses the
+// two together, whatever the deprecated one's value.
 struct foreign_key {
   std::string_view name;
   const char* accepted;
   std::string_view why;
   std::string_view off_key = {};
   const char* off_value = nullptr;
+  std::string_view replaced_by = {};
 
   bool switched_off(const json& v) const {
     if (off_key.empty() || !v.is_object()) return false;
@@ -185,7 +188,7 @@ struct foreign_key {
     const bool off = it == v.end() || it->is_null() || *it == json::parse(off_value);
     // A nested "enabled" switches a part on by itself: DeepSpeed's data_efficiency runs
     // data_routing.random_ltd when that says true, whatever the section's own flag says.
-    return off && (off_key != "enabled" || !nested_enabled(v));
+    return off && !nested_enabled(v);
   }
 
  private:
@@ -210,6 +213,13 @@ void check_keys(const json& obj, const std::string& path, const std::vector<std:
     const auto f = std::find_if(foreign.begin(), foreign.end(), [&](const foreign_key& k) { return k.name == key; });
     if (f != foreign.end()) {
       if (it.value().is_null()) continue;  // null means absent, as everywhere
+      if (!f->replaced_by.empty()) {
+        const auto n = obj.find(std::string(f->replaced_by));
+        if (n != obj.end() && !n->is_null()) {
+          fail(squote(full) + " is DeepSpeed's deprecated form of " + squote(join_path(path, f->replaced_by)) +
+               ", and both are given (DeepSpeed refuses this too); remove " + key);
+        }
+      }
       if (f->accepted != nullptr && std::string_view(f->accepted) == "*") continue;
       if (f->switched_off(it.value())) continue;
       if (f->accepted != nullptr) {
@@ -366,9 +376,9 @@ class reader {
     fail(squote(path(key)) + " = " + v.dump() + " is out of range; it must be an integer in [" + std::to_string(lo) +
          ", " + std::to_string(hi) + "]");
   }
-  // Below `lo` says ">= lo"; above 2^64 - 1 names that bound too.
+  // Below `lo` says ">= lo"; above 2^64 - 1 (only a float can be) names that bound too.
   [[noreturn]] void unsigned_error(std::string_view key, const json& v, std::uint64_t lo) const {
-    const bool too_big = v.is_number_float() && v.get<double>() > 0;
+    const bool too_big = v.is_number_float() && v.get<double>() >= 18446744073709551616.0;
     fail(squote(path(key)) + " = " + v.dump() + " is out of range; it must be an integer " +
          (too_big ? "in [" + std::to_string(lo) + ", 18446744073709551615] (at most 2^64 - 1)"
                   : ">= " + std::to_string(lo)));
@@ -628,8 +638,14 @@ void parse_zero(const json& j, config& c) {
               "stage3_prefetch_bucket_size", "leaf_module", "param_persistence_threshold", "prefetch_bucket_size"},
              {{"offload_param", nullptr, "parameters stay on the device (offload_optimizer offloads the optimizer)",
                "device", "\"none\""},
-              {"cpu_offload", "false", "deprecated in DeepSpeed; write \"offload_optimizer\": {\"device\": \"cpu\"}"},
-              {"cpu_offload_param", "false", "parameters stay on the device"},
+              {.name = "cpu_offload",
+               .accepted = "false",
+               .why = "deprecated in DeepSpeed; write \"offload_optimizer\": {\"device\": \"cpu\"}",
+               .replaced_by = "offload_optimizer"},
+              {.name = "cpu_offload_param",
+               .accepted = "false",
+               .why = "parameters stay on the device",
+               .replaced_by = "offload_param"},
               {"cpu_offload_use_pin_memory", "*", "deprecated; DeepSpeed does not read it"},
               {"allgather_partitions", "true", "parameters are gathered with allgather"},
               {"use_multi_rank_bucket_allreduce", "*", "a communication detail"},
@@ -669,16 +685,6 @@ void parse_zero(const json& j, config& c) {
               {"memory_efficient_linear", "*", "a DeepSpeed stage-3 implementation detail"},
               {"zenflow", nullptr, "no ZenFlow"}});
   reader r(j, p);
-  // DeepSpeed refuses a deprecated key beside the key that replaced it, whatever its value.
-  for (auto [old_key, new_key] : {std::pair<std::string_view, std::string_view>{"cpu_offload", "offload_optimizer"},
-                                  {"cpu_offload_param", "offload_param"}}) {
-    const auto o = j.find(std::string(old_key)), n = j.find(std::string(new_key));
-    if (o != j.end() && !o->is_null() && n != j.end() && !n->is_null()) {
-      fail("'" + p + "." + std::string(old_key) + "' is DeepSpeed's deprecated form of '" + p + "." +
-           std::string(new_key) + "', and both are given (DeepSpeed refuses this too); remove " +
-           std::string(old_key));
-    }
-  }
   if (const json* v = r.find("stage")) {
     if (!v->is_number()) r.type_error("stage", *v, "an integer 0, 1, 2 or 3");
   }
