@@ -1,6 +1,7 @@
 # Planner, optimizers and the fused step, host side.
 mpzero_add_test(test_plan SOURCES test_plan.cpp test_simd.cpp TAGS multi_tensor)
-mpzero_add_test(test_optim SOURCES test_optim_a.cpp test_optim_b.cpp test_fused_step.cpp TAGS optim multi_tensor)
+mpzero_add_test(test_optim SOURCES test_optim_a.cpp test_optim_b.cpp test_fused_step.cpp test_kernel_threads.cpp
+                TAGS optim multi_tensor)
 # The same SIMD checks compiled by nvcc (its host pass runs CPU offload's host step on
 # the CUDA backend). Runs on the CPU.
 if(MPZERO_HAS_CUDA)

@@ -17,6 +17,15 @@
 #define MPZERO_FORCEINLINE inline __attribute__((always_inline))
 #endif
 
+// Asks nvcc's device pass to unroll the loop that follows (a loop over a compile-time
+// count in code shared with the host, cuda/thread_work.hpp); nothing in host code,
+// where g++ (nvcc's host pass included) would warn about an unknown pragma.
+#if defined(__CUDA_ARCH__)
+#define MPZERO_UNROLL _Pragma("unroll")
+#else
+#define MPZERO_UNROLL
+#endif
+
 // True while compiling device code (nvcc's device pass).
 #if defined(__CUDA_ARCH__)
 #define MPZERO_IS_DEVICE_CODE 1

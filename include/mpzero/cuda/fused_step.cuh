@@ -1,7 +1,8 @@
 // mpzero: the CUDA backend of the fused step and of the gradient check. These
 // kernels only move data: the arithmetic is update_element_with_bits() with the
 // rounding bits of pair_random_bits() / element_pair_bits(), and to_float(), the code
-// the host backend runs, so both give the same bits.
+// the host backend runs, so both give the same bits. What each thread does is in
+// thread_work.hpp, which the host compiles too (CPU tests run it thread by thread).
 //
 // Two-phase use (CUB's habit): ask workspace_bytes(), hand in device memory with
 // upload() once (the tensor and chunk tables live there and are reused every step),
@@ -23,89 +24,18 @@
 #include "../step/fused_step.hpp"
 #include "../step/grad_stats.hpp"
 #include "check.cuh"
-#include "vector_io.cuh"
+#include "thread_work.hpp"
 
 namespace mpzero::cuda {
 
 namespace detail {
 
+// Block b runs chunk b of its launch; each thread does its share (thread_work.hpp).
 template <precision_policy Policy, optim::rule Optimizer, int Threads, int Ilp>
 __global__ void __launch_bounds__(Threads)
     fused_step_kernel(const step_tensor<Policy, Optimizer>* tensors, const chunk* chunks, step_args<Optimizer> args) {
-  using param_t = typename Policy::param_type;
-  using master_t = typename Policy::master_type;
-  using grad_t = typename Policy::grad_type;
-  using state_t = typename Policy::state_type;
-  constexpr int n = Optimizer::n_states;
-
   const chunk c = chunks[blockIdx.x];
-  const step_tensor<Policy, Optimizer>& t = tensors[c.tensor];
-  param_t* param = t.param + c.begin;
-  const grad_t* grad = t.grad + c.begin;
-  master_t* master = nullptr;
-  if constexpr (Policy::master_is_param) {
-    master = param;
-  } else {
-    master = t.master + c.begin;
-  }
-  state_t* states[n];
-  bool vec_ok = aligned16(param) && aligned16(grad) && aligned16(master);
-#pragma unroll
-  for (int k = 0; k < n; ++k) {
-    states[k] = t.states[k] + c.begin;
-    vec_ok = vec_ok && aligned16(states[k]);
-  }
-  const std::uint64_t base = t.global_offset + c.begin;
-  const std::uint32_t n_vec = vec_ok ? (c.size / Ilp) * Ilp : 0u;
-
-  for (std::uint32_t i = threadIdx.x * Ilp; i < n_vec; i += Threads * Ilp) {
-    grad_t g[Ilp];
-    master_t w[Ilp];
-    state_t s[n][Ilp];
-    param_t p[Ilp];
-    load_vec(grad + i, g);
-    load_vec(master + i, w);
-#pragma unroll
-    for (int k = 0; k < n; ++k) load_vec(states[k] + i, s[k]);
-    // One Philox draw per pair of elements (numeric/philox.hpp). i is a multiple of
-    // Ilp (even), so every thread of the block sees the same parity of base + i: when
-    // base is odd, element 0's pair began in the previous thread's group and is drawn
-    // again here; the bits depend on the global index alone.
-    philox_u32x4 draw{};
-#pragma unroll
-    for (int j = 0; j < Ilp; ++j) {
-      const std::uint64_t gi = base + i + j;
-      element_bits bits{};
-      if constexpr (Policy::rounding::stochastic) {
-        if (j == 0 || (gi & 1u) == 0) draw = pair_random_bits(args.seed, args.step, gi >> 1);
-        bits = element_pair_bits(draw, gi);
-      }
-      state_t sj[n];
-#pragma unroll
-      for (int k = 0; k < n; ++k) sj[k] = s[k][j];
-      update_element_with_bits<Policy, Optimizer>(args, bits, w[j], g[j], sj, p[j]);
-#pragma unroll
-      for (int k = 0; k < n; ++k) s[k][j] = sj[k];
-    }
-    store_vec(master + i, w);
-    if constexpr (!Policy::master_is_param) store_vec(param + i, p);
-#pragma unroll
-    for (int k = 0; k < n; ++k) store_vec(states[k] + i, s[k]);
-  }
-  // Tail, or a tensor whose pointers are not 16-byte aligned: one element at a time,
-  // each drawing its pair's bits for itself.
-  for (std::uint32_t i = n_vec + threadIdx.x; i < c.size; i += Threads) {
-    master_t w = master[i];
-    state_t s[n];
-#pragma unroll
-    for (int k = 0; k < n; ++k) s[k] = states[k][i];
-    param_t p{};
-    update_element<Policy, Optimizer>(args, base + i, w, grad[i], s, p);
-    master[i] = w;
-    if constexpr (!Policy::master_is_param) param[i] = p;
-#pragma unroll
-    for (int k = 0; k < n; ++k) states[k][i] = s[k];
-  }
+  fused_step_thread<Policy, Optimizer, Threads, Ilp>(tensors[c.tensor], c, args, threadIdx.x);
 }
 
 template <storage_type G, int Threads>
@@ -114,16 +44,9 @@ __global__ void __launch_bounds__(Threads)
   using reduce_t = cub::BlockReduce<double, Threads>;
   __shared__ typename reduce_t::TempStorage temp;
   const chunk c = chunks[blockIdx.x];
-  const G* x = grads[c.tensor].data + c.begin;
-  double acc = 0.0;
-  int bad = 0;
-  for (std::uint32_t i = threadIdx.x; i < c.size; i += Threads) {
-    const float v = to_float(x[i]);
-    bad |= fp::is_finite(v) ? 0 : 1;
-    acc += static_cast<double>(v) * static_cast<double>(v);
-  }
-  const double sum = reduce_t(temp).Sum(acc);
-  if (__syncthreads_or(bad) && threadIdx.x == 0) *nonfinite = 1;
+  const thread_stats mine = grad_stats_thread<G, Threads>(grads[c.tensor], c, threadIdx.x);
+  const double sum = reduce_t(temp).Sum(mine.sum_squares);
+  if (__syncthreads_or(mine.nonfinite) && threadIdx.x == 0) *nonfinite = 1;
   if (threadIdx.x == 0) partials[blockIdx.x] = sum;
 }
 

@@ -1,0 +1,270 @@
+// The CUDA kernels' per-thread work (mpzero/cuda/thread_work.hpp), run on the CPU:
+// every (chunk, thread) pair of a launch one after another, which is what the grid
+// computes, since no two threads touch one element and none waits for another.
+// Held bit for bit against the step's definition, update_element() on each element
+// with its global index, for every valid precision policy: the kernel's indexing,
+// 16-byte vector path and tail, its fallback for unaligned arrays, and its one random
+// draw per pair of elements (odd global offsets, the Philox counter's high word).
+// These run in CPU CI; the [gpu] tests (test_gpu.cu) then need only show that nvcc's
+// code for the same text gives the host's bits.
+#include "test_optim_reference.hpp"
+
+#include <cstring>
+#include <limits>
+#include <span>
+#include <vector>
+
+#include <mpzero/cuda/thread_work.hpp>
+#include <mpzero/multi_tensor/tuning.hpp>
+
+namespace {
+
+using mpzero::bf16;
+using mpzero::fp16;
+
+// An odd thread count and a vector width every dtype accepts (8 x 2 bytes = 16): the
+// grid-stride arithmetic at a size unlike the default's.
+struct odd_tuning {
+  static constexpr int threads = 3;
+  static constexpr int ilp = 8;
+};
+
+template <class T>
+T magnitude(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return std::fabs(x);
+  } else {
+    return T::from_bits(static_cast<std::uint16_t>(x.bits & 0x7fffu));
+  }
+}
+
+// Where a case puts its tensors: `lead` spare elements before every array (1 makes
+// every array of a tensor 2 or 4 bytes off 16-byte alignment), or before the
+// gradients alone (`grad_lead`: one unaligned array of the several a thread reads).
+struct layout_case {
+  const char* what;
+  std::uint64_t first_offset = 0;
+  mpzero::plan_options plan = {};
+  std::uint64_t lead = 0, grad_lead = 0;
+  bool odd_threads = false;
+};
+
+// The arrays of several tensors, filled from a seed; two models made alike are alike
+// bit for bit.
+template <mpzero::precision_policy P, mpzero::optim::rule O>
+struct model {
+  static constexpr int n = O::n_states;
+  std::vector<std::vector<typename P::param_type>> param;
+  std::vector<std::vector<typename P::master_type>> master;
+  std::vector<std::vector<typename P::grad_type>> grad;
+  std::vector<std::vector<typename P::state_type>> state;  // tensor t's state k at t * n + k
+  std::vector<mpzero::step_tensor<P, O>> tensors;
+
+  model(const std::vector<std::uint64_t>& sizes, const layout_case& lc)
+      : param(sizes.size()), master(sizes.size()), grad(sizes.size()), state(sizes.size() * n) {
+    ref::rng r{29};
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      const std::uint64_t len = sizes[t] + lc.lead;
+      for (std::uint64_t i = 0; i < len; ++i) {
+        param[t].push_back(ref::random_value<typename P::param_type>(r, -6, 0));
+        if constexpr (!P::master_is_param) master[t].push_back(ref::random_value<typename P::master_type>(r, -6, 0));
+        for (int k = 0; k < n; ++k)
+          state[t * n + k].push_back(magnitude(ref::random_value<typename P::state_type>(r, -12, -4)));
+      }
+      for (std::uint64_t i = 0; i < len + lc.grad_lead; ++i)
+        grad[t].push_back(ref::random_value<typename P::grad_type>(r, -8, 2));
+      mpzero::step_tensor<P, O> ts;
+      ts.param = param[t].data() + lc.lead;
+      if constexpr (!P::master_is_param) ts.master = master[t].data() + lc.lead;
+      ts.grad = grad[t].data() + lc.lead + lc.grad_lead;
+      for (int k = 0; k < n; ++k) ts.states[k] = state[t * n + k].data() + lc.lead;
+      ts.numel = sizes[t];
+      tensors.push_back(ts);
+    }
+    mpzero::assign_global_offsets(std::span(tensors), lc.first_offset);
+  }
+
+  std::vector<std::uint32_t> bits() const {
+    std::vector<std::uint32_t> out;
+    auto put = [&out](const auto& arrays) {
+      for (const auto& v : arrays)
+        for (const auto& x : v) {
+          std::uint32_t u = 0;
+          std::memcpy(&u, &x, sizeof(x));
+          out.push_back(u);
+        }
+    };
+    put(param);
+    put(master);
+    put(state);
+    return out;
+  }
+};
+
+// The definition: each element updated on its own, its rounding bits drawn from its
+// global index.
+template <mpzero::precision_policy P, mpzero::optim::rule O>
+void step_elementwise(std::span<const mpzero::step_tensor<P, O>> tensors, const mpzero::step_args<O>& a) {
+  constexpr int n = O::n_states;
+  for (const auto& t : tensors) {
+    for (std::uint64_t i = 0; i < t.numel; ++i) {
+      typename P::master_type w{};
+      if constexpr (P::master_is_param) {
+        w = t.param[i];
+      } else {
+        w = t.master[i];
+      }
+      typename P::state_type s[n];
+      for (int k = 0; k < n; ++k) s[k] = t.states[k][i];
+      typename P::param_type p{};
+      mpzero::update_element<P, O>(a, t.global_offset + i, w, t.grad[i], s, p);
+      if constexpr (P::master_is_param) {
+        t.param[i] = w;
+      } else {
+        t.master[i] = w;
+        t.param[i] = p;
+      }
+      for (int k = 0; k < n; ++k) t.states[k][i] = s[k];
+    }
+  }
+}
+
+// The kernel's grid, on the host: block b of the launch runs chunk b, thread by thread.
+template <class Tuning, mpzero::precision_policy P, mpzero::optim::rule O>
+void step_as_grid(const mpzero::fused_step<P, O>& fused, const mpzero::step_args<O>& a) {
+  for (const mpzero::chunk& c : fused.plan().chunks())
+    for (std::uint32_t thread = 0; thread < Tuning::threads; ++thread)
+      mpzero::cuda::detail::fused_step_thread<P, O, Tuning::threads, Tuning::ilp>(fused.tensors()[c.tensor], c, a,
+                                                                                 thread);
+}
+
+std::size_t count_different(const std::vector<std::uint32_t>& a, const std::vector<std::uint32_t>& b) {
+  std::size_t d = a.size() > b.size() ? a.size() - b.size() : b.size() - a.size();
+  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) d += a[i] != b[i] ? 1 : 0;
+  return d;
+}
+
+template <mpzero::precision_policy P, mpzero::optim::rule O>
+void check_grid(const typename O::options& opt) {
+  INFO(optim_test::policy_name<P>() << " x " << O::name);
+  // Sizes: empty, single, shorter than one vector, a tensor of chunks and a tail,
+  // 65536 + 9 (a second chunk of 9: one vector and one tail element).
+  const std::vector<std::uint64_t> sizes = {0, 1, 7, 4099, 65545};
+  const layout_case cases[] = {
+      {.what = "aligned, global offset 0"},
+      {.what = "odd global offset: pairs straddle every vector group", .first_offset = 1},
+      {.what = "the Philox counter's high word changes inside the data", .first_offset = (std::uint64_t{1} << 33) - 5001},
+      {.what = "every array one element off 16-byte alignment", .lead = 1},
+      {.what = "the gradients alone unaligned", .grad_lead = 1},
+      {.what = "chunks of 1001: chunk starts off alignment and odd", .first_offset = 1, .plan = {.chunk_size = 1001}},
+      {.what = "3 threads per block", .first_offset = 3, .plan = {.chunk_size = 1000}, .odd_threads = true},
+  };
+  for (const layout_case& lc : cases) {
+    INFO(lc.what);
+    model<P, O> by_element(sizes, lc), by_grid(sizes, lc);
+    const auto initial = by_grid.bits();
+    const mpzero::fused_step<P, O> fused(by_grid.tensors, lc.plan);
+    for (std::uint64_t step = 1; step <= 3; ++step) {
+      const auto args = mpzero::make_step_args<O>(opt, step, 0.5f, 4321);
+      step_elementwise<P, O>(by_element.tensors, args);
+      if (lc.odd_threads) {
+        step_as_grid<odd_tuning>(fused, args);
+      } else {
+        step_as_grid<mpzero::cuda_tuning>(fused, args);
+      }
+    }
+    const auto got = by_grid.bits();
+    CHECK(count_different(got, initial) > got.size() / 2);  // the steps changed most values
+    CHECK(count_different(got, by_element.bits()) == 0);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_LIST_TEST_CASE("CUDA kernel threads, run on the host, give the element-wise step's bits: AdamW",
+                        "[multi_tensor]", optim_test::all_policies) {
+  check_grid<TestType, mpzero::optim::adamw>({.lr = 1e-2, .weight_decay = 0.1});
+}
+
+TEST_CASE("CUDA kernel threads, run on the host, give the element-wise step's bits: Adam, SGD, Lion",
+          "[multi_tensor]") {
+  using namespace mpzero::optim;
+  using mpzero::policies::bf16_all_sr;
+  using mpzero::policies::fp32;
+  check_grid<fp32, adam>({.lr = 1e-2, .weight_decay = 0.01});
+  check_grid<bf16_all_sr, adam>({.lr = 1e-2, .weight_decay = 0.01});
+  check_grid<fp32, sgd>({.lr = 0.1, .momentum = 0.9, .nesterov = true});
+  check_grid<bf16_all_sr, sgd>({.lr = 0.1, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01});
+  check_grid<mpzero::policies::fp16_fp32_master, lion>({.lr = 1e-3, .weight_decay = 0.1});
+  check_grid<bf16_all_sr, lion>({.lr = 1e-3, .weight_decay = 0.1});
+}
+
+namespace {
+
+// The gradient check's threads on the host: each chunk's thread sums added in thread
+// order (the kernel adds them with cub::BlockReduce, in another order), then the chunk
+// sums in plan order.
+template <class G>
+mpzero::grad_stats stats_as_grid(const mpzero::multi_tensor_plan& plan, std::span<const mpzero::grad_view<G>> grads) {
+  constexpr int threads = mpzero::cuda_tuning::threads;
+  mpzero::grad_stats out;
+  for (const mpzero::chunk& c : plan.chunks()) {
+    double chunk_sum = 0;
+    for (std::uint32_t t = 0; t < threads; ++t) {
+      const auto mine = mpzero::cuda::detail::grad_stats_thread<G, threads>(grads[c.tensor], c, t);
+      chunk_sum += mine.sum_squares;
+      out.nonfinite = out.nonfinite || mine.nonfinite != 0;
+    }
+    out.norm_squared += chunk_sum;
+  }
+  return out;
+}
+
+template <class G>
+void check_stats_grid(G nan, G inf) {
+  const std::vector<std::uint64_t> sizes = {0, 1, 7, 65537, 13};
+  ref::rng r{5};
+  std::vector<std::vector<G>> data(sizes.size());
+  long double want = 0;
+  std::uint64_t numel = 0;
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    for (std::uint64_t i = 0; i < sizes[t]; ++i) {
+      data[t].push_back(ref::random_value<G>(r, -12, 3));
+      want += ref::decode(data[t].back()) * ref::decode(data[t].back());
+    }
+    numel += sizes[t];
+  }
+  std::vector<mpzero::grad_view<G>> views;
+  for (const auto& d : data) views.push_back({d.data(), d.size()});
+  const mpzero::multi_tensor_plan plan(sizes, {});
+  const std::span<const mpzero::grad_view<G>> grads(views);
+
+  // Every element counted once: one element more or less moves the sum by ~1e-5
+  // relative, far beyond the rounding bound (n * 2^-53 of the total; see
+  // test_fused_step.cpp's gradient_stats test).
+  const mpzero::grad_stats got = stats_as_grid<G>(plan, grads);
+  CHECK_FALSE(got.nonfinite);
+  CHECK(std::fabs(static_cast<long double>(got.norm_squared) - want) <= numel * 0x1p-53L * want);
+  // A non-finite value in a one-element tensor, a chunk's first element, its last, and
+  // the last chunk's only element is seen by the thread that owns it.
+  const std::pair<std::size_t, std::uint64_t> places[] = {{1, 0}, {3, 0}, {3, 65535}, {3, 65536}, {4, 12}};
+  for (const auto& [t, i] : places) {
+    for (G bad : {nan, inf}) {
+      INFO("tensor " << t << " element " << i);
+      const G keep = data[t][i];
+      data[t][i] = bad;
+      CHECK(stats_as_grid<G>(plan, grads).nonfinite);
+      data[t][i] = keep;
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("CUDA gradient-check threads, run on the host, cover every element once and see each non-finite one",
+          "[multi_tensor]") {
+  const float inf = std::numeric_limits<float>::infinity();
+  check_stats_grid<float>(std::numeric_limits<float>::quiet_NaN(), inf);
+  check_stats_grid<bf16>(bf16::from_bits(0x7fc0), bf16::from_bits(0x7f80));
+  check_stats_grid<fp16>(fp16::from_bits(0x7e00), fp16::from_bits(0x7c00));
+}
