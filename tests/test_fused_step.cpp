@@ -20,15 +20,6 @@ using bf16_all_sr = mpzero::policies::bf16_all_sr;
 using fp16_master_sr = mpzero::precision<fp16, fp16, fp16, float, mpzero::round_stochastic>;
 using bf16_fp32_states_sr = mpzero::precision<bf16, float, bf16, bf16, mpzero::round_stochastic>;
 
-template <class T>
-T magnitude(T x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return std::fabs(x);
-  } else {
-    return T::from_bits(static_cast<std::uint16_t>(x.bits & 0x7fffu));
-  }
-}
-
 // Every array one fused step touches, for policy P and optimizer O, laid out as the
 // caller's tensors (one per size), filled from a seed.
 template <mpzero::precision_policy P, mpzero::optim::rule O>
@@ -53,7 +44,7 @@ struct problem {
         if constexpr (!P::master_is_param) master[t].push_back(ref::random_value<master_t>(r, -6, 0));
         grad[t].push_back(ref::random_value<grad_t>(r, -8, 2));
         // Non-negative, so that Adam's second moment is a valid one.
-        for (int k = 0; k < n; ++k) state[t * n + k].push_back(magnitude(ref::random_value<state_t>(r, -12, -4)));
+        for (int k = 0; k < n; ++k) state[t * n + k].push_back(ref::random_magnitude<state_t>(r, -12, -4));
       }
     }
   }

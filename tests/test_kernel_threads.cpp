@@ -29,15 +29,6 @@ struct odd_tuning {
   static constexpr int ilp = 8;
 };
 
-template <class T>
-T magnitude(T x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return std::fabs(x);
-  } else {
-    return T::from_bits(static_cast<std::uint16_t>(x.bits & 0x7fffu));
-  }
-}
-
 // Where a case puts its tensors: `lead` spare elements before every array (1 makes
 // every array of a tensor 2 or 4 bytes off 16-byte alignment), or before the
 // gradients alone (`grad_lead`: one unaligned array of the several a thread reads).
@@ -69,7 +60,7 @@ struct model {
         param[t].push_back(ref::random_value<typename P::param_type>(r, -6, 0));
         if constexpr (!P::master_is_param) master[t].push_back(ref::random_value<typename P::master_type>(r, -6, 0));
         for (int k = 0; k < n; ++k)
-          state[t * n + k].push_back(magnitude(ref::random_value<typename P::state_type>(r, -12, -4)));
+          state[t * n + k].push_back(ref::random_magnitude<typename P::state_type>(r, -12, -4));
       }
       for (std::uint64_t i = 0; i < len + lc.grad_lead; ++i)
         grad[t].push_back(ref::random_value<typename P::grad_type>(r, -8, 2));

@@ -464,6 +464,19 @@ T random_value(rng& r, int kmin, int kmax) {
   return encode<T>(x);
 }
 
+// random_value with the sign cleared: for optimizer states that must not be negative
+// (Adam's second moment).
+template <class T>
+T random_magnitude(rng& r, int kmin, int kmax) {
+  T x = random_value<T>(r, kmin, kmax);
+  if constexpr (std::is_same_v<T, float>) {
+    return std::fabs(x);
+  } else {
+    x.bits = static_cast<std::uint16_t>(x.bits & 0x7fffu);
+    return x;
+  }
+}
+
 }  // namespace ref
 
 // ---- Part 2: the driver (calls mpzero) ----------------------------------------------------
