@@ -120,13 +120,18 @@ void step_elementwise(std::span<const mpzero::step_tensor<P, O>> tensors, const 
   }
 }
 
-// The kernel's grid, on the host: block b of the launch runs chunk b, thread by thread.
+// The launcher's grids, on the host: one launch per launch range of the plan, whose
+// block b runs chunk first_chunk + b, thread by thread.
 template <class Tuning, mpzero::precision_policy P, mpzero::optim::rule O>
 void step_as_grid(const mpzero::fused_step<P, O>& fused, const mpzero::step_args<O>& a) {
-  for (const mpzero::chunk& c : fused.plan().chunks())
-    for (std::uint32_t thread = 0; thread < Tuning::threads; ++thread)
-      mpzero::cuda::detail::fused_step_thread<P, O, Tuning::threads, Tuning::ilp>(fused.tensors()[c.tensor], c, a,
-                                                                                 thread);
+  const auto chunks = fused.plan().chunks();
+  for (const mpzero::launch_range& l : fused.plan().launches())
+    for (std::uint32_t block = 0; block < l.num_chunks; ++block) {
+      const mpzero::chunk& c = chunks[l.first_chunk + block];
+      for (std::uint32_t thread = 0; thread < Tuning::threads; ++thread)
+        mpzero::cuda::detail::fused_step_thread<P, O, Tuning::threads, Tuning::ilp>(fused.tensors()[c.tensor], c, a,
+                                                                                   thread);
+    }
 }
 
 std::size_t count_different(const std::vector<std::uint32_t>& a, const std::vector<std::uint32_t>& b) {
@@ -144,10 +149,13 @@ void check_grid(const typename O::options& opt) {
   const layout_case cases[] = {
       {.what = "aligned, global offset 0"},
       {.what = "odd global offset: pairs straddle every vector group", .first_offset = 1},
-      {.what = "the Philox counter's high word changes inside the data", .first_offset = (std::uint64_t{1} << 33) - 5001},
+      {.what = "the Philox counter's high word changes inside the data",
+       .first_offset = (std::uint64_t{1} << 33) - 5001},
       {.what = "every array one element off 16-byte alignment", .lead = 1},
       {.what = "the gradients alone unaligned", .grad_lead = 1},
-      {.what = "chunks of 1001: chunk starts off alignment and odd", .first_offset = 1, .plan = {.chunk_size = 1001}},
+      {.what = "chunks of 1001, at most 5 a launch: chunk starts off alignment and odd",
+       .first_offset = 1,
+       .plan = {.chunk_size = 1001, .max_chunks_per_launch = 5}},
       {.what = "3 threads per block", .first_offset = 3, .plan = {.chunk_size = 1000}, .odd_threads = true},
   };
   for (const layout_case& lc : cases) {
@@ -192,22 +200,28 @@ TEST_CASE("CUDA kernel threads, run on the host, give the element-wise step's bi
 
 namespace {
 
-// The gradient check's threads on the host: each chunk's thread sums added in thread
-// order (the kernel adds them with cub::BlockReduce, in another order), then the chunk
-// sums in plan order.
+// The gradient check's launches on the host: block b of a launch writes the partial of
+// chunk first_chunk + b, its threads' sums added in thread order (the kernel adds them
+// with cub::BlockReduce, in another order); then the partials are added.
 template <class G>
 mpzero::grad_stats stats_as_grid(const mpzero::multi_tensor_plan& plan, std::span<const mpzero::grad_view<G>> grads) {
   constexpr int threads = mpzero::cuda_tuning::threads;
+  const auto chunks = plan.chunks();
+  // NaN: a chunk that no block wrote spoils the sum.
+  std::vector<double> partials(chunks.size(), std::numeric_limits<double>::quiet_NaN());
   mpzero::grad_stats out;
-  for (const mpzero::chunk& c : plan.chunks()) {
-    double chunk_sum = 0;
-    for (std::uint32_t t = 0; t < threads; ++t) {
-      const auto mine = mpzero::cuda::detail::grad_stats_thread<G, threads>(grads[c.tensor], c, t);
-      chunk_sum += mine.sum_squares;
-      out.nonfinite = out.nonfinite || mine.nonfinite != 0;
+  for (const mpzero::launch_range& l : plan.launches())
+    for (std::uint32_t block = 0; block < l.num_chunks; ++block) {
+      const mpzero::chunk& c = chunks[l.first_chunk + block];
+      double sum = 0;
+      for (std::uint32_t t = 0; t < threads; ++t) {
+        const auto mine = mpzero::cuda::detail::grad_stats_thread<G, threads>(grads[c.tensor], c, t);
+        sum += mine.sum_squares;
+        out.nonfinite = out.nonfinite || mine.nonfinite != 0;
+      }
+      partials[l.first_chunk + block] = sum;
     }
-    out.norm_squared += chunk_sum;
-  }
+  for (const double p : partials) out.norm_squared += p;
   return out;
 }
 
@@ -232,10 +246,13 @@ void check_stats_grid(G nan, G inf) {
 
   // Every element counted once: one element more or less moves the sum by ~1e-5
   // relative, far beyond the rounding bound (n * 2^-53 of the total; see
-  // test_fused_step.cpp's gradient_stats test).
+  // test_fused_step.cpp's gradient_stats test). Also over launches of at most 3 chunks.
   const mpzero::grad_stats got = stats_as_grid<G>(plan, grads);
   CHECK_FALSE(got.nonfinite);
   CHECK(std::fabs(static_cast<long double>(got.norm_squared) - want) <= numel * 0x1p-53L * want);
+  const mpzero::grad_stats small_launches =
+      stats_as_grid<G>(mpzero::multi_tensor_plan(sizes, {.chunk_size = 4096, .max_chunks_per_launch = 3}), grads);
+  CHECK(std::fabs(static_cast<long double>(small_launches.norm_squared) - want) <= numel * 0x1p-53L * want);
   // A non-finite value in a one-element tensor, a chunk's first element, its last, and
   // the last chunk's only element is seen by the thread that owns it.
   const std::pair<std::size_t, std::uint64_t> places[] = {{1, 0}, {3, 0}, {3, 65535}, {3, 65536}, {4, 12}};
