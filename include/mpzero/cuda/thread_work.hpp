@@ -6,11 +6,11 @@
 // of a grid touch the same element (thread t owns the chunk's vector groups t, t +
 // Threads, ... and then its tail elements t, t + Threads, ...), so running every
 // (chunk, thread) pair one after another on the host gives what the grid gives on a
-// device. tests/test_fused_step.cpp does that in CPU CI, bit for bit against the host
-// backend, for every precision policy: the kernel's indexing, vector and tail paths,
-// alignment fallback and per-pair random draws are tested without a GPU. What only a
-// device shows (nvcc's code for the same text, the launches, CUB's reduction) is
-// left to the [gpu] tests.
+// device. tests/test_kernel_threads.cpp does that in CPU CI, bit for bit against the
+// element-wise step (update_element), for every precision policy: the kernel's
+// indexing, vector and tail paths, alignment fallback and per-pair random draws are
+// tested without a GPU. What only a device shows (nvcc's code for the same text, the
+// launches themselves, CUB's reduction) is left to the [gpu] tests.
 #pragma once
 
 #include <cstdint>
