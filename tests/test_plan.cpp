@@ -264,6 +264,11 @@ TEST_CASE("invalid plan options throw with the option's name", "[multi_tensor]")
   const std::vector<std::uint64_t> numels = {10};
   REQUIRE_THROWS_AS(multi_tensor_plan(numels, {.chunk_size = 0}), mpzero::invalid_argument);
   REQUIRE_THROWS_WITH(multi_tensor_plan(numels, {.chunk_size = 0}), Contains("chunk_size"));
+  // Above 2^31 a chunk's 32-bit loop index could wrap: refused; 2^31 itself is accepted.
+  REQUIRE_THROWS_WITH(multi_tensor_plan(numels, {.chunk_size = 0x80000001u}),
+                      Contains("chunk_size = 2147483649") && Contains("at most 2147483648"));
+  REQUIRE_THROWS_WITH(multi_tensor_plan(numels, {.chunk_size = 0xffffffffu}), Contains("chunk_size = 4294967295"));
+  REQUIRE_NOTHROW(multi_tensor_plan(numels, {.chunk_size = 0x80000000u}));
   REQUIRE_THROWS_WITH(multi_tensor_plan(numels, {.max_chunks_per_launch = 0}), Contains("max_chunks_per_launch"));
   REQUIRE_THROWS_WITH(multi_tensor_plan(numels, {.max_chunks_per_launch = 0x80000000u}),
                       Contains("max_chunks_per_launch = 2147483648") && Contains("2147483647"));

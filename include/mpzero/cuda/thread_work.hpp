@@ -32,11 +32,12 @@
 namespace mpzero::cuda::detail {
 
 // A 16-byte word: CUDA's uint4 in device code (one 128-bit load or store), a plain
-// 16-byte struct on the host.
+// 16-byte struct on the host, where may_alias lets it read and write the elements'
+// storage without breaking strict aliasing.
 #if defined(__CUDACC__)
 using word16 = uint4;
 #else
-struct alignas(16) word16 {
+struct __attribute__((may_alias, aligned(16))) word16 {
   std::uint32_t x, y, z, w;
 };
 

@@ -39,6 +39,12 @@ class multi_tensor_plan {
 
   multi_tensor_plan(std::span<const std::uint64_t> numels, plan_options opt = {}) : options_(opt) {
     if (opt.chunk_size == 0) detail::throw_invalid("plan_options: chunk_size = 0; use a positive chunk size (65536 is the default)");
+    // The host and CUDA loops index a chunk with 32 bits and step past its end by up to a
+    // block of elements: past 2^31 the index could wrap and the loop never end.
+    if (opt.chunk_size > 0x80000000u) {
+      detail::throw_invalid("plan_options: chunk_size = " + std::to_string(opt.chunk_size) +
+                            " is above 2^31; use at most 2147483648 (the default is 65536)");
+    }
     if (opt.max_chunks_per_launch == 0) detail::throw_invalid("plan_options: max_chunks_per_launch = 0; it must be at least 1");
     // One launch is one grid of num_chunks blocks in x: CUDA allows at most 2^31 - 1.
     if (opt.max_chunks_per_launch > 0x7fffffffu) {
