@@ -17,7 +17,7 @@ namespace mpzero {
 
 // Tuning as plain constexpr data (CUB's habit): host tests can check it.
 struct plan_options {
-  std::uint32_t chunk_size = 65536;             // elements per chunk (one CUDA block)
+  std::uint32_t chunk_size = 65536;             // elements per chunk (one CUDA block), 1 .. 2^31
   std::uint32_t max_chunks_per_launch = 1u << 20;  // bounds one launch's grid
   std::uint32_t max_tensors_per_launch = 1u << 16;  // bounds one launch's tensor table
 };
