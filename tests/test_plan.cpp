@@ -174,7 +174,7 @@ TEST_CASE("64-bit sizes: tensors past 2^32 elements are planned, not truncated",
   // Planning only: nothing of this size is allocated.
   const std::uint64_t big = 5'000'000'000ull;
   const std::vector<std::uint64_t> numels = {big, 3, big + 1, (1ull << 32) + 1};
-  for (std::uint32_t cs : {65536u, 1u << 31, 0xffffffffu}) {
+  for (std::uint32_t cs : {65536u, 12345679u, 1u << 31}) {
     const plan_options o{.chunk_size = cs};
     check_plan(numels, o);
     const multi_tensor_plan plan(numels, o);
@@ -185,12 +185,15 @@ TEST_CASE("64-bit sizes: tensors past 2^32 elements are planned, not truncated",
       if (c.tensor == 0) end_of_first = c.begin + c.size;
     CHECK(end_of_first == big);
   }
-  // chunk_size = 2^32 - 1: a tensor of 2^32 + 1 elements is one full chunk and a chunk of 2.
-  const multi_tensor_plan plan(std::vector<std::uint64_t>{(1ull << 32) + 1}, {.chunk_size = 0xffffffffu});
-  REQUIRE(plan.chunks().size() == 2);
-  CHECK(plan.chunks()[0].size == 0xffffffffu);
-  CHECK(plan.chunks()[1].begin == 0xffffffffull);
-  CHECK(plan.chunks()[1].size == 2);
+  // chunk_size = 2^31, the largest allowed: a tensor of 2^32 + 1 elements is two full
+  // chunks and a chunk of 1 that begins at 2^32.
+  const multi_tensor_plan plan(std::vector<std::uint64_t>{(1ull << 32) + 1}, {.chunk_size = 1u << 31});
+  REQUIRE(plan.chunks().size() == 3);
+  CHECK(plan.chunks()[0].size == 1u << 31);
+  CHECK(plan.chunks()[1].begin == 1ull << 31);
+  CHECK(plan.chunks()[1].size == 1u << 31);
+  CHECK(plan.chunks()[2].begin == 1ull << 32);
+  CHECK(plan.chunks()[2].size == 1);
 }
 
 TEST_CASE("chunk_size edge cases", "[multi_tensor]") {
