@@ -17,6 +17,7 @@ using mpzero::fp16;
 namespace {
 
 using bf16_all_sr = mpzero::policies::bf16_all_sr;
+using optim_test::count_different;
 using fp16_master_sr = mpzero::precision<fp16, fp16, fp16, float, mpzero::round_stochastic>;
 using bf16_fp32_states_sr = mpzero::precision<bf16, float, bf16, bf16, mpzero::round_stochastic>;
 
@@ -98,15 +99,6 @@ problem<P, O> cut_problem(const problem<P, O>& whole, const std::vector<std::uin
     at += sizes[t];
   }
   return pr;
-}
-
-// How many entries of two bit vectors differ (a length difference counts in full).
-// Compared this way, not with ==, so that a failure prints a number rather than a
-// million-element vector.
-std::size_t count_different(const std::vector<std::uint32_t>& a, const std::vector<std::uint32_t>& b) {
-  std::size_t d = a.size() > b.size() ? a.size() - b.size() : b.size() - a.size();
-  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) d += a[i] != b[i] ? 1 : 0;
-  return d;
 }
 
 // Runs `steps` steps of O under P and returns the stored bits.

@@ -7,6 +7,7 @@
 // draw per pair of elements (odd global offsets, the Philox counter's high word).
 // These run in CPU CI; the [gpu] tests (test_gpu.cu) then need only show that nvcc's
 // code for the same text gives the host's bits.
+#include "support/reference_step.hpp"
 #include "test_optim_reference.hpp"
 
 #include <cstring>
@@ -21,6 +22,7 @@ namespace {
 
 using mpzero::bf16;
 using mpzero::fp16;
+using optim_test::count_different;
 
 // An odd thread count and a vector width every dtype accepts (8 x 2 bytes = 16): the
 // grid-stride arithmetic at a size unlike the default's.
@@ -42,6 +44,11 @@ struct layout_case {
   std::uint64_t lead = 0;
   array_kind one_off = array_kind::none;
   bool odd_threads = false;
+
+  // Spare elements before an array of kind k; optimizer state k of n is of kind
+  // last_state when it is the last one, else none (which no case names).
+  std::uint64_t lead_of(array_kind k) const { return lead + (k != array_kind::none && k == one_off ? 1 : 0); }
+  static array_kind state_kind(int k, int n) { return k == n - 1 ? array_kind::last_state : array_kind::none; }
 };
 
 // The arrays of several tensors, filled from a seed; two models made alike are alike
@@ -58,26 +65,22 @@ struct model {
   model(const std::vector<std::uint64_t>& sizes, const layout_case& lc)
       : param(sizes.size()), master(sizes.size()), grad(sizes.size()), state(sizes.size() * n) {
     ref::rng r{29};
-    auto lead = [&](array_kind k) { return lc.lead + (lc.one_off == k ? 1 : 0); };
     for (std::size_t t = 0; t < sizes.size(); ++t) {
-      for (std::uint64_t i = 0; i < sizes[t] + lead(array_kind::param); ++i)
+      for (std::uint64_t i = 0; i < sizes[t] + lc.lead_of(array_kind::param); ++i)
         param[t].push_back(ref::random_value<typename P::param_type>(r, -6, 0));
       if constexpr (!P::master_is_param)
-        for (std::uint64_t i = 0; i < sizes[t] + lead(array_kind::master); ++i)
+        for (std::uint64_t i = 0; i < sizes[t] + lc.lead_of(array_kind::master); ++i)
           master[t].push_back(ref::random_value<typename P::master_type>(r, -6, 0));
-      for (std::uint64_t i = 0; i < sizes[t] + lead(array_kind::grad); ++i)
+      for (std::uint64_t i = 0; i < sizes[t] + lc.lead_of(array_kind::grad); ++i)
         grad[t].push_back(ref::random_value<typename P::grad_type>(r, -8, 2));
-      for (int k = 0; k < n; ++k) {
-        const std::uint64_t state_lead = k == n - 1 ? lead(array_kind::last_state) : lc.lead;
-        for (std::uint64_t i = 0; i < sizes[t] + state_lead; ++i)
-          state[t * n + k].push_back(ref::random_magnitude<typename P::state_type>(r, -12, -4));
-      }
-      mpzero::step_tensor<P, O> ts;
-      ts.param = param[t].data() + lead(array_kind::param);
-      if constexpr (!P::master_is_param) ts.master = master[t].data() + lead(array_kind::master);
-      ts.grad = grad[t].data() + lead(array_kind::grad);
       for (int k = 0; k < n; ++k)
-        ts.states[k] = state[t * n + k].data() + (k == n - 1 ? lead(array_kind::last_state) : lc.lead);
+        for (std::uint64_t i = 0; i < sizes[t] + lc.lead_of(layout_case::state_kind(k, n)); ++i)
+          state[t * n + k].push_back(ref::random_magnitude<typename P::state_type>(r, -12, -4));
+      mpzero::step_tensor<P, O> ts;
+      ts.param = param[t].data() + lc.lead_of(array_kind::param);
+      if constexpr (!P::master_is_param) ts.master = master[t].data() + lc.lead_of(array_kind::master);
+      ts.grad = grad[t].data() + lc.lead_of(array_kind::grad);
+      for (int k = 0; k < n; ++k) ts.states[k] = state[t * n + k].data() + lc.lead_of(layout_case::state_kind(k, n));
       ts.numel = sizes[t];
       tensors.push_back(ts);
     }
@@ -91,10 +94,11 @@ struct model {
     using mpzero::cuda::detail::aligned16;
     for (const auto& ts : tensors) {
       if (ts.numel == 0) continue;
-      auto expect = [&](const void* p, bool odd_one) { return aligned16(p) == (lc.lead == 0 && !odd_one); };
-      bool ok = expect(ts.param, lc.one_off == array_kind::param) && expect(ts.grad, lc.one_off == array_kind::grad);
-      if constexpr (!P::master_is_param) ok = ok && expect(ts.master, lc.one_off == array_kind::master);
-      for (int k = 0; k < n; ++k) ok = ok && expect(ts.states[k], k == n - 1 && lc.one_off == array_kind::last_state);
+      // With a lead of 0 or 1 element, an array is aligned exactly when it has no lead.
+      auto expect = [&](const void* p, array_kind k) { return aligned16(p) == (lc.lead_of(k) == 0); };
+      bool ok = expect(ts.param, array_kind::param) && expect(ts.grad, array_kind::grad);
+      if constexpr (!P::master_is_param) ok = ok && expect(ts.master, array_kind::master);
+      for (int k = 0; k < n; ++k) ok = ok && expect(ts.states[k], layout_case::state_kind(k, n));
       if (!ok) return false;
     }
     return true;
@@ -117,34 +121,6 @@ struct model {
   }
 };
 
-// The definition: each element updated on its own, its rounding bits drawn from its
-// global index.
-template <mpzero::precision_policy P, mpzero::optim::rule O>
-void step_elementwise(std::span<const mpzero::step_tensor<P, O>> tensors, const mpzero::step_args<O>& a) {
-  constexpr int n = O::n_states;
-  for (const auto& t : tensors) {
-    for (std::uint64_t i = 0; i < t.numel; ++i) {
-      typename P::master_type w{};
-      if constexpr (P::master_is_param) {
-        w = t.param[i];
-      } else {
-        w = t.master[i];
-      }
-      typename P::state_type s[n];
-      for (int k = 0; k < n; ++k) s[k] = t.states[k][i];
-      typename P::param_type p{};
-      mpzero::update_element<P, O>(a, t.global_offset + i, w, t.grad[i], s, p);
-      if constexpr (P::master_is_param) {
-        t.param[i] = w;
-      } else {
-        t.master[i] = w;
-        t.param[i] = p;
-      }
-      for (int k = 0; k < n; ++k) t.states[k][i] = s[k];
-    }
-  }
-}
-
 // The launcher's grids, on the host: one launch per launch range of the plan, whose
 // block b runs chunk first_chunk + b, thread by thread.
 template <class Tuning, mpzero::precision_policy P, mpzero::optim::rule O>
@@ -157,12 +133,6 @@ void step_as_grid(const mpzero::fused_step<P, O>& fused, const mpzero::step_args
         mpzero::cuda::detail::fused_step_thread<P, O, Tuning::threads, Tuning::ilp>(fused.tensors()[c.tensor], c, a,
                                                                                    thread);
     }
-}
-
-std::size_t count_different(const std::vector<std::uint32_t>& a, const std::vector<std::uint32_t>& b) {
-  std::size_t d = a.size() > b.size() ? a.size() - b.size() : b.size() - a.size();
-  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) d += a[i] != b[i] ? 1 : 0;
-  return d;
 }
 
 template <mpzero::precision_policy P, mpzero::optim::rule O>
@@ -195,7 +165,7 @@ void check_grid(const typename O::options& opt) {
     const mpzero::fused_step<P, O> fused(by_grid.tensors, lc.plan);
     for (std::uint64_t step = 1; step <= 3; ++step) {
       const auto args = mpzero::make_step_args<O>(opt, step, 0.5f, 4321);
-      step_elementwise<P, O>(by_element.tensors, args);
+      test_support::reference_step<P, O>(by_element.tensors, args);
       if (lc.odd_threads) {
         step_as_grid<odd_tuning>(fused, args);
       } else {

@@ -542,6 +542,15 @@ static_assert(std::tuple_size_v<all_policies> == count_valid_policies(),
               "the policy lists must hold every valid precision policy");
 static_assert(all_distinct<all_policies>::value, "a policy is listed twice (so another one is missing)");
 
+// How many entries of two bit vectors differ (a length difference counts in full).
+// Compared this way, not with ==, so that a failure prints a number rather than a
+// million-element vector.
+inline std::size_t count_different(const std::vector<std::uint32_t>& a, const std::vector<std::uint32_t>& b) {
+  std::size_t d = a.size() > b.size() ? a.size() - b.size() : b.size() - a.size();
+  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) d += a[i] != b[i] ? 1 : 0;
+  return d;
+}
+
 template <mpzero::precision_policy P>
 std::string policy_name() {
   std::string s = "precision<";

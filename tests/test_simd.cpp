@@ -8,6 +8,8 @@
 // first element is the odd half of a pair) and where the pair counter crosses 2^32.
 #include <catch2/catch.hpp>
 
+#include "support/reference_step.hpp"
+
 #include <algorithm>
 #include <bit>
 #include <cstdint>
@@ -73,20 +75,8 @@ struct state {
   }
   // The scalar reference: each element on its own, its bits from its own draw.
   void reference_step(const step_args<Opt>& a) {
-    for (std::size_t i = 0; i < param.size(); ++i) {
-      state_t s[Opt::n_states];
-      s[0] = s0[i];
-      if constexpr (Opt::n_states > 1) s[1] = s1[i];
-      param_t p{};
-      if constexpr (Policy::master_is_param) {
-        update_element<Policy, Opt>(a, global_offset + i, param[i], grad[i], s, p);
-      } else {
-        update_element<Policy, Opt>(a, global_offset + i, master[i], grad[i], s, p);
-        param[i] = p;
-      }
-      s0[i] = s[0];
-      if constexpr (Opt::n_states > 1) s1[i] = s[1];
-    }
+    const step_tensor<Policy, Opt> t = tensor();
+    test_support::reference_step<Policy, Opt>(std::span(&t, 1), a);
   }
   bool operator==(const state& o) const {
     return same(param, o.param) && same(master, o.master) && same(s0, o.s0) && same(s1, o.s1);
