@@ -53,10 +53,15 @@ if [ ! -e "$cuda_include/cublas_v2.h" ]; then
   cu_py="$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)/cu13/include"
   [ -e "$cu_py/cublas_v2.h" ] && cxx_flags=("-DCMAKE_CXX_FLAGS=-idirafter $cu_py")
 fi
-# Targets that failed to build earlier in this call (the loop below starts it empty; a
-# phase run alone with --one gets a list of its own): later phases report them instead
-# of compiling the failing file again.
-failed_list="${GPU_RUN_FAILED:-$(mktemp)}"
+# Targets that failed to build earlier in this call (the loop below starts it empty and
+# passes it to each phase; a phase run alone with --one starts the same file afresh):
+# later phases report them instead of compiling the failing file again.
+if [ -n "${GPU_RUN_FAILED:-}" ]; then
+  failed_list="$GPU_RUN_FAILED"
+else
+  failed_list="$work/failed_targets"
+  rm -f "$failed_list"  # a fresh list: no stale entries from an earlier call
+fi
 all_targets=(test_gpu test_zero_gpu test_comm_gpu test_torch_gpu mpzero_bench_cuda train_gpt)
 test_targets=(test_gpu test_zero_gpu test_comm_gpu test_torch_gpu)
 # The states run: about 151M parameters, 4 x 128 tokens a step, so that model states

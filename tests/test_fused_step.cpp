@@ -312,6 +312,53 @@ TEST_CASE("fused_step refuses bad tensor descriptions with a useful message", "[
     ts.back().global_offset = 6;
     REQUIRE_NOTHROW(fs_sr(ts));
   }
+  SECTION("arrays that share memory are refused when the step writes one of them") {
+    // One flat buffer, cut by hand, so that overlaps are exact.
+    std::vector<bf16> flat(64);
+    std::vector<bf16> grads(16);
+    auto cut = [&](std::size_t param_at, std::size_t m_at, std::size_t v_at, std::size_t grad_at, std::uint64_t n) {
+      mpzero::step_tensor<bf16_all_sr, adam> t;
+      t.param = flat.data() + param_at;
+      t.states[0] = flat.data() + m_at;
+      t.states[1] = flat.data() + v_at;
+      t.grad = grads.data() + grad_at;
+      t.numel = n;
+      return t;
+    };
+    auto offsets = [](auto ts) {
+      mpzero::assign_global_offsets(std::span(ts));
+      return ts;
+    };
+    // Arrays that touch end to end, and two tensors reading one gradient: fine.
+    REQUIRE_NOTHROW(fs_sr(offsets(std::vector{cut(0, 4, 8, 0, 4), cut(12, 16, 20, 0, 4)})));
+    // Tensor 1's parameters start inside tensor 0's.
+    auto ts = offsets(std::vector{cut(0, 4, 8, 0, 4), cut(2, 16, 20, 4, 4)});
+    REQUIRE_THROWS_AS(fs_sr(ts), invalid_argument);
+    REQUIRE_THROWS_WITH(fs_sr(ts), Contains("tensor 0's param and tensor 1's param share memory") &&
+                                      Contains("its own memory"));
+    // Within one tensor: the second moment is the first.
+    ts = offsets(std::vector{cut(0, 4, 4, 0, 4)});
+    REQUIRE_THROWS_WITH(fs_sr(ts), Contains("tensor 0's optimizer state 0 and tensor 0's optimizer state 1") ||
+                                      Contains("tensor 0's optimizer state 1 and tensor 0's optimizer state 0"));
+    // A state of tensor 1 over the last element of tensor 0's first moment, not its neighbour in the list.
+    ts = offsets(std::vector{cut(0, 4, 8, 0, 4), cut(40, 44, 48, 4, 4), cut(12, 7, 20, 8, 1)});
+    REQUIRE_THROWS_WITH(fs_sr(ts), Contains("tensor 0's optimizer state 0 and tensor 2's optimizer state 0"));
+    // A gradient that is also a parameter (different allocations: the grad is in `flat` here).
+    ts = offsets(std::vector{cut(0, 4, 8, 0, 4)});
+    ts[0].grad = flat.data() + 1;
+    REQUIRE_THROWS_WITH(fs_sr(ts), Contains("tensor 0's param and tensor 0's grad share memory"));
+    // Across dtypes, by bytes: an fp32 master over the bf16 parameters.
+    auto tm = pm.tensors();
+    tm[1].master = reinterpret_cast<float*>(tm[0].param);  // 5 floats = 20 bytes over 4 bf16 = 8 bytes
+    REQUIRE_THROWS_AS(fs_master(tm), invalid_argument);
+    REQUIRE_THROWS_WITH(fs_master(tm), Contains("tensor 0's param and tensor 1's master share memory") ||
+                                           Contains("tensor 1's master and tensor 0's param share memory"));
+    // A size that reaches past the end of the address space.
+    ts = offsets(std::vector{cut(0, 4, 8, 0, 4)});
+    ts[0].numel = std::uint64_t{1} << 63;
+    REQUIRE_THROWS_AS(fs_sr(ts), invalid_argument);
+    REQUIRE_THROWS_WITH(fs_sr(ts), Contains("tensor 0") && Contains("past the end of the address space"));
+  }
   SECTION("a global offset range past 2^64") {
     auto ts = good();
     ts[1].global_offset = std::numeric_limits<std::uint64_t>::max() - 2;

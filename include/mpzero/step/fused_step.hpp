@@ -168,7 +168,61 @@ class fused_step {
       }
       if (t.global_offset + t.numel < t.global_offset) detail::throw_invalid(where + ": global_offset overflows");
     }
+    check_disjoint_memory();
     if constexpr (Policy::stochastic_rounding) check_disjoint_offsets();
+  }
+
+  // Every array the step writes (parameters, masters, optimizer states) must share no
+  // byte with any other array of the step: threads would race on the shared elements
+  // and the result would depend on their order. Gradients are only read, so two
+  // tensors may share a gradient buffer, but no gradient may overlap a written array.
+  void check_disjoint_memory() const {
+    struct range {
+      std::uintptr_t begin, end;
+      std::size_t tensor;
+      const char* what;
+      bool written;
+    };
+    std::vector<range> ranges;
+    ranges.reserve(tensors_.size() * (3 + tensor::n_states));
+    static constexpr const char* state_names[] = {"optimizer state 0", "optimizer state 1", "optimizer state 2",
+                                                  "optimizer state 3"};
+    static_assert(tensor::n_states <= 4, "name the extra optimizer states in check_disjoint_memory");
+    auto add = [&](const void* p, std::size_t bytes, std::size_t i, const char* what, bool written) {
+      const auto begin = reinterpret_cast<std::uintptr_t>(p);
+      const std::uint64_t numel = tensors_[i].numel;
+      if (numel > UINTPTR_MAX / bytes || begin > UINTPTR_MAX - numel * bytes) {
+        detail::throw_invalid("fused_step: tensor " + std::to_string(i) + " (numel " + std::to_string(numel) + "): " +
+                              what + " would extend past the end of the address space; check numel");
+      }
+      ranges.push_back(range{begin, begin + static_cast<std::uintptr_t>(numel * bytes), i, what, written});
+    };
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      const tensor& t = tensors_[i];
+      if (t.numel == 0) continue;
+      add(t.param, sizeof(*t.param), i, "param", true);
+      if constexpr (!Policy::master_is_param) add(t.master, sizeof(*t.master), i, "master", true);
+      add(t.grad, sizeof(*t.grad), i, "grad", false);
+      for (int k = 0; k < tensor::n_states; ++k) add(t.states[k], sizeof(*t.states[k]), i, state_names[k], true);
+    }
+    std::sort(ranges.begin(), ranges.end(), [](const range& a, const range& b) { return a.begin < b.begin; });
+    // One sweep in address order: a range overlaps an earlier one exactly when that one
+    // ends past its start, so the farthest-reaching earlier range (written, or of any
+    // kind) is the only one to compare with.
+    const range* reach_any = nullptr;
+    const range* reach_written = nullptr;
+    for (const range& r : ranges) {
+      const range* hit = r.written ? reach_any : reach_written;
+      if (hit != nullptr && hit->end > r.begin) {
+        detail::throw_invalid("fused_step: tensor " + std::to_string(hit->tensor) + "'s " + hit->what + " and tensor " +
+                              std::to_string(r.tensor) + "'s " + r.what +
+                              " share memory; the step writes one of them, so the result would depend on the order "
+                              "of threads. Give every parameter, master and optimizer state its own memory, "
+                              "and no gradient memory that the step writes.");
+      }
+      if (reach_any == nullptr || r.end > reach_any->end) reach_any = &r;
+      if (r.written && (reach_written == nullptr || r.end > reach_written->end)) reach_written = &r;
+    }
   }
 
   // Stochastic rounding draws its bits from the global index: two tensors that share
