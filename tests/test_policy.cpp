@@ -326,7 +326,21 @@ TEST_CASE("memory model: invalid runtime arguments throw invalid_argument naming
     CHECK_THAT(msg, Catch::Matchers::Contains("offload", Catch::CaseSensitive::No));
   }
 
+  for (const int n : {-1, 4}) {
+    state_layout bad = l;
+    bad.n_states = n;
+    const std::string msg = invalid_argument_message([&] { (void)bytes_per_param(bad, 2, offload_kind::none, 2); });
+    INFO("n_states " << n << ": " << msg);
+    CHECK(names_value(msg, std::to_string(n)));
+    CHECK_THAT(msg, Catch::Matchers::Contains("n_states") && Catch::Matchers::Contains("0 to 3"));
+  }
+
   // Valid neighbours of the invalid values do not throw.
   CHECK_NOTHROW(bytes_per_param(l, 3, offload_kind::none, 1));
   CHECK_NOTHROW(bytes_per_param(l, 1, offload_kind::cpu, 1));
+  state_layout stateless = l;
+  stateless.n_states = 0;  // plain SGD: parameters, master and gradients only
+  CHECK(bytes_per_param(stateless, 0, offload_kind::none, 1).device_bytes == 2 + 4 + 2);
+  stateless.n_states = 3;
+  CHECK(bytes_per_param(stateless, 0, offload_kind::none, 1).device_bytes == 2 + 4 + 2 + 3 * 4);
 }

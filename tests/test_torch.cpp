@@ -1080,6 +1080,87 @@ TEST_CASE("torch: JSON text, a file path and a parsed config all initialize", "[
   CHECK(a.parameters()[0].scalar_type() == torch::kBFloat16);
 }
 
+// A Net with a frozen integer parameter (an index table), which must keep its dtype.
+struct IndexedNetImpl : NetImpl {
+  Tensor idx;
+  explicit IndexedNetImpl(std::uint64_t seed) : NetImpl(seed) {
+    idx = register_parameter("idx", torch::arange(1000, 1004, torch::kLong), /*requires_grad=*/false);
+  }
+};
+TORCH_MODULE(IndexedNet);
+
+TEST_CASE("torch: bad uses are refused by name, changing nothing", "[torch]") {
+  const batch b = data(0, R(), 31);
+  SECTION("a model another live engine manages; once that engine is gone, a new one trains it") {
+    Net model(61);
+    {
+      auto first = make_engine(model, make_config(1, "fp32"));
+      CHECK_THROWS_WITH(make_engine(model, make_config(2, "fp32")),
+                        Catch::Contains("parameter 'l1.weight' is already managed by another mpzero engine") &&
+                            Catch::Contains("destroy that engine first"));
+      const Tensor before = model->l1->weight.detach().clone();
+      first(b.x, b.y).backward();  // the refused engine took nothing from the first
+      first.step();
+      CHECK_FALSE(torch::equal(model->l1->weight.detach(), before));
+    }
+    auto second = make_engine(model, make_config(2, "fp32"));
+    const Tensor before = model->l1->weight.detach().clone();
+    second(b.x, b.y).backward();
+    second.step();
+    CHECK_FALSE(torch::equal(model->l1->weight.detach(), before));
+  }
+  SECTION("engine.step() at a boundary with no backward since the last step, on every rank") {
+    auto e = make_engine(Net(62), make_config(2, "bf16"));
+    CHECK_THROWS_WITH(e.step(), Catch::Contains("engine.step(): no backward reached this engine's parameters") &&
+                                    Catch::Contains("micro-step 0"));
+    CHECK(e.global_steps() == 0);
+    e(b.x.to(torch::kBFloat16), b.y).backward();
+    e.step();
+    CHECK(e.global_steps() == 1);
+    CHECK_THROWS_WITH(e.step(), Catch::Contains("micro-step 1"));
+  }
+  SECTION("a backward on one rank only reaches the engine (ZeRO-2): the others join its reductions at step()") {
+    auto e = make_engine(Net(63), make_config(2, "fp32"));
+    reference<Net> ref(Net(63), torch::kFloat, 2);
+    if (R() == 0) e(b.x, b.y).backward();
+    // The reference: rank 0's gradients, averaged over all ranks (the others add zeros).
+    ref.accumulate([&](Net& m, int r) {
+      const batch d = data(0, 0, 31);  // rank 0's batch
+      return r == 0 ? m->forward(d.x, d.y) : m->forward(d.x, d.y) * 0.0;
+    }, 1.0);
+    check_grads(e, ref.grads(), torch::kFloat, "one rank's backward");
+    e.step();
+    ref.step();
+    check_weights(e, ref.weights(), "one rank's backward");
+  }
+  SECTION("a model with no trainable parameters") {
+    Net frozen(64);
+    for (auto& p : frozen->parameters()) p.requires_grad_(false);
+    CHECK_THROWS_WITH(make_engine(frozen, make_config(1, "fp32")),
+                      Catch::Contains("no trainable parameters (4 parameter(s), none with requires_grad)"));
+  }
+  SECTION("a frozen integer parameter keeps its dtype and values") {
+    IndexedNet m(65);
+    auto e = make_engine(m, make_config(1, "bf16"));
+    CHECK(m->idx.scalar_type() == torch::kLong);
+    CHECK(torch::equal(m->idx, torch::arange(1000, 1004, torch::kLong)));  // 1001 and 1003 are not bf16 values
+    CHECK(m->l1->weight.scalar_type() == torch::kBFloat16);
+  }
+  SECTION("fp16: engine.backward of engine.scale()'s result would scale twice") {
+    auto e = make_engine(Net(66), make_config(1, "fp16"));
+    const Tensor loss = e(b.x.to(torch::kHalf), b.y);
+    CHECK_THROWS_WITH(e.backward(e.scale(loss)), Catch::Contains("scaled twice") &&
+                                                     Catch::Contains("pass the unscaled loss"));
+    e.backward(loss);  // the refused call changed nothing
+    e.step();
+    CHECK(e.global_steps() == 1);
+  }
+  SECTION("an undefined tensor where a parameter is expected") {
+    auto e = make_engine(Net(67), make_config(1, "fp32"));
+    CHECK_THROWS_WITH(e.full_grad(Tensor()), Catch::Contains("full_grad: the tensor is undefined"));
+  }
+}
+
 TEST_CASE("torch: the model keeps working after its engine is gone", "[torch]") {
   Net model(4);
   Tensor before;

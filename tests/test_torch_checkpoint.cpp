@@ -272,6 +272,15 @@ TEST_CASE("engine checkpoint: bad input is refused on every rank with a message,
     REQUIRE_THAT(error_of([&] { e.save_checkpoint(dir.path.string(), "a/b"); }),
                  Catch::Contains("tag 'a/b' is not a directory name"));
   }
+  SECTION("a tag that a load could not find again") {
+    for (const std::string tag : {"run1 ", " run1", "latest", "a\tb"}) {
+      INFO("tag '" << tag << "'");
+      REQUIRE_THAT(error_of([&] { e.save_checkpoint(dir.path.string(), tag); }),
+                   Catch::Contains("the checkpoint tag '" + tag + "' cannot be found again by a load") &&
+                       Catch::Contains("global_step100"));
+    }
+    REQUIRE_FALSE(std::filesystem::exists(dir.path / "latest" / "mpzero_engine.json"));
+  }
   SECTION("another model") {
     struct OtherImpl : ::torch::nn::Module {
       ::torch::nn::Linear l1{nullptr}, l2{nullptr};

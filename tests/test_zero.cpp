@@ -460,6 +460,12 @@ TEST_CASE("ZeRO: fp16 training that keeps overflowing ends in loss_scale_error o
   int all = 0;
   MPI_Allreduce(&steps, &all, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);  // every rank got here, no hang
   REQUIRE(all == 2 * c.size());
+  // The failed step's gradients stay reduced: no additions on top of them (stage 1's
+  // in-place reduction leaves the blocks a rank does not own unspecified) until
+  // zero_grad() drops them.
+  REQUIRE_THROWS_WITH(z.accumulate_grad(0, g.data()), Catch::Contains("already reduced"));
+  z.zero_grad();
+  REQUIRE_NOTHROW(z.accumulate_grad(0, g.data()));
 }
 
 TEST_CASE("ZeRO: gradient clipping uses the global norm over all partitions", "[zero]") {
@@ -539,8 +545,92 @@ TEST_CASE("ZeRO-3: prefetch, gather and release; using a partitioned parameter w
   z.release(2, 4);
   z.prefetch(0, 2);  // in flight
   REQUIRE_THROWS_WITH(z.step(), Catch::Contains("1 parameter group(s) are gathered (e.g. [0, 2))"));
+  // A parameter is in one gathered group at a time: an overlapping range is refused,
+  // naming both, and the group already gathered is unharmed.
+  REQUIRE_THROWS_WITH(z.gather(1, 4), Catch::Contains("gather/prefetch(1, 4): parameters [1, 2) are already in "
+                                                      "the gathered group [0, 2)"));
+  REQUIRE_THROWS_WITH(z.prefetch(0, 1), Catch::Contains("parameters [0, 1) are already in the gathered group [0, 2)"));
+  z.gather(0, 2);
+  REQUIRE(z.param(0).size() == numels[0]);
+  z.gather(2, 4);  // disjoint: fine
+  z.release(2, 4);
   z.release(0, 2);
   REQUIRE(z.step().step == 1);  // the refused steps lost nothing: the gradients were still there
+}
+
+TEST_CASE("ZeRO: bad calls are refused with the value and the fix, before anything changes", "[zero]") {
+  auto& c = world();
+  const std::vector<std::uint64_t> numels{300, 0, 40};
+  zero_options zo;
+  zo.reduce_bucket_numel = 100;
+  auto run = [&](auto& z, int st) {
+    INFO("stage " << st << ", rank " << c.rank() << " of " << c.size());
+    const std::vector<float> g(300, 0x1p-6f), init(300, 0.25f);
+    // Null sources; an empty parameter needs none.
+    REQUIRE_THROWS_WITH(z.load_param(0, static_cast<const float*>(nullptr)),
+                        Catch::Contains("load_param(0): the pointer is null; pass 300 values"));
+    REQUIRE_THROWS_WITH(z.accumulate_grad(2, static_cast<const float*>(nullptr)),
+                        Catch::Contains("accumulate_grad(2): the pointer is null; pass 40 values"));
+    REQUIRE_NOTHROW(z.load_param(1, static_cast<const float*>(nullptr)));
+    for (std::size_t p = 0; p < numels.size(); ++p) z.load_param(p, init.data());
+    // A non-finite multiplier, named.
+    REQUIRE_THROWS_WITH(z.accumulate_grad(0, g.data(), std::numeric_limits<float>::quiet_NaN()),
+                        Catch::Contains("scale = nan") && Catch::Contains("finite multiplier"));
+    REQUIRE_THROWS_WITH(z.accumulate_grad(0, g.data(), std::numeric_limits<float>::infinity()),
+                        Catch::Contains("scale = inf"));
+    // A step from no gradient at all, on every rank alike; nothing changes, and the
+    // optimizer goes on as new.
+    REQUIRE_FALSE(z.grads_pending());
+    REQUIRE_THROWS_AS(z.step(), no_gradients_error);
+    REQUIRE_THROWS_WITH(z.step(), Catch::Contains("no rank reported a gradient") && Catch::Contains("step 1 ") &&
+                                      Catch::Contains("run a backward pass first"));
+    REQUIRE(z.steps() == 0);
+    z.zero_grad();
+    REQUIRE_THROWS_WITH(z.step(), Catch::Contains("no rank reported a gradient"));
+    // A bad index reads nothing and reduces nothing: the backward still takes gradients.
+    REQUIRE_THROWS_WITH(z.full_grad(7), Catch::Contains("parameter index 7 is out of range"));
+    // One rank's gradient is enough for a step: the others add zeros. They call nothing
+    // before step(): at stages 2-3 step() ends an empty pass for them, which joins rank
+    // 0's bucket reductions (without it they would wait in different collectives).
+    if (c.rank() == 0) {
+      for (std::size_t p = numels.size(); p-- > 0;) z.accumulate_grad(p, g.data());
+      z.end_backward();
+    }
+    const step_report r = z.step();
+    REQUIRE(r.step == 1);
+    REQUIRE(r.grad_norm > 0.0);
+    REQUIRE_THROWS_WITH(z.step(), Catch::Contains("step 2 would update the weights from zeros"));
+    REQUIRE(z.steps() == 1);
+  };
+  {
+    ZeroOptimizer<policies::fp32, optim::adamw, stage<0>, comm::mpi_communicator> z(c, numels, {}, zo);
+    run(z, 0);
+    // Stages 0 and 1 also take gradients in place: not once they are reduced.
+    z.grad(0)[0] = 1.0f;
+    z.grad(2)[0] = 1.0f;
+    (void)z.full_grad(0);
+    REQUIRE_THROWS_WITH(z.grad(2), Catch::Contains("grad(2): this step's gradients were already reduced"));
+    REQUIRE(z.step().step == 2);
+  }
+  {
+    ZeroOptimizer<policies::bf16_all_sr, optim::adamw, stage<1>, comm::mpi_communicator> z(c, numels, {}, zo);
+    run(z, 1);
+  }
+  {
+    ZeroOptimizer<policies::bf16_fp32_master, optim::adamw, stage<2>, comm::mpi_communicator> z(c, numels, {}, zo);
+    run(z, 2);
+  }
+  {
+    zero_options z3 = zo;
+    z3.param_persistence_threshold = 10;
+    ZeroOptimizer<policies::fp32, optim::adamw, stage<3>, comm::mpi_communicator> z(c, numels, {}, z3);
+    run(z, 3);
+  }
+  {
+    ZeroOptimizer<policies::fp32, optim::adamw, stage<2>, comm::mpi_communicator, host_backend, offload_cpu> z(c, numels,
+                                                                                                               {}, zo);
+    run(z, 2);
+  }
 }
 
 TEST_CASE("ZeRO: gradients may travel in another dtype (bf16 on the wire for fp32 gradients)", "[zero]") {

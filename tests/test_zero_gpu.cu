@@ -310,6 +310,55 @@ TEST_CASE("ZeroOptimizer refuses a communicator that reads the other memory spac
   CHECK_NOTHROW(on_a.wait_for(a));
   REQUIRE_THROWS_WITH(on_a.wait_for(b), Catch::Contains("asked to follow stream 0x20, but its copies run on 0x10") &&
                                             Catch::Contains("Construct it with the backend's stream"));
+  // ZeroOptimizer asks at construction, before it allocates: not at the first bucket.
+  using Local = ZeroOptimizer<policies::bf16_all, optim::adamw, stage<2>, comm::cuda_local_communicator, cuda_backend>;
+  REQUIRE_THROWS_WITH(Local(on_a, numels, optim::adamw::options{}, zero_options{}, cuda_backend{b}),
+                      Catch::Contains("asked to follow stream 0x20, but its copies run on 0x10"));
+  // A garbage size (a negative count cast to unsigned) is refused before cudaMalloc sees a
+  // wrapped byte count.
+  REQUIRE_THROWS_AS(cuda_buffer<float>(std::uint64_t{1} << 62, nullptr), mpzero::invalid_argument);
+  REQUIRE_THROWS_WITH(cuda_buffer<float>(std::uint64_t{1} << 62, nullptr),
+                      Catch::Contains("4611686018427387904 elements of 4 bytes exceeds the address space"));
+}
+
+TEST_CASE("ZeroOptimizer on CUDA refuses pageable host memory as a source unless the GPU reads it", "[gpu][zero]") {
+  require_device();
+  int device = 0, pageable = 0;
+  MPZERO_CUDA_CHECK(cudaGetDevice(&device));
+  MPZERO_CUDA_CHECK(cudaDeviceGetAttribute(&pageable, cudaDevAttrPageableMemoryAccess, device));
+  cudaStream_t stream = nullptr;
+  MPZERO_CUDA_CHECK(cudaStreamCreate(&stream));
+  {
+    const cuda_backend be{stream};
+    comm::cuda_local_communicator copies(stream);
+    const std::vector<std::uint64_t> numels{100, 0};
+    ZeroOptimizer<policies::bf16_all, optim::adamw, stage<1>, comm::cuda_local_communicator, cuda_backend> z(
+        copies, numels, optim::adamw::options{}, zero_options{}, be);
+    std::vector<float> pageable_values(100, 0.5f);
+    host_buffer<float> pinned(100, be.host_memory(true));
+    std::fill(pinned.data(), pinned.data() + 100, 0.5f);
+    auto on_device = be.allocate<float>(100);
+    be.upload(on_device.data(), pinned.data(), 100);
+    INFO("device " << device << ", pageable memory access " << pageable);
+    if (pageable == 0) {
+      REQUIRE_THROWS_WITH(z.load_param(0, pageable_values.data()),
+                          Catch::Contains("load_param(0)") && Catch::Contains("is pageable host memory") &&
+                              Catch::Contains("pass device memory"));
+      REQUIRE_THROWS_WITH(z.accumulate_grad(0, pageable_values.data()), Catch::Contains("accumulate_grad(0)"));
+      REQUIRE_FALSE(z.grads_pending());  // refused before it counted
+    } else {
+      REQUIRE_NOTHROW(z.load_param(0, pageable_values.data()));  // HMM / ATS: kernels read it
+    }
+    REQUIRE_NOTHROW(z.load_param(0, on_device.data()));
+    REQUIRE_NOTHROW(z.load_param(0, pinned.data()));
+    z.accumulate_grad(0, on_device.data());
+    z.accumulate_grad(0, pinned.data());
+    const std::vector<float> g = z.full_grad(0);
+    REQUIRE(std::count(g.begin(), g.end(), 1.0f) == 100);
+    REQUIRE(z.step().step == 1);
+    be.synchronize();
+  }
+  MPZERO_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 TEST_CASE("cuda_backend::all_reduce_host and broadcast_host: host values through reused device scratch, in pieces",

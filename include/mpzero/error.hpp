@@ -22,6 +22,14 @@ class invalid_argument : public error {
   using error::error;
 };
 
+// ZeroOptimizer::step() when no rank reported a gradient since the last step or
+// zero_grad() (thrown on every rank alike): a caller such as the LibTorch engine can
+// say it in its own terms.
+class no_gradients_error : public invalid_argument {
+ public:
+  using invalid_argument::invalid_argument;
+};
+
 namespace detail {
 
 [[noreturn]] inline void throw_invalid(const std::string& what) { throw invalid_argument("mpzero: " + what); }

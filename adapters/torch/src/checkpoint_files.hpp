@@ -3,6 +3,7 @@
 // model_states.pt, zero_shard_*.mpz}.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cctype>
 #include <cerrno>
@@ -126,6 +127,17 @@ inline void check_tag(const std::string& who, const std::string& tag) {
   if (tag.empty() || tag == "." || tag == ".." || tag.find_first_of("/\\") != std::string::npos) {
     fail(who + ": the checkpoint tag '" + tag +
                     "' is not a directory name; use a name without '/', such as global_step100");
+  }
+  // What a load could not find again: the file 'latest' stores the tag without its
+  // trailing white space, and a directory named 'latest' would take that file's place.
+  const bool odd_char = std::any_of(tag.begin(), tag.end(), [](char ch) {
+    return std::iscntrl(static_cast<unsigned char>(ch)) != 0;
+  });
+  if (odd_char || std::isspace(static_cast<unsigned char>(tag.front())) ||
+      std::isspace(static_cast<unsigned char>(tag.back())) || tag == "latest") {
+    fail(who + ": the checkpoint tag '" + tag +
+         "' cannot be found again by a load (control characters, white space at either end, or the name 'latest', "
+         "which is the file naming the newest tag); use a plain name such as global_step100");
   }
 }
 

@@ -151,7 +151,10 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     try {
       ::torch::NoGradGuard ng;
       if (core_) join_core();  // the copies below read what the core's stream wrote
-      for (std::size_t i = 0; i < bound_; ++i) params_[i].set_data(params_[i].detach().clone());
+      for (std::size_t i = 0; i < bound_; ++i) {
+        // (A parameter that something else rebound since keeps its storage.)
+        if (params_[i].data_ptr() == core_->param_data(i)) params_[i].set_data(params_[i].detach().clone());
+      }
     } catch (...) {
     }
   }
@@ -214,6 +217,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   }
   double next_lr() const { return lr_at(cfg_.scheduler, cfg_.optimizer.lr, scheduler_steps_); }
   std::size_t index_of(const ::torch::Tensor& t, const char* what) const {
+    if (!t.defined()) fail(std::string(what) + ": the tensor is undefined; pass one of engine.parameters()");
     auto it = index_.find(t.unsafeGetTensorImpl());
     if (it == index_.end()) {
       fail(std::string(what) + ": the tensor (shape " + shape_of(t.sizes()) +
@@ -293,6 +297,8 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   c10::Device device_ = c10::Device(c10::kCPU);  // where the managed parameters live
   std::optional<c10::Stream> core_stream_;       // a CUDA core's stream
   bool needs_scaling_ = false;
+  // The last tensor scale() returned (fp16), so that engine.backward refuses it.
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> last_scaled_;
   float inv_gas_ = 1.0f;
   at::ScalarType param_type_ = at::kFloat;
 
@@ -351,8 +357,20 @@ void engine_state::init() {
     const ::torch::Tensor& p = item.value();
     if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
     if (!p.requires_grad()) {
-      frozen.push_back(p);
+      // Floating ones take the model's dtype; an integer index or a bool mask keeps its
+      // own (through float and bf16 it would lose values and its type).
+      if (p.is_floating_point()) frozen.push_back(p);
       continue;
+    }
+    // A parameter another live engine manages is a view of that engine's buffer, and
+    // its hook feeds that engine: a second engine would train nothing.
+    for (auto* h = dynamic_cast<grad_hook*>(ag::impl::post_acc_grad_hooks(p).get()); h != nullptr;
+         h = dynamic_cast<grad_hook*>(h->prev.get())) {
+      if (!h->st.expired()) {
+        fail("parameter '" + item.key() +
+             "' is already managed by another mpzero engine; destroy that engine first (let it go out of "
+             "scope, or assign a new engine only after the old one is gone), or pass a fresh model");
+      }
     }
     if (!p.device().is_cpu() && !p.device().is_cuda()) {
       fail("parameter '" + item.key() + "' is on " + p.device().str() +
@@ -372,6 +390,11 @@ void engine_state::init() {
     index_[p.unsafeGetTensorImpl()] = params_.size();
     params_.push_back(p);
     names_.push_back(item.key());
+  }
+
+  if (params_.empty()) {
+    fail("the model has no trainable parameters (" + std::to_string(seen.size()) +
+         " parameter(s), none with requires_grad); set requires_grad on the parameters to train");
   }
 
   core_spec spec;
@@ -621,6 +644,11 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
     fail("engine.backward: the loss does not require grad (no graph to run backward on); compute it from the "
          "engine's forward outside torch::NoGradGuard");
   }
+  if (needs_scaling_ && last_scaled_ && last_scaled_->lock().get() == loss.unsafeGetTensorImpl()) {
+    fail("engine.backward: the loss is engine.scale()'s result, and engine.backward scales the loss itself, so "
+         "its gradients would be scaled twice; pass the unscaled loss: engine.backward(loss), or call "
+         "engine.scale(loss).backward()");
+  }
   ::torch::Tensor root = needs_scaling_ ? loss.to(at::kFloat) * core_->loss_scale() : loss;
   if (needs_scaling_) {  // for another engine's message when this backward reaches it unscaled
     root.register_hook([](const ::torch::Tensor&) { scaled_task() = ag::get_current_graph_task_id(); });
@@ -654,6 +682,7 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
   if (!needs_scaling_) return loss;
   if (!loss.requires_grad()) fail("engine.scale: the loss does not require grad; there is no backward to scale");
   ::torch::Tensor scaled = loss.to(at::kFloat) * core_->loss_scale();
+  last_scaled_.emplace(scaled.getIntrusivePtr());
   // Marks the backward that starts here as scaled: the hook fires first, at the root.
   scaled.register_hook([w = weak_from_this()](const ::torch::Tensor&) {
     if (auto s = w.lock()) s->on_scale_root();
@@ -666,7 +695,14 @@ void engine_state::step() {
     drop_stale_passes();
     core_->set_lr(next_lr());
     core_waits();
-    last_ = core_->step();
+    try {
+      last_ = core_->step();
+    } catch (const mpzero::no_gradients_error&) {
+      fail("engine.step(): no backward reached this engine's parameters on any rank since the last step or "
+           "zero_grad() (micro-step " + std::to_string(micro_steps_) +
+           "), so the update would come from zero gradients; run loss.backward() or engine.backward(loss) on a "
+           "loss computed from the engine's model first, or leave engine.step() out of this iteration");
+    }
     join_core();  // the next forward reads the updated parameters
     stepped_ = true;
     ++global_steps_;

@@ -12,6 +12,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -37,6 +38,11 @@ class cuda_buffer {
   cuda_buffer() = default;
   cuda_buffer(std::uint64_t n, cudaStream_t stream) : n_(n) {
     if (n == 0) return;
+    if (n > SIZE_MAX / sizeof(T)) {
+      throw invalid_argument("mpzero: a device buffer of " + std::to_string(n) + " elements of " +
+                             std::to_string(sizeof(T)) + " bytes exceeds the address space; check the "
+                             "parameter sizes (numels) given to ZeroOptimizer");
+    }
     void* p = nullptr;
     const cudaError_t e = cudaMalloc(&p, static_cast<std::size_t>(n) * sizeof(T));
     if (e != cudaSuccess) {
@@ -210,6 +216,30 @@ struct cuda_backend {
   using buffer = cuda_buffer<T>;
 
   static constexpr bool device_memory = true;
+
+  // Refuses memory this device's kernels cannot read: pageable host memory (a
+  // std::vector's data, say) on a GPU without pageable-memory access (HMM/ATS), where a
+  // kernel reading it would fault and take the CUDA context, with every buffer in it,
+  // down. Device, managed and pinned host memory pass. `who` names the call.
+  void check_readable(const void* p, const std::string& who) const {
+    cudaPointerAttributes a{};
+    const cudaError_t e = cudaPointerGetAttributes(&a, p);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      throw cuda_error(e, "mpzero: " + who + ": cudaPointerGetAttributes failed (" + cudaGetErrorString(e) + ")");
+    }
+    if (a.type != cudaMemoryTypeUnregistered) return;
+    int device = 0, pageable = 0;
+    MPZERO_CUDA_CHECK(cudaGetDevice(&device));
+    MPZERO_CUDA_CHECK(cudaDeviceGetAttribute(&pageable, cudaDevAttrPageableMemoryAccess, device));
+    if (pageable != 0) return;
+    char addr[32];
+    std::snprintf(addr, sizeof addr, "%p", p);
+    throw invalid_argument(who + ": " + addr + " is pageable host memory, which kernels on device " +
+                           std::to_string(device) + " cannot read; pass device memory (the CUDA backend's "
+                           "allocate(), cudaMalloc, a CUDA tensor's data_ptr), or pinned host memory "
+                           "(cudaHostAlloc, cudaHostRegister)");
+  }
 
   template <class T>
   buffer<T> allocate(std::uint64_t n) const {

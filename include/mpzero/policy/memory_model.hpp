@@ -46,6 +46,10 @@ constexpr memory_footprint bytes_per_param(const state_layout& s, int zero_stage
     detail::throw_invalid("ZeRO stage " + std::to_string(zero_stage) + " does not exist: use 0, 1, 2 or 3");
   if (world_size < 1)
     detail::throw_invalid("world size " + std::to_string(world_size) + " is invalid: it must be at least 1");
+  if (s.n_states < 0 || s.n_states > 3)
+    detail::throw_invalid("n_states = " + std::to_string(s.n_states) +
+                          " is invalid: an optimizer keeps 0 to 3 state tensors per parameter (Adam/AdamW: 2, "
+                          "SGD/Lion: 1)");
   if (offload == offload_kind::cpu && zero_stage == 0)
     detail::throw_invalid("CPU offload with ZeRO stage 0: the host keeps each rank's partition, so offload needs "
                           "stage 1, 2 or 3 (or offload none)");

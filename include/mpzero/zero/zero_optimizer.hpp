@@ -176,6 +176,9 @@ class ZeroOptimizer {
                     ") reads device memory. Use comm::mpi_communicator or comm::local_communicator with a host "
                     "backend, or the CUDA backend with this communicator");
     }
+    // A communicator that must follow the backend's stream and cannot (a
+    // cuda_local_communicator on another stream) says so now, not mid-backward.
+    backend_.before_comm(comm_);
     if (zo.reduce_bucket_numel == 0) {
       detail::throw_invalid("ZeroOptimizer: reduce_bucket_numel = 0; use a positive bucket size (DeepSpeed's default is 5e8)");
     }
@@ -261,8 +264,9 @@ class ZeroOptimizer {
   template <storage_type T>
   void load_param(std::size_t i, const T* values) {
     require_no_gathered_groups("load_param");
-    if constexpr (offloaded) wait_uploads();  // they read the host master this rewrites
     const std::size_t s = slot(i);
+    check_source(values, i, "load_param");
+    if constexpr (offloaded) wait_uploads();  // they read the host master this rewrites
     const flat_range r = layout_.param_range(s);
     // The parameter storage this rank keeps.
     if constexpr (zero_stage < 3) {
@@ -296,11 +300,14 @@ class ZeroOptimizer {
   void accumulate_grad(std::size_t i, const S* src, float scale = 1.0f) {
     const std::size_t s = slot(i);
     const flat_range r = layout_.param_range(s);
-    if (reduced_) {
-      detail::throw_invalid("ZeroOptimizer::accumulate_grad(" + std::to_string(i) +
-                            "): this step's gradients were already reduced (reduce_gradients()); call step() or "
-                            "zero_grad() before the next backward");
+    require_not_reduced("accumulate_grad", i);
+    if (!std::isfinite(scale)) {
+      detail::throw_invalid("ZeroOptimizer::accumulate_grad(" + std::to_string(i) + "): scale = " +
+                            std::to_string(scale) +
+                            " would make every gradient non-finite; pass a finite multiplier, e.g. 1 / "
+                            "gradient_accumulation_steps (the default is 1)");
     }
+    check_source(src, i, "accumulate_grad");
     in_backward_ = true;
     grads_pending_ = true;
     if constexpr (zero_stage < 2) {
@@ -328,6 +335,7 @@ class ZeroOptimizer {
                             "): gradients are partitioned at ZeRO stage 2 and 3; report them with accumulate_grad()");
     } else {
       const flat_range r = layout_.param_range(slot(i));
+      require_not_reduced("grad", i);
       in_backward_ = true;
       grads_pending_ = true;
       return {grads_.data() + r.begin, static_cast<std::size_t>(r.size())};
@@ -358,11 +366,14 @@ class ZeroOptimizer {
       std::fill(dirty_.begin(), dirty_.end(), std::int32_t{0});
       for (std::size_t b = 0; b < remaining_.size(); ++b) remaining_[b] = params_in_bucket_[b];
       next_launch_ = static_cast<std::ptrdiff_t>(remaining_.size()) - 1;
+      pass_ended_ = true;
     }
     in_backward_ = false;
   }
 
-  // Drops all accumulated gradients.
+  // Drops all accumulated gradients. Collective when called during a backward pass at
+  // stages 2 and 3: it ends the pass first (end_backward()), whose bucket reductions
+  // every rank must join.
   void zero_grad() {
     if (in_backward_) end_backward();
     zero_all_grads();
@@ -375,6 +386,13 @@ class ZeroOptimizer {
   void reduce_gradients() {
     if (in_backward_) end_backward();
     if (reduced_) return;
+    // Stages 2-3: a rank whose backward reached none of its parameters (its loss did not
+    // use them this time) ends one empty pass here, reducing zeros, so that it joins the
+    // bucket reductions of the ranks whose pass did. (Every rank must still run the same
+    // number of non-empty passes per step.)
+    if constexpr (zero_stage >= 2) {
+      if (!pass_ended_) end_backward();
+    }
     if constexpr (zero_stage < 2) {
       // One run of the Wire type by default; with per-parameter wire dtypes, one run per
       // stretch of equal dtype, in flat order on every rank. A run in another dtype goes
@@ -401,8 +419,8 @@ class ZeroOptimizer {
   // if so configured, unscaled by the loss scale, before clipping), in host memory.
   // Reduces first if needed. Collective (pieces live on their owners).
   std::vector<float> full_grad(std::size_t i) {
+    const flat_range r = layout_.param_range(slot(i));  // a bad index throws before the collective
     reduce_gradients();
-    const flat_range r = layout_.param_range(slot(i));
     const flat_range own = intersect(r, shard_);
     std::vector<float> out(r.size(), 0.0f);
     if (!own.empty()) {
@@ -428,12 +446,25 @@ class ZeroOptimizer {
   step_report step() {
     require_no_gathered_groups("step");
     reduce_gradients();
-    reduced_ = false;
     const double W = static_cast<double>(world_);
     const grad_stats local = offloaded ? host_.stats(h_grads_.data(), shard_.size()) : backend_.stats(shard_grads(), shard_.size());
     double norm_sq = local.nonfinite ? std::numeric_limits<double>::infinity() : local.norm_squared;
-    // Stage 0 computed the full norm on every rank; the others sum their partitions.
-    if (zero_stage > 0 && world_ > 1) backend_.all_reduce_host(comm_, &norm_sq, 1, comm::reduce_op::sum);
+    // One all-reduce agrees on the squared norm (stage 0 computed the whole norm on
+    // every rank; the others sum their partitions) and on how many ranks reported
+    // gradients since the last step.
+    double sums[2] = {zero_stage > 0 ? norm_sq : 0.0, grads_pending_ ? 1.0 : 0.0};
+    if (world_ > 1) backend_.all_reduce_host(comm_, sums, 2, comm::reduce_op::sum);
+    if (zero_stage > 0) norm_sq = sums[0];
+    if (sums[1] == 0.0) {
+      // An update from all-zero gradients is not a no-op (weight decay, momentum, the
+      // bias correction's step count): refuse it, on every rank alike.
+      zero_all_grads();  // the reduction may leave unowned blocks unspecified
+      reduced_ = false;
+      throw no_gradients_error("mpzero: ZeroOptimizer::step(): no rank reported a gradient since the last step() or "
+                               "zero_grad(), so step " + std::to_string(steps_ + 1) +
+                               " would update the weights from zeros; run a backward pass first (accumulate_grad() "
+                               "or grad(i)), or leave step() out of this iteration");
+    }
 
     step_report rep;
     rep.overflow = !std::isfinite(norm_sq);
@@ -458,6 +489,7 @@ class ZeroOptimizer {
     }
     rep.step = steps_;
     zero_all_grads();
+    reduced_ = false;  // only now: a throw above (loss_scale_error) leaves the reduced gradients marked so
     return rep;
   }
 
@@ -468,6 +500,17 @@ class ZeroOptimizer {
     const auto key = std::make_pair(first, end);
     if (groups_.count(key)) return;
     const flat_range r = gather_range(first, end);
+    // A parameter belongs to one gathered group at a time: its param() points into that
+    // group's copy, and releasing either of two groups would drop the other's pointer.
+    for (const auto& [other, g] : groups_) {
+      if (first < other.second && other.first < end) {
+        detail::throw_invalid("ZeroOptimizer::gather/prefetch(" + std::to_string(first) + ", " + std::to_string(end) +
+                              "): parameters [" + std::to_string(std::max(first, other.first)) + ", " +
+                              std::to_string(std::min(end, other.second)) + ") are already in the gathered group [" +
+                              std::to_string(other.first) + ", " + std::to_string(other.second) +
+                              "); release() that group first, or gather exactly that range");
+      }
+    }
     gathered_group g;
     g.range = r;
     if (!r.empty()) {
@@ -802,6 +845,30 @@ class ZeroOptimizer {
   // every group released: a gathered copy would keep the old values, and a prefetch
   // still in flight reads the partitions while they are written. Groups are gathered
   // collectively, so every rank refuses alike.
+  // Gradients already reduced for this step take no more additions: step() or
+  // zero_grad() comes first.
+  void require_not_reduced(const char* who, std::size_t i) const {
+    if (reduced_) {
+      detail::throw_invalid("ZeroOptimizer::" + std::string(who) + "(" + std::to_string(i) +
+                            "): this step's gradients were already reduced (reduce_gradients() or full_grad()); "
+                            "call step() or zero_grad() before the next backward");
+    }
+  }
+
+  // A parameter's source values: not null (unless the parameter is empty), and memory
+  // the backend's kernels can read (a device backend checks its pointers).
+  template <class T>
+  void check_source(const T* p, std::size_t i, const char* who) const {
+    if (numel(i) == 0) return;
+    if (p == nullptr) {
+      detail::throw_invalid("ZeroOptimizer::" + std::string(who) + "(" + std::to_string(i) + "): the pointer is null; pass " +
+                            std::to_string(numel(i)) + " values");
+    }
+    if constexpr (requires { backend_.check_readable(static_cast<const void*>(p), std::string()); }) {
+      backend_.check_readable(static_cast<const void*>(p), "ZeroOptimizer::" + std::string(who) + "(" + std::to_string(i) + ")");
+    }
+  }
+
   void require_no_gathered_groups(const char* who) const {
     if constexpr (zero_stage == 3) {
       if (!groups_.empty()) {
@@ -1076,6 +1143,7 @@ class ZeroOptimizer {
 
   void zero_all_grads() {
     grads_pending_ = false;
+    pass_ended_ = false;
     backend_.zero(grads_.data(), grads_.size());
     // Stage 1 overwrites the host partition with each step's reduced shard instead.
     if constexpr (offloaded && zero_stage >= 2) host_.zero(h_grads_.data(), h_grads_.size());
@@ -1415,6 +1483,7 @@ class ZeroOptimizer {
   bool in_backward_ = false;
   bool reduced_ = false;  // reduce_gradients() ran for this step
   bool grads_pending_ = false;  // gradients reported since the last step() or zero_grad()
+  bool pass_ended_ = false;     // stages 2-3: end_backward() ran since the last step() or zero_grad()
 
   flat_layout layout_;
   std::vector<std::size_t> slot_of_;  // parameter index -> position in the flat buffers
