@@ -1155,6 +1155,22 @@ TEST_CASE("torch: bad uses are refused by name, changing nothing", "[torch]") {
     e.step();
     CHECK(e.global_steps() == 1);
   }
+  SECTION("ranks that pass different models or configurations are refused on every rank") {
+    if (W() > 1) {
+      // A rank-dependent configuration (another stage on rank 1).
+      CHECK_THROWS_WITH(make_engine(Net(68), make_config(R() == 1 ? 2 : 1, "fp32")),
+                        Catch::Contains("engine.initialize: the ranks passed different models or configurations") &&
+                            Catch::Contains("pass the same on every rank"));
+      // A rank-dependent model (one more frozen parameter on rank 1: one fewer trainable).
+      Net m(69);
+      if (R() == 1) m->l1->bias.requires_grad_(false);
+      CHECK_THROWS_WITH(make_engine(m, make_config(1, "fp32")),
+                        Catch::Contains("the ranks passed different models or configurations") &&
+                            Catch::Contains(R() == 1 ? "3 trainable parameters" : "4 trainable parameters"));
+    }
+    // The same everywhere passes.
+    CHECK_NOTHROW(make_engine(Net(70), make_config(1, "fp32")));
+  }
   SECTION("an undefined tensor where a parameter is expected") {
     auto e = make_engine(Net(67), make_config(1, "fp32"));
     CHECK_THROWS_WITH(e.full_grad(Tensor()), Catch::Contains("full_grad: the tensor is undefined"));

@@ -472,6 +472,29 @@ void engine_state::init() {
   for (const auto& p : params_) numels.push_back(static_cast<std::uint64_t>(p.numel()));
   core_ = make_zero_core(spec, comm_, numels, cfg_.optimizer, zo, place);
 
+  // Every rank must pass the same model and configuration: a rank-dependent one would
+  // mismatch the broadcast below (or, with equal totals, partition differently) and
+  // every collective after it. The ranks compare a hash of what sets the layout and
+  // the collectives, so a mismatch is refused on every rank, naming this rank's.
+  if (world > 1) {
+    std::string what = core_->spec().describe() + "\nstage " + std::to_string(spec.stage) + ", gas " +
+                       std::to_string(cfg_.gradient_accumulation_steps) + ", bucket " +
+                       std::to_string(zo.reduce_bucket_numel) + ", sub-group " + std::to_string(zo.offload_sub_group_numel);
+    for (const dtype d : zo.wire_dtypes) what += " " + std::to_string(static_cast<int>(d));
+    std::int64_t elements = 0;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      what += "\n" + names_[i] + " " + shape_of(params_[i].sizes());
+      elements += params_[i].numel();
+    }
+    for (const auto& t : frozen) what += "\nfrozen " + shape_of(t.sizes());
+    for (const auto& b : module_->buffers(/*recurse=*/true))
+      if (b.is_floating_point()) what += "\nbuffer " + shape_of(b.sizes());
+    same_on_every_rank("initialize", "models or configurations", what,
+                       std::to_string(params_.size()) + " trainable parameters of " + std::to_string(elements) +
+                           " elements, " + std::to_string(frozen.size()) + " frozen; " + core_->spec().describe() +
+                           ", gradient_accumulation_steps " + std::to_string(cfg_.gradient_accumulation_steps));
+  }
+
   ::torch::NoGradGuard no_grad;
   // Every rank starts from rank 0's values, as DeepSpeed broadcasts the model.
   std::vector<::torch::Tensor> all = params_;
