@@ -1145,6 +1145,13 @@ TEST_CASE("torch: bad uses are refused by name, changing nothing", "[torch]") {
     CHECK(m->idx.scalar_type() == torch::kLong);
     CHECK(torch::equal(m->idx, torch::arange(1000, 1004, torch::kLong)));  // 1001 and 1003 are not bf16 values
     CHECK(m->l1->weight.scalar_type() == torch::kBFloat16);
+    // Not broadcast, so every rank must hold the same values: another table on one rank is refused.
+    if (W() > 1) {
+      IndexedNet other(65);
+      if (R() == 1) other->idx.add_(1);
+      CHECK_THROWS_WITH(make_engine(other, make_config(1, "bf16")),
+                        Catch::Contains("the ranks passed different models or configurations"));
+    }
   }
   SECTION("fp16: engine.backward of engine.scale()'s result would scale twice") {
     auto e = make_engine(Net(66), make_config(1, "fp16"));

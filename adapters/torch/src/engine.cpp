@@ -352,6 +352,7 @@ void engine_state::init() {
   // The trainable parameters, once each (tied weights appear under several names).
   std::unordered_set<const c10::TensorImpl*> seen;
   std::vector<::torch::Tensor> frozen;
+  std::vector<std::pair<std::string, ::torch::Tensor>> kept;  // frozen, not floating: left as they are
   std::string first_name;
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     const ::torch::Tensor& p = item.value();
@@ -359,7 +360,11 @@ void engine_state::init() {
     if (!p.requires_grad()) {
       // Floating ones take the model's dtype; an integer index or a bool mask keeps its
       // own (through float and bf16 it would lose values and its type).
-      if (p.is_floating_point()) frozen.push_back(p);
+      if (p.is_floating_point()) {
+        frozen.push_back(p);
+      } else {
+        kept.emplace_back(item.key(), p);
+      }
       continue;
     }
     // A parameter another live engine manages is a view of that engine's buffer, and
@@ -487,6 +492,13 @@ void engine_state::init() {
       elements += params_[i].numel();
     }
     for (const auto& t : frozen) what += "\nfrozen " + shape_of(t.sizes());
+    // Frozen integer or bool parameters are not broadcast (they keep their dtype): every
+    // rank must hold the same values, so the values are compared too.
+    for (const auto& [name, t] : kept) {
+      const ::torch::Tensor c = t.detach().to(at::kCPU).contiguous();
+      what += "\nkept " + name + " " + shape_of(t.sizes()) + " " +
+              std::string(static_cast<const char*>(c.const_data_ptr()), c.nbytes());
+    }
     for (const auto& b : module_->buffers(/*recurse=*/true))
       if (b.is_floating_point()) what += "\nbuffer " + shape_of(b.sizes());
     same_on_every_rank("initialize", "models or configurations", what,

@@ -220,7 +220,8 @@ struct cuda_backend {
   // Refuses memory this device's kernels cannot read: pageable host memory (a
   // std::vector's data, say) on a GPU without pageable-memory access (HMM/ATS), where a
   // kernel reading it would fault and take the CUDA context, with every buffer in it,
-  // down. Device, managed and pinned host memory pass. `who` names the call.
+  // down; and memory of another device that this one has no peer access to. Device,
+  // managed and pinned host memory pass. `who` names the call.
   void check_readable(const void* p, const std::string& who) const {
     cudaPointerAttributes a{};
     const cudaError_t e = cudaPointerGetAttributes(&a, p);
@@ -228,14 +229,23 @@ struct cuda_backend {
       (void)cudaGetLastError();
       throw cuda_error(e, "mpzero: " + who + ": cudaPointerGetAttributes failed (" + cudaGetErrorString(e) + ")");
     }
-    if (a.type != cudaMemoryTypeUnregistered) return;
     int device = 0, pageable = 0;
     MPZERO_CUDA_CHECK(cudaGetDevice(&device));
+    if (a.type == cudaMemoryTypeDevice && a.device != device) {
+      int peer = 0;
+      MPZERO_CUDA_CHECK(cudaDeviceCanAccessPeer(&peer, device, a.device));
+      if (peer == 0) {
+        throw invalid_argument("mpzero: " + who + ": the memory is on device " + std::to_string(a.device) + ", which kernels on device " +
+                               std::to_string(device) + " cannot reach (no peer access); pass memory of device " +
+                               std::to_string(device));
+      }
+    }
+    if (a.type != cudaMemoryTypeUnregistered) return;
     MPZERO_CUDA_CHECK(cudaDeviceGetAttribute(&pageable, cudaDevAttrPageableMemoryAccess, device));
     if (pageable != 0) return;
     char addr[32];
     std::snprintf(addr, sizeof addr, "%p", p);
-    throw invalid_argument(who + ": " + addr + " is pageable host memory, which kernels on device " +
+    throw invalid_argument("mpzero: " + who + ": " + addr + " is pageable host memory, which kernels on device " +
                            std::to_string(device) + " cannot read; pass device memory (the CUDA backend's "
                            "allocate(), cudaMalloc, a CUDA tensor's data_ptr), or pinned host memory "
                            "(cudaHostAlloc, cudaHostRegister)");

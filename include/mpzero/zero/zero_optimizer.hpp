@@ -500,13 +500,15 @@ class ZeroOptimizer {
     const auto key = std::make_pair(first, end);
     if (groups_.count(key)) return;
     const flat_range r = gather_range(first, end);
-    // A parameter belongs to one gathered group at a time: its param() points into that
-    // group's copy, and releasing either of two groups would drop the other's pointer.
+    // A partitioned parameter belongs to one gathered group at a time: its param() points
+    // into that group's copy, and releasing either of two groups would drop the other's
+    // pointer. (Persistent and empty parameters are never gathered: ranges may share them.)
     for (const auto& [other, g] : groups_) {
-      if (first < other.second && other.first < end) {
+      for (std::size_t i = std::max(first, other.first); i < std::min(end, other.second); ++i) {
+        const flat_range p = layout_.param_range(slot(i));
+        if (p.empty() || p.begin >= persistent_begin_) continue;
         detail::throw_invalid("ZeroOptimizer::gather/prefetch(" + std::to_string(first) + ", " + std::to_string(end) +
-                              "): parameters [" + std::to_string(std::max(first, other.first)) + ", " +
-                              std::to_string(std::min(end, other.second)) + ") are already in the gathered group [" +
+                              "): parameter " + std::to_string(i) + " is already in the gathered group [" +
                               std::to_string(other.first) + ", " + std::to_string(other.second) +
                               "); release() that group first, or gather exactly that range");
       }
