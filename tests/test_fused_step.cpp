@@ -340,7 +340,7 @@ TEST_CASE("fused_step refuses bad tensor descriptions with a useful message", "[
     ts = offsets(std::vector{cut(0, 4, 4, 0, 4)});
     REQUIRE_THROWS_WITH(fs_sr(ts), Contains("tensor 0's optimizer state 0 and tensor 0's optimizer state 1") ||
                                       Contains("tensor 0's optimizer state 1 and tensor 0's optimizer state 0"));
-    // A state of tensor 1 over the last element of tensor 0's first moment, not its neighbour in the list.
+    // Tensor 2's first moment over the last element of tensor 0's, which is not its neighbour in the list.
     ts = offsets(std::vector{cut(0, 4, 8, 0, 4), cut(40, 44, 48, 4, 4), cut(12, 7, 20, 8, 1)});
     REQUIRE_THROWS_WITH(fs_sr(ts), Contains("tensor 0's optimizer state 0 and tensor 2's optimizer state 0"));
     // A gradient that is also a parameter (different allocations: the grad is in `flat` here).

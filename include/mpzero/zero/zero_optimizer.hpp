@@ -843,10 +843,6 @@ class ZeroOptimizer {
                              std::forward<F>(f));
   }
 
-  // Stage 3: what rewrites the partitions (step, load_param, load_checkpoint) needs
-  // every group released: a gathered copy would keep the old values, and a prefetch
-  // still in flight reads the partitions while they are written. Groups are gathered
-  // collectively, so every rank refuses alike.
   // Gradients already reduced for this step take no more additions: step() or
   // zero_grad() comes first.
   void require_not_reduced(const char* who, std::size_t i) const {
@@ -871,6 +867,10 @@ class ZeroOptimizer {
     }
   }
 
+  // Stage 3: what rewrites the partitions (step, load_param, load_checkpoint) needs
+  // every group released: a gathered copy would keep the old values, and a prefetch
+  // still in flight reads the partitions while they are written. Groups are gathered
+  // collectively, so every rank refuses alike.
   void require_no_gathered_groups(const char* who) const {
     if constexpr (zero_stage == 3) {
       if (!groups_.empty()) {
