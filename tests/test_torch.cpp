@@ -1174,9 +1174,45 @@ TEST_CASE("torch: bad uses are refused by name, changing nothing", "[torch]") {
       CHECK_THROWS_WITH(make_engine(m, make_config(1, "fp32")),
                         Catch::Contains("the ranks passed different models or configurations") &&
                             Catch::Contains(R() == 1 ? "3 trainable parameters" : "4 trainable parameters"));
+      // A rank-dependent learning rate (the replicas would step apart), then clipping:
+      // each is named on its rank's side.
+      CHECK_THROWS_WITH(make_engine(Net(68), make_config(1, "fp32", 1, {{"optimizer", {{"params", {{"lr", R() == 1 ? 2e-3 : 1e-3}}}}}})),
+                        Catch::Contains("different models or configurations") &&
+                            Catch::Contains(R() == 1 ? "lr 0.002" : "lr 0.001"));
+      CHECK_THROWS_WITH(make_engine(Net(68), make_config(2, "bf16", 1, {{"gradient_clipping", R() == 1 ? 0.5 : 1.0}})),
+                        Catch::Contains("different models or configurations") &&
+                            Catch::Contains(R() == 1 ? "gradient_clipping 0.5" : "gradient_clipping 1"));
     }
     // The same everywhere passes.
     CHECK_NOTHROW(make_engine(Net(70), make_config(1, "fp32")));
+  }
+  SECTION("a rank that fails its own checks at initialize makes every rank throw, none waits") {
+    if (W() > 1) {
+      const std::string other = "rank 1 of " + std::to_string(W()) + " failed its own checks";
+      // Its model: every parameter frozen on rank 1 only.
+      Net m(71);
+      const Tensor before = m->l1->weight.detach().clone();
+      if (R() == 1)
+        for (auto& p : m->parameters()) p.requires_grad_(false);
+      CHECK_THROWS_WITH(make_engine(m, make_config(1, "fp32")),
+                        Catch::Contains(R() == 1 ? "no trainable parameters" : other));
+      // Its configuration: one rank's JSON fails to parse, or its config file is missing.
+      CHECK_THROWS_WITH(make_engine(Net(72), make_config(1, "fp32", 1, R() == 1 ? json{{"zero_optimization", {{"stage", "two"}}}} : json::object())),
+                        Catch::Contains(R() == 1 ? "zero_optimization.stage" : other));
+      const std::string cfg = R() == 1 ? std::string("/nonexistent/ds_config.json") : make_config(1, "fp32").dump();
+      CHECK_THROWS_WITH(mt::initialize(Net(73), cfg, world()),
+                        Catch::Contains(R() == 1 ? "/nonexistent/ds_config.json" : other));
+      // No rank changed the model, and the next initialize works everywhere.
+      if (R() == 1)
+        for (auto& p : m->parameters()) p.requires_grad_(true);
+      CHECK(torch::equal(m->l1->weight.detach(), before));
+      CHECK(m->l1->weight.scalar_type() == torch::kFloat);
+      auto e = make_engine(m, make_config(1, "fp32"));
+      const batch b = data(0, R(), 16);
+      e(b.x, b.y).backward();
+      e.step();
+      CHECK(e.global_steps() == 1);
+    }
   }
   SECTION("an undefined tensor where a parameter is expected") {
     auto e = make_engine(Net(67), make_config(1, "fp32"));

@@ -180,9 +180,13 @@ class core_impl final : public zero_core {
 
 using core_factory = std::unique_ptr<zero_core> (*)(const core_place&, any_communicator, std::span<const std::uint64_t>,
                                                     const optimizer_config&, const zero_options&);
+// The largest of each value over the ranks, in place, with no core (mpzero::torch::
+// max_over_ranks): the same function in every row of a table.
+using core_agreement = void (*)(const core_place&, any_communicator&, std::span<std::int32_t>);
 struct core_row {
   core_spec spec;
   core_factory make;
+  core_agreement max_over_ranks;
 };
 
 // A table's rows for one precision policy: Adam (L2 decay) and AdamW at stages 0-2, and,

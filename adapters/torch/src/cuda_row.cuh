@@ -95,6 +95,17 @@ inline any_communicator device_communicator(any_communicator c, const cuda_conte
                      "(mpzero::torch::process_group_communicator), or keep the model on the CPU");
 }
 
+// mpzero::torch::max_over_ranks over a communicator that reads device memory: the
+// values go through a device buffer on place.device, ordered on place.stream.
+inline void cuda_max_over_ranks(const core_place& place, any_communicator& c, std::span<std::int32_t> v) {
+  cuda_context ctx;
+  ctx.device = place.device;
+  ctx.stream = static_cast<cudaStream_t>(place.stream);
+  cuda_context::scope s(ctx);
+  require_communicator_device(c.base(), ctx.device);
+  cuda_backend(ctx.stream).all_reduce_host(c, v.data(), v.size(), comm::reduce_op::max);
+}
+
 template <class Policy, class Opt, int N, class Offload>
 struct cuda_row {
   static core_row make() {
@@ -107,7 +118,8 @@ struct cuda_row {
                       any_communicator dc = device_communicator(std::move(c), ctx);
                       return std::make_unique<core_impl<Policy, Opt, N, Offload, cuda_context>>(
                           core_device::cuda, std::move(ctx), std::move(dc), numels, o, zo);
-                    }};
+                    },
+                    &cuda_max_over_ranks};
   }
 };
 

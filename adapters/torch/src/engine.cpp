@@ -10,13 +10,17 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cctype>
+#include <charconv>
 #include <cerrno>
 #include <cmath>
 #include <cstddef>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <system_error>
 #include <sstream>
@@ -59,6 +63,13 @@ using detail::fail;
 using detail::quoted;
 using detail::shape_of;
 using detail::write_atomically;
+
+// The shortest digits that read back as `v`.
+std::string exact(double v) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
 
 // 30 bits of FNV-1a: enough to tell two arguments apart, and negatable without overflow.
 std::int32_t hash30(const std::string& value) {
@@ -159,7 +170,20 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     }
   }
 
-  void init();
+  // initialize in two halves around the ranks' agreement (make_engine_state):
+  // prepare() runs this rank's own checks and makes the core, and returns what every
+  // rank must have alike (empty at world size 1); start() broadcasts rank 0's values
+  // and binds the parameters to the core.
+  struct identity {
+    std::string what;   // hashed across ranks
+    std::string shown;  // how a mismatch message names this rank's side
+  };
+  identity prepare();
+  void start();
+  // Where max_over_ranks stages the agreement: a communicator that reads device memory
+  // gets its device (else the parameters', else the current one) and torch's current
+  // stream there.
+  static core_place agreement_place(const any_communicator& comm, const engine_state* st);
 
   // ---- hooks ----------------------------------------------------------------------
   enum class event { scale_root, output, param };
@@ -290,6 +314,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::shared_ptr<::torch::nn::Module> module_;
   std::unique_ptr<zero_core> core_;
   std::vector<::torch::Tensor> params_;
+  std::vector<::torch::Tensor> frozen_;  // frozen floating parameters, from prepare() to start()
   std::size_t bound_ = 0;  // params_[0, bound_) are views of the core's buffer
   std::vector<std::string> names_;
   std::unordered_map<const c10::TensorImpl*, std::size_t> index_;
@@ -340,7 +365,7 @@ struct grad_hook final : ag::PostAccumulateGradHook {
 
 }  // namespace
 
-void engine_state::init() {
+engine_state::identity engine_state::prepare() {
   const int world = comm_.size();
   if (cfg_.zero.stage == 3) {
     fail("zero_optimization.stage = 3 is not supported by the LibTorch engine yet (parameters would need gather/"
@@ -478,14 +503,37 @@ void engine_state::init() {
   core_ = make_zero_core(spec, comm_, numels, cfg_.optimizer, zo, place);
 
   // Every rank must pass the same model and configuration: a rank-dependent one would
-  // mismatch the broadcast below (or, with equal totals, partition differently) and
+  // mismatch the start-up broadcast (or, with equal totals, partition differently) and
   // every collective after it. The ranks compare a hash of what sets the layout and
-  // the collectives, so a mismatch is refused on every rank, naming this rank's.
+  // the collectives (make_engine_state), so a mismatch is refused on every rank,
+  // naming this rank's.
+  identity id;
   if (world > 1) {
     std::string what = core_->spec().describe() + "\nstage " + std::to_string(spec.stage) + ", gas " +
                        std::to_string(cfg_.gradient_accumulation_steps) + ", bucket " +
                        std::to_string(zo.reduce_bucket_numel) + ", sub-group " + std::to_string(zo.offload_sub_group_numel);
     for (const dtype d : zo.wire_dtypes) what += " " + std::to_string(static_cast<int>(d));
+    // What makes the replicas (stage 0) or the shards (stages 1-2) step differently: the
+    // optimizer, its schedule, clipping and the fp16 scaler (its skip decisions are
+    // agreed, its scale is not), and the stochastic-rounding key (stage 0 rounds the
+    // same elements on every rank). Exact values (shortest round-trip digits).
+    const auto& o = cfg_.optimizer;
+    const auto& sc = cfg_.scheduler;
+    const auto& ls = cfg_.loss_scaler;
+    what += "\noptimizer " + std::to_string(static_cast<int>(o.type)) + " " + exact(o.lr) + " " + exact(o.beta1) + " " +
+            exact(o.beta2) + " " + exact(o.eps) + " " + exact(o.weight_decay) + " " + exact(o.momentum) + " " +
+            exact(o.dampening) + " " + std::to_string(o.nesterov) + std::to_string(o.bias_correction) +
+            "\nscheduler " + std::to_string(static_cast<int>(sc.type)) + " " + exact(sc.warmup_min_lr) + " " +
+            exact(sc.warmup_max_lr) + " " + std::to_string(sc.warmup_num_steps) + " " + sc.warmup_type + " " +
+            std::to_string(sc.total_num_steps) + " " + exact(sc.warmup_min_ratio) + " " + exact(sc.cos_min_ratio) +
+            "\nclipping " + exact(zo.gradient_clipping) + ", overflow check " + std::to_string(zo.check_overflow);
+    if (zo.loss_scaling) {
+      what += "\nscaler " + std::to_string(ls.dynamic) + " " + exact(ls.static_scale) + " " +
+              std::to_string(ls.initial_scale_power) + " " + std::to_string(ls.loss_scale_window) + " " +
+              std::to_string(ls.hysteresis) + " " + std::to_string(ls.consecutive_hysteresis) + " " +
+              exact(ls.min_loss_scale);
+    }
+    if (spec.stochastic_rounding) what += "\nseed " + std::to_string(zo.seed);
     std::int64_t elements = 0;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       what += "\n" + names_[i] + " " + shape_of(params_[i].sizes());
@@ -501,12 +549,32 @@ void engine_state::init() {
     }
     for (const auto& b : module_->buffers(/*recurse=*/true))
       if (b.is_floating_point()) what += "\nbuffer " + shape_of(b.sizes());
-    same_on_every_rank("initialize", "models or configurations", what,
-                       std::to_string(params_.size()) + " trainable parameters of " + std::to_string(elements) +
-                           " elements, " + std::to_string(frozen.size()) + " frozen; " + core_->spec().describe() +
-                           ", gradient_accumulation_steps " + std::to_string(cfg_.gradient_accumulation_steps));
+    id.what = std::move(what);
+    id.shown = std::to_string(params_.size()) + " trainable parameters of " + std::to_string(elements) +
+               " elements, " + std::to_string(frozen.size()) + " frozen; " + core_->spec().describe() +
+               ", gradient_accumulation_steps " + std::to_string(cfg_.gradient_accumulation_steps) + ", lr " +
+               exact(o.lr) + ", gradient_clipping " + exact(zo.gradient_clipping) +
+               (spec.stochastic_rounding ? ", seed " + std::to_string(zo.seed) : "");
   }
+  frozen_ = std::move(frozen);
+  return id;
+}
 
+core_place engine_state::agreement_place(const any_communicator& comm, const engine_state* st) {
+  core_place place;
+  if (!comm.base().reads_device_memory()) return place;
+  const auto* impl = c10::impl::getDeviceGuardImpl(c10::kCUDA);
+  int d = comm.base().cuda_device();
+  if (d < 0 && st != nullptr && st->device_.is_cuda()) d = st->device_.index();
+  if (d < 0) d = impl->getDevice().index();
+  place.device = d;
+  place.stream = impl->getStream(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(d))).native_handle();
+  return place;
+}
+
+void engine_state::start() {
+  const int world = comm_.size();
+  std::vector<::torch::Tensor> frozen = std::move(frozen_);
   ::torch::NoGradGuard no_grad;
   // Every rank starts from rank 0's values, as DeepSpeed broadcasts the model.
   std::vector<::torch::Tensor> all = params_;
@@ -957,10 +1025,47 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
 }
 
 std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Module> module,
-                                                mpzero::torch::config cfg, any_communicator comm) {
-  if (!module) fail("initialize: the model is null");
-  auto st = std::make_shared<engine_state>(std::move(module), std::move(cfg), std::move(comm));
-  st->init();
+                                                const std::function<mpzero::torch::config()>& make_config,
+                                                any_communicator comm) {
+  // This rank's own checks (the configuration, the model) and the core. A rank that
+  // fails one must not leave the others waiting for it in the first collective until the
+  // communicator's timeout: every rank reaches the agreement below, where one
+  // all-reduce tells each whether any rank failed and whether all passed the same
+  // model and configuration.
+  std::shared_ptr<engine_state> st;
+  engine_state::identity id;
+  std::exception_ptr failure;
+  try {
+    if (!module) fail("initialize: the model is null");
+    st = std::make_shared<engine_state>(std::move(module), make_config(), comm);
+    id = st->prepare();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (comm.size() > 1) {
+    const std::int32_t h = failure ? 0 : hash30(id.what);
+    std::array<std::int32_t, 3> v{failure ? comm.rank() + 1 : 0, h, -h};
+    try {
+      max_over_ranks(comm, v, engine_state::agreement_place(comm, st.get()));
+    } catch (...) {
+      if (failure) std::rethrow_exception(failure);  // this rank's own reason says more
+      throw;
+    }
+    if (failure) std::rethrow_exception(failure);
+    if (v[0] != 0) {
+      throw mpzero::error("mpzero::torch: initialize: rank " + std::to_string(v[0] - 1) + " of " +
+                          std::to_string(comm.size()) +
+                          " failed its own checks (its exception says why), so no rank made an engine; the model "
+                          "is unchanged");
+    }
+    if (v[1] != -v[2]) {
+      fail("engine.initialize: the ranks passed different models or configurations (this rank: " + id.shown +
+           "); pass the same on every rank");
+    }
+  } else if (failure) {
+    std::rethrow_exception(failure);
+  }
+  st->start();
   return st;
 }
 

@@ -36,6 +36,11 @@ inline any_communicator host_communicator(any_communicator c) {
                      "mpzero::torch::process_group_communicator(group, torch::kCPU) over a Gloo group");
 }
 
+// mpzero::torch::max_over_ranks over a host communicator.
+inline void host_max_over_ranks(const core_place&, any_communicator& c, std::span<std::int32_t> v) {
+  host_backend{}.all_reduce_host(c, v.data(), v.size(), comm::reduce_op::max);
+}
+
 template <class Policy, class Opt, int N, class Offload>
 struct host_row {
   static core_row make() {
@@ -44,7 +49,8 @@ struct host_row {
                        const optimizer_config& o, const zero_options& zo) -> std::unique_ptr<zero_core> {
                       return std::make_unique<core_impl<Policy, Opt, N, Offload, host_context>>(
                           core_device::cpu, host_context{}, host_communicator(std::move(c)), numels, o, zo);
-                    }};
+                    },
+                    &host_max_over_ranks};
   }
 };
 

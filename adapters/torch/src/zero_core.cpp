@@ -69,6 +69,18 @@ std::vector<core_spec> compiled_cores() {
   return out;
 }
 
+void max_over_ranks(any_communicator comm, std::span<std::int32_t> v, const core_place& place) {
+  if (comm.size() == 1 || v.empty()) return;
+  const bool device = comm.base().reads_device_memory();
+  const auto& table = detail::table_for(device ? core_device::cuda : core_device::cpu);
+  if (table.empty()) {
+    throw config_error("mpzero::torch: the communicator '" + comm.name() +
+                       "' reads device memory, but this build of the LibTorch adapter has no CUDA cores. Rebuild "
+                       "with nvcc found and MPZERO_TORCH_CUDA=ON, or pass a host communicator (MPI, Gloo)");
+  }
+  table.front().max_over_ranks(place, comm, v);
+}
+
 std::unique_ptr<zero_core> make_zero_core(const core_spec& spec, any_communicator comm,
                                           std::span<const std::uint64_t> numels, const optimizer_config& opt,
                                           const zero_options& zo, const core_place& place) {

@@ -62,6 +62,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -242,7 +243,11 @@ class engine : public engine_base {
 
 namespace detail {
 
-std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Module> module, mpzero::torch::config cfg,
+// Collective: make_config() runs inside, so that a rank whose configuration fails to
+// parse (a file missing on one node, say) is refused on every rank like one whose model
+// fails a check, rather than leaving the others waiting in the first collective.
+std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Module> module,
+                                                const std::function<mpzero::torch::config()>& make_config,
                                                 any_communicator comm);
 
 template <class Model>
@@ -266,21 +271,30 @@ mpzero::torch::config config_from_string(const std::string& path_or_json, int wo
 // `comm` decides the world: any_communicator{} (default) is one process; wrap an MPI or
 // other comm::communicator with any_communicator::wrap(c); a c10d ProcessGroup with
 // process_group_communicator (process_group.hpp). Collective over comm.
+//
+// A rank that fails its own checks (its configuration or its model) throws why, and
+// every other rank throws mpzero::error naming that rank; ranks that pass different
+// models or configurations all throw. No rank is left waiting, and no model changes.
 template <class Model>
 engine<Model> initialize(Model model, mpzero::torch::config cfg, any_communicator comm = {}) {
-  auto st = detail::make_engine_state(detail::module_ptr(model), std::move(cfg), std::move(comm));
+  auto st = detail::make_engine_state(
+      detail::module_ptr(model), [&]() -> mpzero::torch::config { return std::move(cfg); }, std::move(comm));
   return engine<Model>(std::move(model), std::move(st));
 }
 template <class Model>
 engine<Model> initialize(Model model, const nlohmann::json& cfg, any_communicator comm = {}) {
-  mpzero::torch::config c = parse_config(cfg, comm.size());
-  return initialize(std::move(model), std::move(c), std::move(comm));
+  const int world = comm.size();
+  auto st = detail::make_engine_state(
+      detail::module_ptr(model), [&] { return parse_config(cfg, world); }, std::move(comm));
+  return engine<Model>(std::move(model), std::move(st));
 }
 // A path to a JSON file, or JSON text (anything whose first non-blank character is '{').
 template <class Model>
 engine<Model> initialize(Model model, const std::string& path_or_json, any_communicator comm = {}) {
-  mpzero::torch::config c = detail::config_from_string(path_or_json, comm.size());
-  return initialize(std::move(model), std::move(c), std::move(comm));
+  const int world = comm.size();
+  auto st = detail::make_engine_state(
+      detail::module_ptr(model), [&] { return detail::config_from_string(path_or_json, world); }, std::move(comm));
+  return engine<Model>(std::move(model), std::move(st));
 }
 template <class Model>
 engine<Model> initialize(Model model, const char* path_or_json, any_communicator comm = {}) {

@@ -107,6 +107,14 @@ std::unique_ptr<zero_core> make_zero_core(const core_spec& spec, any_communicato
                                           std::span<const std::uint64_t> numels, const optimizer_config& opt,
                                           const zero_options& zo, const core_place& place = {});
 
+// The largest of each of v's values over the ranks of `comm`, in place (collective),
+// with no core: how initialize's ranks agree before a core exists or when one rank could
+// not make one. A host communicator moves host memory; one that reads device memory
+// (NCCL, a c10d group on CUDA) gets the values through a small device buffer on
+// place.device, ordered on place.stream, and needs the CUDA table (config_error
+// without it). World size 1 returns at once.
+void max_over_ranks(any_communicator comm, std::span<std::int32_t> v, const core_place& place = {});
+
 // Whether this build has the CUDA table (the adapter was built with MPZERO_TORCH_CUDA).
 bool cuda_cores_compiled() noexcept;
 
