@@ -1188,7 +1188,7 @@ TEST_CASE("torch: bad uses are refused by name, changing nothing", "[torch]") {
   }
   SECTION("a rank that fails its own checks at initialize makes every rank throw, none waits") {
     if (W() > 1) {
-      const std::string other = "rank 1 of " + std::to_string(W()) + " failed its own checks";
+      const std::string other = "engine.initialize: rank 1 of " + std::to_string(W()) + " failed";
       // Its model: every parameter frozen on rank 1 only.
       Net m(71);
       const Tensor before = m->l1->weight.detach().clone();

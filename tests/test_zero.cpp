@@ -389,6 +389,57 @@ TEST_CASE("ZeRO: the host backend refuses a communicator that reads device memor
   CHECK_NOTHROW(Zw(world(), numels, optim::adam::options{}, zero_options{}));
 }
 
+TEST_CASE("ZeRO: construction is collective: a lone rank's failure or another layout throws on every rank", "[zero]") {
+  auto& c = world();
+  using Z = ZeroOptimizer<policies::bf16_fp32_master, optim::adamw, stage<2>, comm::mpi_communicator>;
+  const std::vector<std::uint64_t> numels{300, 0, 40};
+  zero_options zo;
+  zo.reduce_bucket_numel = 100;
+  if (c.size() > 1) {
+    const std::string other = "ZeroOptimizer: rank 1 of " + std::to_string(c.size()) + " failed (its exception says why)";
+    // An option only rank 1 gets wrong: it says what, the others name it.
+    zero_options bad = zo;
+    if (c.rank() == 1) bad.reduce_bucket_numel = 0;
+    CHECK_THROWS_WITH(Z(c, numels, {}, bad), Catch::Contains(c.rank() == 1 ? "reduce_bucket_numel = 0" : other));
+    // A parameter too large for rank 1 only (its memory or address space).
+    std::vector<std::uint64_t> huge = numels;
+    if (c.rank() == 1) huge[0] = std::uint64_t{1} << 62;
+    std::string msg;
+    try {
+      Z z(c, huge, {}, zo);
+    } catch (const std::exception& e) {  // rank 1: whatever running out throws
+      msg = e.what();
+    }
+    INFO(msg);
+    CHECK_FALSE(msg.empty());
+    CHECK((msg.find(other) == std::string::npos) == (c.rank() == 1));  // rank 1 says its own reason
+    // Another layout (a parameter's size) or another option (the bucket) on rank 1:
+    // every rank throws, naming its own side.
+    std::vector<std::uint64_t> other_numels = numels;
+    if (c.rank() == 1) other_numels[2] = 41;
+    CHECK_THROWS_WITH(Z(c, other_numels, {}, zo),
+                      Catch::Contains("ZeroOptimizer: the ranks passed different parameter layouts or options") &&
+                          Catch::Contains(c.rank() == 1 ? "3 parameters of 341 elements" : "3 parameters of 340 elements"));
+    zero_options other_bucket = zo;
+    if (c.rank() == 1) other_bucket.reduce_bucket_numel = 200;
+    CHECK_THROWS_WITH(Z(c, numels, {}, other_bucket),
+                      Catch::Contains("different parameter layouts or options") &&
+                          Catch::Contains(c.rank() == 1 ? "reduce_bucket_numel 200" : "reduce_bucket_numel 100"));
+    zero_options other_scaler = zo;
+    other_scaler.loss_scaling = true;
+    if (c.rank() == 1) other_scaler.loss_scale.initial_scale_power = 12;
+    CHECK_THROWS_WITH(Z(c, numels, {}, other_scaler), Catch::Contains("different parameter layouts or options"));
+  }
+  // The same everywhere constructs, and the ranks' collectives still line up after the
+  // refusals: a step trains.
+  Z z(c, numels, {}, zo);
+  const std::vector<float> init(300, 0.5f), g(300, 0.25f);
+  for (std::size_t p = 0; p < numels.size(); ++p) z.load_param(p, init.data());
+  for (std::size_t p = 0; p < numels.size(); ++p) z.accumulate_grad(p, g.data());
+  z.end_backward();
+  CHECK(z.step().step == 1);
+}
+
 TEST_CASE("ZeRO: an overflow on one rank skips the step on all ranks and leaves every state untouched", "[zero]") {
   auto& c = world();
   const std::vector<std::uint64_t> numels{300, 7, 5000};

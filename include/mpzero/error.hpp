@@ -6,6 +6,8 @@
 #include <exception>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <utility>
 
 namespace mpzero {
 
@@ -55,11 +57,65 @@ void agree_on_failure(int rank, int world, MaxOverRanks&& max_over_ranks, const 
   } catch (...) {
     failure = std::current_exception();
   }
-  const std::int32_t failed = max_over_ranks(static_cast<std::int32_t>(failure ? rank + 1 : 0));
+  std::int32_t failed = 0;
+  try {
+    failed = max_over_ranks(static_cast<std::int32_t>(failure ? rank + 1 : 0));
+  } catch (...) {
+    if (failure) std::rethrow_exception(failure);  // this rank's own reason says more
+    throw;
+  }
   if (failure) std::rethrow_exception(failure);
   if (failed != 0) {
     throw error("mpzero: " + who + ": rank " + std::to_string(failed - 1) + " of " + std::to_string(world) +
                 " failed (its exception says why); " + consequence);
+  }
+}
+
+// 30 bits of FNV-1a: enough to tell two descriptions apart, and negatable without
+// overflow (the largest over the ranks of h and of -h give the largest and smallest h).
+inline std::int32_t hash30(std::string_view text) {
+  std::uint32_t h = 2166136261u;
+  for (unsigned char c : text) h = (h ^ c) * 16777619u;
+  return static_cast<std::int32_t>(h & 0x3fffffffu);
+}
+
+// agree_on_failure, and in the same collective the ranks check that they passed the
+// same thing: `local` returns {identity, shown}, a description of what must be alike on
+// every rank (compared by hash) and how a message names this rank's side.
+// all_reduce_max(v, 3) replaces the three values at v by their largest over the ranks
+// (the one collective, not called at world size 1). When every rank succeeded but the
+// identities differ, every rank throws invalid_argument "mpzero: <who>: the ranks passed
+// different <what> (this rank: <shown>); pass the same on every rank".
+template <class AllReduceMax, class Local>
+void agree_on_failure_and_identity(int rank, int world, AllReduceMax&& all_reduce_max, const std::string& who,
+                                   const std::string& consequence, const std::string& what, Local&& local) {
+  std::exception_ptr failure;
+  std::pair<std::string, std::string> id;
+  try {
+    id = local();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (world <= 1) {
+    if (failure) std::rethrow_exception(failure);
+    return;
+  }
+  const std::int32_t h = failure ? 0 : hash30(id.first);
+  std::int32_t v[3] = {failure ? rank + 1 : 0, h, -h};
+  try {
+    all_reduce_max(v, 3);
+  } catch (...) {
+    if (failure) std::rethrow_exception(failure);
+    throw;
+  }
+  if (failure) std::rethrow_exception(failure);
+  if (v[0] != 0) {
+    throw error("mpzero: " + who + ": rank " + std::to_string(v[0] - 1) + " of " + std::to_string(world) +
+                " failed (its exception says why); " + consequence);
+  }
+  if (v[1] != -v[2]) {
+    throw_invalid(who + ": the ranks passed different " + what + " (this rank: " + id.second +
+                  "); pass the same on every rank");
   }
 }
 

@@ -64,19 +64,8 @@ using detail::quoted;
 using detail::shape_of;
 using detail::write_atomically;
 
-// The shortest digits that read back as `v`.
-std::string exact(double v) {
-  char buf[32];
-  const auto r = std::to_chars(buf, buf + sizeof buf, v);
-  return std::string(buf, r.ptr);
-}
-
-// 30 bits of FNV-1a: enough to tell two arguments apart, and negatable without overflow.
-std::int32_t hash30(const std::string& value) {
-  std::uint32_t h = 2166136261u;
-  for (unsigned char c : value) h = (h ^ c) * 16777619u;
-  return static_cast<std::int32_t>(h & 0x3fffffffu);
-}
+using mpzero::detail::format_double;
+using mpzero::detail::hash30;
 
 // True in a graph task that runs only part of the graph: torch::autograd::grad, or
 // backward with `inputs` (autograd then lists the nodes to run in exec_info).
@@ -315,6 +304,13 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::unique_ptr<zero_core> core_;
   std::vector<::torch::Tensor> params_;
   std::vector<::torch::Tensor> frozen_;  // frozen floating parameters, from prepare() to start()
+  struct core_plan {
+    core_spec spec;
+    zero_options zo;
+    core_place place;
+    std::vector<std::uint64_t> numels;
+  };
+  std::optional<core_plan> plan_;  // the core start() makes
   std::size_t bound_ = 0;  // params_[0, bound_) are views of the core's buffer
   std::vector<std::string> names_;
   std::unordered_map<const c10::TensorImpl*, std::size_t> index_;
@@ -500,7 +496,8 @@ engine_state::identity engine_state::prepare() {
 
   std::vector<std::uint64_t> numels;
   for (const auto& p : params_) numels.push_back(static_cast<std::uint64_t>(p.numel()));
-  core_ = make_zero_core(spec, comm_, numels, cfg_.optimizer, zo, place);
+  // The core is made by start(), after the ranks' agreement: its constructor is collective.
+  plan_.emplace(core_plan{spec, zo, place, std::move(numels)});
 
   // Every rank must pass the same model and configuration: a rank-dependent one would
   // mismatch the start-up broadcast (or, with equal totals, partition differently) and
@@ -509,30 +506,23 @@ engine_state::identity engine_state::prepare() {
   // naming this rank's.
   identity id;
   if (world > 1) {
-    std::string what = core_->spec().describe() + "\nstage " + std::to_string(spec.stage) + ", gas " +
+    std::string what = spec.describe() + "\nstage " + std::to_string(spec.stage) + ", gas " +
                        std::to_string(cfg_.gradient_accumulation_steps) + ", bucket " +
                        std::to_string(zo.reduce_bucket_numel) + ", sub-group " + std::to_string(zo.offload_sub_group_numel);
     for (const dtype d : zo.wire_dtypes) what += " " + std::to_string(static_cast<int>(d));
     // What makes the replicas (stage 0) or the shards (stages 1-2) step differently: the
-    // optimizer, its schedule, clipping and the fp16 scaler (its skip decisions are
-    // agreed, its scale is not), and the stochastic-rounding key (stage 0 rounds the
-    // same elements on every rank). Exact values (shortest round-trip digits).
+    // optimizer, its schedule, clipping, and the stochastic-rounding key (stage 0 rounds
+    // the same elements on every rank). Exact values (shortest round-trip digits). The
+    // core compares its own layout and options too (the fp16 scaler's among them).
     const auto& o = cfg_.optimizer;
     const auto& sc = cfg_.scheduler;
-    const auto& ls = cfg_.loss_scaler;
-    what += "\noptimizer " + std::to_string(static_cast<int>(o.type)) + " " + exact(o.lr) + " " + exact(o.beta1) + " " +
-            exact(o.beta2) + " " + exact(o.eps) + " " + exact(o.weight_decay) + " " + exact(o.momentum) + " " +
-            exact(o.dampening) + " " + std::to_string(o.nesterov) + std::to_string(o.bias_correction) +
-            "\nscheduler " + std::to_string(static_cast<int>(sc.type)) + " " + exact(sc.warmup_min_lr) + " " +
-            exact(sc.warmup_max_lr) + " " + std::to_string(sc.warmup_num_steps) + " " + sc.warmup_type + " " +
-            std::to_string(sc.total_num_steps) + " " + exact(sc.warmup_min_ratio) + " " + exact(sc.cos_min_ratio) +
-            "\nclipping " + exact(zo.gradient_clipping) + ", overflow check " + std::to_string(zo.check_overflow);
-    if (zo.loss_scaling) {
-      what += "\nscaler " + std::to_string(ls.dynamic) + " " + exact(ls.static_scale) + " " +
-              std::to_string(ls.initial_scale_power) + " " + std::to_string(ls.loss_scale_window) + " " +
-              std::to_string(ls.hysteresis) + " " + std::to_string(ls.consecutive_hysteresis) + " " +
-              exact(ls.min_loss_scale);
-    }
+    what += "\noptimizer " + std::to_string(static_cast<int>(o.type)) + " " + format_double(o.lr) + " " + format_double(o.beta1) + " " +
+            format_double(o.beta2) + " " + format_double(o.eps) + " " + format_double(o.weight_decay) + " " + format_double(o.momentum) + " " +
+            format_double(o.dampening) + " " + std::to_string(o.nesterov) + std::to_string(o.bias_correction) +
+            "\nscheduler " + std::to_string(static_cast<int>(sc.type)) + " " + format_double(sc.warmup_min_lr) + " " +
+            format_double(sc.warmup_max_lr) + " " + std::to_string(sc.warmup_num_steps) + " " + sc.warmup_type + " " +
+            std::to_string(sc.total_num_steps) + " " + format_double(sc.warmup_min_ratio) + " " + format_double(sc.cos_min_ratio) +
+            "\nclipping " + format_double(zo.gradient_clipping) + ", overflow check " + std::to_string(zo.check_overflow);
     if (spec.stochastic_rounding) what += "\nseed " + std::to_string(zo.seed);
     std::int64_t elements = 0;
     for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -551,9 +541,9 @@ engine_state::identity engine_state::prepare() {
       if (b.is_floating_point()) what += "\nbuffer " + shape_of(b.sizes());
     id.what = std::move(what);
     id.shown = std::to_string(params_.size()) + " trainable parameters of " + std::to_string(elements) +
-               " elements, " + std::to_string(frozen.size()) + " frozen; " + core_->spec().describe() +
+               " elements, " + std::to_string(frozen.size()) + " frozen; " + spec.describe() +
                ", gradient_accumulation_steps " + std::to_string(cfg_.gradient_accumulation_steps) + ", lr " +
-               exact(o.lr) + ", gradient_clipping " + exact(zo.gradient_clipping) +
+               format_double(o.lr) + ", gradient_clipping " + format_double(zo.gradient_clipping) +
                (spec.stochastic_rounding ? ", seed " + std::to_string(zo.seed) : "");
   }
   frozen_ = std::move(frozen);
@@ -574,6 +564,9 @@ core_place engine_state::agreement_place(const any_communicator& comm, const eng
 
 void engine_state::start() {
   const int world = comm_.size();
+  // Collective: a rank whose core cannot be made (memory, say) makes every rank throw.
+  core_ = make_zero_core(plan_->spec, comm_, plan_->numels, cfg_.optimizer, plan_->zo, plan_->place);
+  plan_.reset();
   std::vector<::torch::Tensor> frozen = std::move(frozen_);
   ::torch::NoGradGuard no_grad;
   // Every rank starts from rank 0's values, as DeepSpeed broadcasts the model.
@@ -1027,44 +1020,25 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
 std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Module> module,
                                                 const std::function<mpzero::torch::config()>& make_config,
                                                 any_communicator comm) {
-  // This rank's own checks (the configuration, the model) and the core. A rank that
-  // fails one must not leave the others waiting for it in the first collective until the
+  // This rank's own checks (the configuration, the model). A rank that fails one must
+  // not leave the others waiting for it in the first collective until the
   // communicator's timeout: every rank reaches the agreement below, where one
   // all-reduce tells each whether any rank failed and whether all passed the same
-  // model and configuration.
+  // model and configuration. Then the core (whose constructor agrees the same way on
+  // its own layout and on memory) and the start-up broadcast.
   std::shared_ptr<engine_state> st;
-  engine_state::identity id;
-  std::exception_ptr failure;
-  try {
-    if (!module) fail("initialize: the model is null");
-    st = std::make_shared<engine_state>(std::move(module), make_config(), comm);
-    id = st->prepare();
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  if (comm.size() > 1) {
-    const std::int32_t h = failure ? 0 : hash30(id.what);
-    std::array<std::int32_t, 3> v{failure ? comm.rank() + 1 : 0, h, -h};
-    try {
-      max_over_ranks(comm, v, engine_state::agreement_place(comm, st.get()));
-    } catch (...) {
-      if (failure) std::rethrow_exception(failure);  // this rank's own reason says more
-      throw;
-    }
-    if (failure) std::rethrow_exception(failure);
-    if (v[0] != 0) {
-      throw mpzero::error("mpzero::torch: initialize: rank " + std::to_string(v[0] - 1) + " of " +
-                          std::to_string(comm.size()) +
-                          " failed its own checks (its exception says why), so no rank made an engine; the model "
-                          "is unchanged");
-    }
-    if (v[1] != -v[2]) {
-      fail("engine.initialize: the ranks passed different models or configurations (this rank: " + id.shown +
-           "); pass the same on every rank");
-    }
-  } else if (failure) {
-    std::rethrow_exception(failure);
-  }
+  mpzero::detail::agree_on_failure_and_identity(
+      comm.rank(), comm.size(),
+      [&](std::int32_t* v, int n) {
+        max_over_ranks(comm, std::span<std::int32_t>(v, static_cast<std::size_t>(n)),
+                       engine_state::agreement_place(comm, st.get()));
+      },
+      "engine.initialize", "no rank made an engine, and the model is unchanged", "models or configurations", [&] {
+        if (!module) fail("initialize: the model is null");
+        st = std::make_shared<engine_state>(std::move(module), make_config(), comm);
+        engine_state::identity id = st->prepare();
+        return std::pair{std::move(id.what), std::move(id.shown)};
+      });
   st->start();
   return st;
 }

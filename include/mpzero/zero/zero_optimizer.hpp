@@ -148,16 +148,15 @@ class ZeroOptimizer {
     requires Backend::host_addressable;
   };
 
+  // Collective over `comm` (one all-reduce of three integers above world size 1): every
+  // rank constructs its optimizer at the same point. A rank that fails (a bad option,
+  // memory running out) throws why, and the others throw mpzero::error naming it; ranks
+  // that pass different numels or layout-, collective- or step-relevant zero_options
+  // all throw invalid_argument. (The optimizer's hyperparameters are not compared:
+  // set_options may change them later, rank by rank.)
   ZeroOptimizer(Comm& comm, std::span<const std::uint64_t> numels, const typename Optimizer::options& opt,
                 const zero_options& zo = {}, Backend backend = {})
       : comm_(comm), backend_(std::move(backend)), opt_(opt), zo_(zo), world_(comm.size()), rank_(comm.rank()) {
-    if constexpr (Policy::needs_loss_scaling) {
-      if (!zo.loss_scaling) {
-        detail::throw_invalid(
-            "ZeroOptimizer: this policy keeps fp16 weights or gradients, which underflow without loss scaling: set "
-            "zero_options::loss_scaling = true (dynamic by default), or use a bf16 policy");
-      }
-    }
     if (needs_device_communicator != comm::reads_device_memory(comm)) {
       // Checked before anything is allocated: a host communicator handed device pointers
       // would fault inside a collective (memmove, or MPI's host-side reductions), and NCCL
@@ -179,6 +178,30 @@ class ZeroOptimizer {
     // A communicator that must follow the backend's stream and cannot (a
     // cuda_local_communicator on another stream) says so now, not mid-backward.
     backend_.before_comm(comm_);
+    // The rest may fail on some ranks only (a bad option, memory running out): every
+    // rank learns of it in one collective, together with whether all ranks passed the
+    // same layout and options, so no rank waits in a later collective for one that threw
+    // or partitions the model otherwise. (The two checks above fail alike on every rank:
+    // they depend on types, and a collective could not run past them.)
+    detail::agree_on_failure_and_identity(
+        rank_, world_, [&](std::int32_t* v, int n) { backend_.all_reduce_host(comm_, v, n, comm::reduce_op::max); },
+        "ZeroOptimizer", "no rank made the optimizer", "parameter layouts or options",
+        [&] { return construct(numels); });
+  }
+
+ private:
+  // The constructor's part that may fail on one rank only; returns what every rank must
+  // have alike, and how a message names it.
+  std::pair<std::string, std::string> construct(std::span<const std::uint64_t> numels) {
+    const zero_options& zo = zo_;
+    const typename Optimizer::options& opt = opt_;
+    if constexpr (Policy::needs_loss_scaling) {
+      if (!zo.loss_scaling) {
+        detail::throw_invalid(
+            "ZeroOptimizer: this policy keeps fp16 weights or gradients, which underflow without loss scaling: set "
+            "zero_options::loss_scaling = true (dynamic by default), or use a bf16 policy");
+      }
+    }
     if (zo.reduce_bucket_numel == 0) {
       detail::throw_invalid("ZeroOptimizer: reduce_bucket_numel = 0; use a positive bucket size (DeepSpeed's default is 5e8)");
     }
@@ -204,8 +227,38 @@ class ZeroOptimizer {
     } else {
       stepper_.emplace(backend_.template make_stepper<Policy, Optimizer>(shard_tensors()));
     }
+    if (world_ == 1) return {};
+    std::uint64_t elements = 0;
+    std::string id = std::string(Optimizer::name) + " " + std::to_string(zero_stage) + " " +
+                     std::to_string(static_cast<int>(Policy::param_dtype)) +
+                     std::to_string(static_cast<int>(Policy::master_dtype)) +
+                     std::to_string(static_cast<int>(Policy::grad_dtype)) +
+                     std::to_string(static_cast<int>(Policy::state_dtype)) + std::to_string(Policy::stochastic_rounding) +
+                     std::to_string(offloaded) + "\n";
+    for (const std::uint64_t n : numels) {
+      id += std::to_string(n) + " ";
+      elements += n;
+    }
+    id += "\nbucket " + std::to_string(zo.reduce_bucket_numel) + ", persistence " +
+          std::to_string(zo.param_persistence_threshold) + ", sub-group " + std::to_string(zo.offload_sub_group_numel) +
+          ", align " + std::to_string(zo.layout.align_elements) + ", clipping " +
+          detail::format_double(zo.gradient_clipping) + ", flags " + std::to_string(zo.loss_scaling) +
+          std::to_string(zo.check_overflow) + std::to_string(zo.average_gradients) + ", wire";
+    for (const dtype d : zo.wire_dtypes) id += " " + std::to_string(static_cast<int>(d));
+    if (zo.loss_scaling) {
+      const loss_scale_options& l = zo.loss_scale;
+      id += "\nscaler " + std::to_string(l.dynamic) + " " + detail::format_double(l.static_scale) + " " +
+            std::to_string(l.initial_scale_power) + " " + std::to_string(l.loss_scale_window) + " " +
+            std::to_string(l.hysteresis) + " " + std::to_string(l.consecutive_hysteresis) + " " +
+            detail::format_double(l.min_loss_scale);
+    }
+    return {std::move(id), std::to_string(numels.size()) + " parameters of " + std::to_string(elements) +
+                               " elements, stage " + std::to_string(zero_stage) + ", reduce_bucket_numel " +
+                               std::to_string(zo.reduce_bucket_numel) + ", gradient_clipping " +
+                               detail::format_double(zo.gradient_clipping)};
   }
 
+ public:
   // Transfers still in flight read or write buffers freed here: wait for them.
   ~ZeroOptimizer() {
     // Reductions still in flight (an exception left backward midway) finish, or reach
