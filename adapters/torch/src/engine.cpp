@@ -160,9 +160,9 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   }
 
   // initialize in two halves around the ranks' agreement (make_engine_state):
-  // prepare() runs this rank's own checks and makes the core, and returns what every
-  // rank must have alike (empty at world size 1); start() broadcasts rank 0's values
-  // and binds the parameters to the core.
+  // prepare() runs this rank's own checks and plans the core, and returns what every
+  // rank must have alike (empty at world size 1); start() makes the core (collective),
+  // broadcasts rank 0's values and binds the parameters to the core.
   struct identity {
     std::string what;   // hashed across ranks
     std::string shown;  // how a mismatch message names this rank's side
