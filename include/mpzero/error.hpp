@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace mpzero {
@@ -43,34 +44,6 @@ inline std::string format_double(double v) {
   return std::string(buf, r.ptr);
 }
 
-// A collective operation whose local part may fail on some ranks only: runs `local`,
-// then every rank learns whether any rank failed (max_over_ranks(v) returns the largest
-// v over the ranks; it is the one collective, called exactly once on every rank). This
-// rank's own exception is rethrown; a rank whose part succeeded throws mpzero::error
-// naming the rank that failed, so no rank goes on into a collective the others skip.
-template <class MaxOverRanks, class Local>
-void agree_on_failure(int rank, int world, MaxOverRanks&& max_over_ranks, const std::string& who,
-                      const std::string& consequence, Local&& local) {
-  std::exception_ptr failure;
-  try {
-    local();
-  } catch (...) {
-    failure = std::current_exception();
-  }
-  std::int32_t failed = 0;
-  try {
-    failed = max_over_ranks(static_cast<std::int32_t>(failure ? rank + 1 : 0));
-  } catch (...) {
-    if (failure) std::rethrow_exception(failure);  // this rank's own reason says more
-    throw;
-  }
-  if (failure) std::rethrow_exception(failure);
-  if (failed != 0) {
-    throw error("mpzero: " + who + ": rank " + std::to_string(failed - 1) + " of " + std::to_string(world) +
-                " failed (its exception says why); " + consequence);
-  }
-}
-
 // 30 bits of FNV-1a: enough to tell two descriptions apart, and negatable without
 // overflow (the largest over the ranks of h and of -h give the largest and smallest h).
 inline std::int32_t hash30(std::string_view text) {
@@ -79,20 +52,32 @@ inline std::int32_t hash30(std::string_view text) {
   return static_cast<std::int32_t>(h & 0x3fffffffu);
 }
 
-// agree_on_failure, and in the same collective the ranks check that they passed the
-// same thing: `local` returns {identity, shown}, a description of what must be alike on
-// every rank (compared by hash) and how a message names this rank's side.
-// all_reduce_max(v, 3) replaces the three values at v by their largest over the ranks
-// (the one collective, not called at world size 1). When every rank succeeded but the
-// identities differ, every rank throws invalid_argument "mpzero: <who>: the ranks passed
-// different <what> (this rank: <shown>); pass the same on every rank".
+// A collective operation whose local part may fail on some ranks only: runs `local`,
+// then every rank learns, in one collective, whether any rank failed. This rank's own
+// exception is rethrown (also when the collective itself fails: its reason says more);
+// a rank whose part succeeded throws mpzero::error naming the rank that failed, so no
+// rank goes on into a collective the others skip.
+//
+// When `local` returns {identity, shown} (a description of what must be alike on every
+// rank, compared by hash, and how a message names this rank's side), the same
+// collective also checks that the ranks passed the same thing: if every rank succeeded
+// but the identities differ, every rank throws invalid_argument "mpzero: <who>: the
+// ranks passed different <what> (this rank: <shown>); pass the same on every rank".
+//
+// all_reduce_max(v, n) replaces the n int32 at v by their largest over the ranks (n is
+// 1, or 3 with an identity); it is not called at world size 1.
 template <class AllReduceMax, class Local>
 void agree_on_failure_and_identity(int rank, int world, AllReduceMax&& all_reduce_max, const std::string& who,
                                    const std::string& consequence, const std::string& what, Local&& local) {
+  constexpr bool compares = !std::is_void_v<std::invoke_result_t<Local&>>;
   std::exception_ptr failure;
   std::pair<std::string, std::string> id;
   try {
-    id = local();
+    if constexpr (compares) {
+      id = local();
+    } else {
+      local();
+    }
   } catch (...) {
     failure = std::current_exception();
   }
@@ -103,7 +88,7 @@ void agree_on_failure_and_identity(int rank, int world, AllReduceMax&& all_reduc
   const std::int32_t h = failure ? 0 : hash30(id.first);
   std::int32_t v[3] = {failure ? rank + 1 : 0, h, -h};
   try {
-    all_reduce_max(v, 3);
+    all_reduce_max(v, compares ? 3 : 1);
   } catch (...) {
     if (failure) std::rethrow_exception(failure);
     throw;
@@ -113,10 +98,17 @@ void agree_on_failure_and_identity(int rank, int world, AllReduceMax&& all_reduc
     throw error("mpzero: " + who + ": rank " + std::to_string(v[0] - 1) + " of " + std::to_string(world) +
                 " failed (its exception says why); " + consequence);
   }
-  if (v[1] != -v[2]) {
+  if (compares && v[1] != -v[2]) {
     throw_invalid(who + ": the ranks passed different " + what + " (this rank: " + id.second +
                   "); pass the same on every rank");
   }
+}
+
+// The same without an identity: `local` returns nothing.
+template <class AllReduceMax, class Local>
+void agree_on_failure(int rank, int world, AllReduceMax&& all_reduce_max, const std::string& who,
+                      const std::string& consequence, Local&& local) {
+  agree_on_failure_and_identity(rank, world, all_reduce_max, who, consequence, std::string(), local);
 }
 
 }  // namespace detail

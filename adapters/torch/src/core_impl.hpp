@@ -149,12 +149,6 @@ class core_impl final : public zero_core {
     z_->load_checkpoint(dir);
   }
   bool grads_pending() const override { return z_->grads_pending(); }
-  std::int32_t max_over_ranks(std::int32_t v) override {
-    if (comm_.size() == 1) return v;
-    typename Context::scope s(ctx_);
-    backend_.all_reduce_host(comm_, &v, 1, comm::reduce_op::max);
-    return v;
-  }
 
   step_report step() override {
     typename Context::scope s(ctx_);

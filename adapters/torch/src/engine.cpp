@@ -65,7 +65,6 @@ using detail::shape_of;
 using detail::write_atomically;
 
 using mpzero::detail::format_double;
-using mpzero::detail::hash30;
 
 // True in a graph task that runs only part of the graph: torch::autograd::grad, or
 // backward with `inputs` (autograd then lists the nodes to run in exec_info).
@@ -163,11 +162,8 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   // prepare() runs this rank's own checks and plans the core, and returns what every
   // rank must have alike (empty at world size 1); start() makes the core (collective),
   // broadcasts rank 0's values and binds the parameters to the core.
-  struct identity {
-    std::string what;   // hashed across ranks
-    std::string shown;  // how a mismatch message names this rank's side
-  };
-  identity prepare();
+  // {what is hashed across ranks, how a mismatch message names this rank's side}
+  std::pair<std::string, std::string> prepare();
   void start();
   // Where max_over_ranks stages the agreement: a communicator that reads device memory
   // gets its device (else the parameters', else the current one) and torch's current
@@ -248,22 +244,24 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
                        bool save_latest);
   std::optional<engine_base::loaded_checkpoint> load_checkpoint(const std::string& load_dir, const std::string& tag,
                                                                 bool module_only);
+  // The n values at v become their largest over the ranks (collective).
+  void all_reduce_max(std::int32_t* v, int n) {
+    max_over_ranks(comm_, std::span<std::int32_t>(v, static_cast<std::size_t>(n)), agreement_place(comm_, this));
+  }
   // Runs `local` on this rank; every rank then learns whether any failed.
   template <class F>
   void agree(const std::string& who, const std::string& consequence, F&& local) {
     mpzero::detail::agree_on_failure(
-        comm_.rank(), comm_.size(), [&](std::int32_t v) { return core_->max_over_ranks(v); }, "engine." + who,
+        comm_.rank(), comm_.size(), [&](std::int32_t* v, int n) { all_reduce_max(v, n); }, "engine." + who,
         consequence, std::forward<F>(local));
   }
   // Throws on every rank unless every rank has the same `value` (compared by hash);
   // `shown` is how the message spells this rank's value.
   void same_on_every_rank(const std::string& who, const std::string& what, const std::string& value,
                           const std::string& shown) {
-    const std::int32_t h = hash30(value);
-    if (core_->max_over_ranks(h) != -core_->max_over_ranks(-h)) {
-      fail("engine." + who + ": the ranks passed different " + what + " (this rank: " + shown +
-           "); pass the same on every rank");
-    }
+    mpzero::detail::agree_on_failure_and_identity(
+        comm_.rank(), comm_.size(), [&](std::int32_t* v, int n) { all_reduce_max(v, n); }, "engine." + who,
+        "nothing changed", what, [&] { return std::pair{value, shown}; });
   }
   void require_boundary(const std::string& who) const {
     if (core_->grads_pending()) {
@@ -361,7 +359,7 @@ struct grad_hook final : ag::PostAccumulateGradHook {
 
 }  // namespace
 
-engine_state::identity engine_state::prepare() {
+std::pair<std::string, std::string> engine_state::prepare() {
   const int world = comm_.size();
   if (cfg_.zero.stage == 3) {
     fail("zero_optimization.stage = 3 is not supported by the LibTorch engine yet (parameters would need gather/"
@@ -504,7 +502,7 @@ engine_state::identity engine_state::prepare() {
   // every collective after it. The ranks compare a hash of what sets the layout and
   // the collectives (make_engine_state), so a mismatch is refused on every rank,
   // naming this rank's.
-  identity id;
+  std::pair<std::string, std::string> id;
   if (world > 1) {
     std::string what = spec.describe() + "\nstage " + std::to_string(spec.stage) + ", gas " +
                        std::to_string(cfg_.gradient_accumulation_steps) + ", bucket " +
@@ -539,8 +537,8 @@ engine_state::identity engine_state::prepare() {
     }
     for (const auto& b : module_->buffers(/*recurse=*/true))
       if (b.is_floating_point()) what += "\nbuffer " + shape_of(b.sizes());
-    id.what = std::move(what);
-    id.shown = std::to_string(params_.size()) + " trainable parameters of " + std::to_string(elements) +
+    id.first = std::move(what);
+    id.second = std::to_string(params_.size()) + " trainable parameters of " + std::to_string(elements) +
                " elements, " + std::to_string(frozen.size()) + " frozen; " + spec.describe() +
                ", gradient_accumulation_steps " + std::to_string(cfg_.gradient_accumulation_steps) + ", lr " +
                format_double(o.lr) + ", gradient_clipping " + format_double(zo.gradient_clipping) +
@@ -907,7 +905,9 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
     tag = *latest;
   });
   if (tag_arg.empty()) {
-    const std::int32_t any = core_->max_over_ranks(no_latest), all = -core_->max_over_ranks(-no_latest);
+    std::int32_t v[2] = {no_latest, -no_latest};
+    all_reduce_max(v, 2);
+    const std::int32_t any = v[0], all = -v[1];
     if (any != all) {
       fail("engine.load_checkpoint: " + quoted(root / "latest") + " exists on some ranks only (on this one: " +
            (no_latest ? "no" : "yes") + "); checkpoints need a directory every rank can read");
@@ -1036,8 +1036,7 @@ std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Mod
       "engine.initialize", "no rank made an engine, and the model is unchanged", "models or configurations", [&] {
         if (!module) fail("initialize: the model is null");
         st = std::make_shared<engine_state>(std::move(module), make_config(), comm);
-        engine_state::identity id = st->prepare();
-        return std::pair{std::move(id.what), std::move(id.shown)};
+        return st->prepare();
       });
   st->start();
   return st;

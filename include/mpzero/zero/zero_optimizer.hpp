@@ -184,9 +184,8 @@ class ZeroOptimizer {
     // or partitions the model otherwise. (The two checks above fail alike on every rank:
     // they depend on types, and a collective could not run past them.)
     detail::agree_on_failure_and_identity(
-        rank_, world_, [&](std::int32_t* v, int n) { backend_.all_reduce_host(comm_, v, n, comm::reduce_op::max); },
-        "ZeroOptimizer", "no rank made the optimizer", "parameter layouts or options",
-        [&] { return construct(numels); });
+        rank_, world_, [&](std::int32_t* v, int n) { all_reduce_max(v, n); }, "ZeroOptimizer",
+        "no rank made the optimizer", "parameter layouts or options", [&] { return construct(numels); });
   }
 
  private:
@@ -885,15 +884,15 @@ class ZeroOptimizer {
     return user;
   }
 
+  // The n values at v become their largest over the ranks (the agreements' collective).
+  void all_reduce_max(std::int32_t* v, int n) { backend_.all_reduce_host(comm_, v, n, comm::reduce_op::max); }
+
   // Runs f, then every rank learns whether any rank failed (detail::agree_on_failure).
   template <class F>
   void agree(const char* who, const std::string& consequence, F&& f) {
-    const auto max_over_ranks = [&](std::int32_t v) {
-      if (world_ > 1) backend_.all_reduce_host(comm_, &v, 1, comm::reduce_op::max);
-      return v;
-    };
-    detail::agree_on_failure(rank_, world_, max_over_ranks, "ZeroOptimizer::" + std::string(who), consequence,
-                             std::forward<F>(f));
+    detail::agree_on_failure(
+        rank_, world_, [&](std::int32_t* v, int n) { all_reduce_max(v, n); }, "ZeroOptimizer::" + std::string(who),
+        consequence, std::forward<F>(f));
   }
 
   // Gradients already reduced for this step take no more additions: step() or

@@ -78,8 +78,6 @@ class zero_core {
   virtual void load_checkpoint(const std::string& dir) = 0;
   // ZeroOptimizer::grads_pending: gradients reported since the last step or zero_grad.
   virtual bool grads_pending() const = 0;
-  // The largest `v` over all ranks (collective): how ranks agree that all went well.
-  virtual std::int32_t max_over_ranks(std::int32_t v) = 0;
 
   virtual step_report step() = 0;
   virtual void set_lr(double lr) = 0;
@@ -108,8 +106,8 @@ std::unique_ptr<zero_core> make_zero_core(const core_spec& spec, any_communicato
                                           const zero_options& zo, const core_place& place = {});
 
 // The largest of each of v's values over the ranks of `comm`, in place (collective),
-// with no core: how initialize's ranks agree before a core exists or when one rank could
-// not make one. A host communicator moves host memory; one that reads device memory
+// with no core: how the engine's ranks agree (at initialize, before a core exists, and
+// around checkpoints). A host communicator moves host memory; one that reads device memory
 // (NCCL, a c10d group on CUDA) gets the values through a small device buffer on
 // place.device, ordered on place.stream, and needs the CUDA table (config_error
 // without it). World size 1 returns at once.
