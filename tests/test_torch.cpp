@@ -1089,6 +1089,51 @@ struct IndexedNetImpl : NetImpl {
 };
 TORCH_MODULE(IndexedNet);
 
+// A Net with a frozen floating parameter and a floating buffer, initialised from `seed`.
+struct StatefulNetImpl : NetImpl {
+  Tensor scale, running;
+  explicit StatefulNetImpl(std::uint64_t seed, torch::Device buffer_device = torch::kCPU) : NetImpl(seed) {
+    scale = register_parameter("scale", torch::randn({2}), /*requires_grad=*/false);
+    running = register_buffer("running", torch::randn({3}).to(buffer_device));
+  }
+};
+TORCH_MODULE(StatefulNet);
+
+TEST_CASE("torch: every rank starts from rank 0's values, through a host window smaller than the model", "[torch]") {
+  // Each rank builds its own values (seed 80 + rank); the engine gives every rank rank
+  // 0's: trainable parameters, the frozen floating one and the buffer, in the parameter
+  // dtype. The window (6 elements) is smaller than a weight (16, loaded whole) and
+  // spans several small tensors (biases of 4, the frozen 2, the buffer 3).
+  const auto prec = GENERATE(as<std::string>{}, "fp32", "bf16");
+  const auto dt = prec == "bf16" ? torch::kBFloat16 : torch::kFloat;
+  const std::uint64_t window = GENERATE(std::uint64_t{6}, std::uint64_t{16} << 20);
+  CAPTURE(prec, window);
+  const std::uint64_t before = mt::detail::set_startup_window_elements(window);
+  StatefulNet model(80 + static_cast<std::uint64_t>(R()));
+  StatefulNet rank0(80);
+  auto e = make_engine(model, make_config(2, prec));
+  mt::detail::set_startup_window_elements(before);
+  const auto got = model->named_parameters();
+  const auto want = rank0->named_parameters();
+  for (const auto& item : want) {
+    CAPTURE(item.key());
+    CHECK(got[item.key()].scalar_type() == dt);
+    CHECK(torch::equal(got[item.key()].detach(), item.value().detach().to(dt)));
+  }
+  CHECK(model->running.scalar_type() == dt);
+  CHECK(torch::equal(model->running, rank0->running.to(dt)));
+  // And training from there matches a reference that starts from rank 0's values.
+  reference<Net> ref(Net(80), dt, 2);
+  const batch b = data(0, R(), 81);
+  e(b.x.to(dt), b.y).backward();
+  ref.accumulate([&](Net& m, int r) {
+    const batch d = data(0, r, 81);
+    return m->forward(d.x.to(dt), d.y);
+  }, 1.0);
+  check_grads(e, ref.grads(), dt, "from rank 0's values");
+  CHECK_THROWS_WITH(mt::detail::set_startup_window_elements(0), Catch::Contains("at least one element"));
+}
+
 TEST_CASE("torch: bad uses are refused by name, changing nothing", "[torch]") {
   const batch b = data(0, R(), 31);
   SECTION("a model another live engine manages; once that engine is gone, a new one trains it") {
@@ -1202,6 +1247,11 @@ TEST_CASE("torch: bad uses are refused by name, changing nothing", "[torch]") {
       const std::string cfg = R() == 1 ? std::string("/nonexistent/ds_config.json") : make_config(1, "fp32").dump();
       CHECK_THROWS_WITH(mt::initialize(Net(73), cfg, world()),
                         Catch::Contains(R() == 1 ? "/nonexistent/ds_config.json" : other));
+      // Its buffer has no data (on the meta device): nothing to broadcast or receive.
+      StatefulNet s(74, R() == 1 ? torch::kMeta : torch::kCPU);
+      CHECK_THROWS_WITH(make_engine(s, make_config(1, "bf16")),
+                        Catch::Contains(R() == 1 ? "buffer 'running' is on meta" : other));
+      CHECK(s->l1->weight.scalar_type() == torch::kFloat);
       // No rank changed the model, and the next initialize works everywhere.
       if (R() == 1)
         for (auto& p : m->parameters()) p.requires_grad_(true);

@@ -373,6 +373,17 @@ std::pair<std::string, std::string> engine_state::prepare() {
   std::vector<::torch::Tensor> frozen;
   std::vector<std::pair<std::string, ::torch::Tensor>> kept;  // frozen, not floating: left as they are
   std::string first_name;
+  // Frozen floating parameters and floating buffers take rank 0's values at start(),
+  // through the host: one without data (on the meta device) has none to give or take.
+  auto check_copyable = [](const std::string& kind, const std::string& name, const ::torch::Tensor& t) {
+    if (!t.device().is_cpu() && !t.device().is_cuda()) {
+      fail(kind + " '" + name + "' is on " + t.device().str() +
+           "; the engine copies frozen parameters and floating buffers from rank 0, so they must be on the CPU or "
+           "a CUDA device: materialize it (model->to(torch::kCPU), or load its values) before initialize");
+    }
+  };
+  for (const auto& item : module_->named_buffers(/*recurse=*/true))
+    if (item.value().defined() && item.value().is_floating_point()) check_copyable("buffer", item.key(), item.value());
   for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
     const ::torch::Tensor& p = item.value();
     if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
@@ -380,6 +391,7 @@ std::pair<std::string, std::string> engine_state::prepare() {
       // Floating ones take the model's dtype; an integer index or a bool mask keeps its
       // own (through float and bf16 it would lose values and its type).
       if (p.is_floating_point()) {
+        check_copyable("frozen parameter", item.key(), p);
         frozen.push_back(p);
       } else {
         kept.emplace_back(item.key(), p);
@@ -561,37 +573,89 @@ core_place engine_state::agreement_place(const any_communicator& comm, const eng
 }
 
 void engine_state::start() {
-  const int world = comm_.size();
   // Collective: a rank whose core cannot be made (memory, say) makes every rank throw.
   core_ = make_zero_core(plan_->spec, comm_, plan_->numels, cfg_.optimizer, plan_->zo, plan_->place);
   plan_.reset();
   std::vector<::torch::Tensor> frozen = std::move(frozen_);
   ::torch::NoGradGuard no_grad;
-  // Every rank starts from rank 0's values, as DeepSpeed broadcasts the model.
+  // Every rank starts from rank 0's values, as DeepSpeed broadcasts the model: the
+  // trainable parameters (into the core), then the frozen floating parameters and the
+  // floating buffers (in the parameter dtype, as after DeepSpeed's module.bfloat16()).
   std::vector<::torch::Tensor> all = params_;
   all.insert(all.end(), frozen.begin(), frozen.end());
-  std::vector<::torch::Tensor> buffers;
   for (const auto& b : module_->buffers(/*recurse=*/true))
-    if (b.is_floating_point()) buffers.push_back(b);
-  all.insert(all.end(), buffers.begin(), buffers.end());
-  std::int64_t total = 0;
-  for (const auto& t : all) total += t.numel();
-  std::vector<float> flat(static_cast<std::size_t>(total));
+    if (b.is_floating_point()) all.push_back(b);
+  // The values cross the communicator in fp32 through one host window of at most
+  // startup_window_elements (or the largest tensor, which loads whole), not the whole
+  // model at once: 4 bytes per parameter of a 7B model would be 28 GB of host memory per
+  // rank. Rank 0 fills each window; the others only receive it.
+  const std::uint64_t limit = detail::startup_window_elements();
+  std::vector<std::size_t> ends;  // all[ends[w-1], ends[w]) is window w
+  std::uint64_t window = 0;
   {
+    std::uint64_t filled = 0;
+    for (std::size_t k = 0; k < all.size(); ++k) {
+      const auto n = static_cast<std::uint64_t>(all[k].numel());
+      if (filled > 0 && filled + n > limit) {
+        ends.push_back(k);
+        filled = 0;
+      }
+      filled += n;
+      window = std::max(window, filled);
+    }
+    ends.push_back(all.size());
+  }
+  const int world = comm_.size();
+  const bool root = comm_.rank() == 0;
+  auto first = [&](std::size_t w) { return w == 0 ? std::size_t{0} : ends[w - 1]; };
+  auto elements = [&](std::size_t w) {
+    std::uint64_t n = 0;
+    for (std::size_t k = first(w); k < ends[w]; ++k) n += static_cast<std::uint64_t>(all[k].numel());
+    return n;
+  };
+  std::vector<float> flat;
+  // Window w's values into `flat` (rank 0; the others receive them).
+  auto fill = [&](std::size_t w) {
+    if (flat.empty()) flat.resize(static_cast<std::size_t>(window));
+    if (!root && world > 1) return;
     std::int64_t off = 0;
-    for (const auto& t : all) {
-      auto c = t.detach().to(at::kCPU, at::kFloat).contiguous();
-      std::copy_n(c.data_ptr<float>(), c.numel(), flat.data() + off);
+    for (std::size_t k = first(w); k < ends[w]; ++k) {
+      auto c = all[k].detach().to(at::kCPU, at::kFloat).contiguous();
+      std::copy_n(c.const_data_ptr<float>(), c.numel(), flat.data() + off);
       off += c.numel();
     }
+  };
+  // Window w's values from `flat` into the core (trainable) or `converted` (bound below).
+  std::vector<::torch::Tensor> converted(all.size() - params_.size());
+  auto load = [&](std::size_t w) {
+    std::int64_t off = 0;
+    for (std::size_t k = first(w); k < ends[w]; ++k) {
+      const auto& t = all[k];
+      if (k < params_.size()) {
+        core_->load_param(k, flat.data() + off, dtype::fp32);
+      } else {
+        converted[k - params_.size()] = ::torch::from_blob(flat.data() + off, t.sizes(), ::torch::kFloat)
+                                            .to(t.device(), param_type_, /*non_blocking=*/false, /*copy=*/true);
+      }
+      off += t.numel();
+    }
+  };
+  // A rank that fails (memory, a device error) must not leave the others waiting in the
+  // next broadcast: before each one the ranks agree on the previous window's load and
+  // this window's fill, and once more after the last load. The model changes only after.
+  const std::string consequence = "no rank made an engine, and the model is unchanged";
+  for (std::size_t w = 0; w < ends.size(); ++w) {
+    agree("initialize", consequence, [&] {
+      if (w > 0) load(w - 1);
+      fill(w);
+    });
+    if (world > 1 && elements(w) > 0) core_->broadcast(flat.data(), elements(w), 0);
   }
-  if (world > 1 && total > 0) core_->broadcast(flat.data(), flat.size(), 0);
+  agree("initialize", consequence, [&] { load(ends.size() - 1); });
+  flat = {};
 
-  std::int64_t off = 0;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
-    core_->load_param(i, flat.data() + off, dtype::fp32);
-    off += p.numel();
     // The parameter becomes a view of the core's buffer: forward reads it, step() writes it.
     // target_device: no driver lookup of the pointer (which fails on the null pointer
     // of an empty model's buffer).
@@ -607,14 +671,7 @@ void engine_state::start() {
     hook->prev = std::move(ag::impl::post_acc_grad_hooks(p));
     ag::impl::set_post_acc_grad_hooks(p, std::move(hook));
   }
-  // Frozen parameters and floating buffers: rank 0's values, in the parameter dtype
-  // (the model computes in one dtype, as after DeepSpeed's module.bfloat16()).
-  for (std::size_t k = params_.size(); k < all.size(); ++k) {
-    auto& t = all[k];
-    auto v = ::torch::from_blob(flat.data() + off, t.sizes(), ::torch::kFloat).clone();
-    off += t.numel();
-    t.set_data(v.to(t.device(), param_type_));
-  }
+  for (std::size_t k = params_.size(); k < all.size(); ++k) all[k].set_data(converted[k - params_.size()]);
   join_core();  // the forward reads what load_param wrote on the core's stream
 }
 
@@ -1015,6 +1072,16 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
   stepped_ = false;
   last_ = {};
   return engine_base::loaded_checkpoint{dir.string(), client_state};
+}
+
+namespace {
+std::atomic<std::uint64_t> startup_window{std::uint64_t{16} << 20};
+}  // namespace
+
+std::uint64_t startup_window_elements() { return startup_window.load(); }
+std::uint64_t set_startup_window_elements(std::uint64_t elements) {
+  if (elements == 0) fail("set_startup_window_elements(0): the window must hold at least one element");
+  return startup_window.exchange(elements);
 }
 
 std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Module> module,

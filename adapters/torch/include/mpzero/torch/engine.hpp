@@ -9,7 +9,7 @@
 // - Parameters: the model's trainable parameters are converted to the configured
 //   parameter dtype and re-pointed at views of the ZeRO optimizer's flat parameter
 //   buffer, so forward reads them and step() updates them in place. Rank 0's values are
-//   broadcast at initialisation. Frozen parameters and floating buffers are converted to
+//   broadcast at initialisation, through a bounded host window (detail::startup_window_elements). Frozen parameters and floating buffers are converted to
 //   the parameter dtype too (as DeepSpeed's module.bfloat16() does) but not managed.
 // - Gradients: a post-accumulate-grad hook per trainable parameter hands the gradient to
 //   the ZeRO core (bucketed reduce-scatter at stage 2), scaled by 1/GAS, and releases
@@ -242,6 +242,12 @@ class engine : public engine_base {
 };
 
 namespace detail {
+
+// The start-up broadcast's host window, in fp32 elements: initialize moves rank 0's
+// values through at most this many (or the largest tensor's count, which loads whole).
+// Default 16 Mi elements (64 MiB). The setter (for tests) returns the previous value.
+std::uint64_t startup_window_elements();
+std::uint64_t set_startup_window_elements(std::uint64_t elements);
 
 // Collective: make_config() runs inside, so that a rank whose configuration fails to
 // parse (a file missing on one node, say) is refused on every rank like one whose model
