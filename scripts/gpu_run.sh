@@ -24,17 +24,49 @@
 # 540 s from the start of the script): a phase still running at its end is stopped, the
 # rest are skipped, and what was written so far (logs, train_gpt's results.json, which it
 # rewrites after each configuration) is still packed.
+#
+# Prebuilt (GPU_RUN_PREBUILT=1): the GPU targets were built elsewhere for sm_90 and
+# packed by scripts/gpu_pack.sh into .gpu/build-gpu (carry ".gpu" and ".deps"), so a
+# lent machine spends its minutes running them, not compiling them: no configure and no
+# build here; a phase whose program is not in the pack fails. The pack's CTest files name
+# the paths of the machine that built it: they are linked to this checkout when absent.
+# GPU_RUN_CTEST_J runs that many test programs side by side (default 1);
+# GPU_RUN_BENCH_ARGS adds flags to mpzero_bench_cuda (e.g. --benchmark_filter=tuning).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 work="$root/out/gpu"
 prefix="$root/.deps/root/usr"
 build="$root/build-gpu"
+prebuilt="${GPU_RUN_PREBUILT:-0}"
 mkdir -p "$work"
 if [ ! -d "$prefix" ]; then
   echo "gpu_run: $prefix is missing: run scripts/gpu_deps.sh where apt works and carry .deps" >&2
   exit 1
 fi
-export LD_LIBRARY_PATH="$prefix/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if [ "$prebuilt" = 1 ]; then
+  if [ ! -e "$build" ] && [ -d "$root/.gpu/build-gpu" ]; then ln -s "$root/.gpu/build-gpu" "$build"; fi
+  if [ ! -f "$build/CMakeCache.txt" ]; then
+    echo "gpu_run: GPU_RUN_PREBUILT=1 but $build has no build: run scripts/gpu_pack.sh where it was built and carry .gpu" >&2
+    exit 1
+  fi
+  # The builder's source and build folders, as its CTest files and rpaths name them.
+  for key in CMAKE_HOME_DIRECTORY CMAKE_CACHEFILE_DIR; do
+    was="$(sed -n "s/^$key:INTERNAL=//p" "$build/CMakeCache.txt")"
+    here="$root"
+    [ "$key" = CMAKE_CACHEFILE_DIR ] && here="$build"
+    if [ -n "$was" ] && [ ! -e "$was" ]; then mkdir -p "$(dirname "$was")" && ln -s "$here" "$was"; fi
+  done
+fi
+# Shared libraries: .deps (Google Benchmark), then LibTorch's and pip's NCCL and the
+# toolkit's, for programs built elsewhere whose rpaths name another machine's folders.
+if [ -z "${GPU_RUN_LIBS:-}" ]; then  # once: the phases run this script again (--one)
+extra_libs="$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null || true)"
+nccl_lib="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)/lib"
+[ -d "$nccl_lib" ] && extra_libs="$extra_libs:$nccl_lib"
+[ -d /usr/local/cuda/lib64 ] && extra_libs="$extra_libs:/usr/local/cuda/lib64"
+export LD_LIBRARY_PATH="$prefix/lib/x86_64-linux-gnu:${extra_libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export GPU_RUN_LIBS=1
+fi
 nvcc_bin="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
 # NCCL: the toolkit's, else pip's nvidia-nccl wheel (what a PyTorch image may have; its
 # package has no __init__.py, hence __path__).
@@ -82,7 +114,10 @@ configure() {
     for h in cublas_v2.h cublasLt.h cusparse.h cusolverDn.h; do
       [ -e "$cuda_include/$h" ] && echo "toolkit has $h" || echo "toolkit lacks $h"
     done
+    echo "prebuilt: $prebuilt"
+    echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
   } >"$work/machine.txt" 2>&1
+  [ "$prebuilt" = 1 ] && return 0
   local gen=()  # a generator only for a new build folder (an existing one keeps its own)
   [ ! -f "$build/CMakeCache.txt" ] && command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
   if ! cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
@@ -104,6 +139,17 @@ configure() {
 ensure_built() {
   configure || return 1
   local defined=() t
+  if [ "$prebuilt" = 1 ]; then
+    local ok=0
+    for t in "$@"; do
+      if [ -z "$(find -L "$build" -type f -name "$t" -perm -u+x -print -quit)" ]; then
+        echo "gpu_run: $t is not in the prebuilt pack (scripts/gpu_pack.sh)"
+        echo "$t" >>"$failed_list"
+        ok=1
+      fi
+    done
+    return "$ok"
+  fi
   # shellcheck disable=SC2086
   for t in $(printf '%s\n' "$@" ${GPU_RUN_TARGETS:-} | sort -u); do
     if grep -qx "$t" "$failed_list" 2>/dev/null; then
@@ -161,15 +207,16 @@ phase_test() {
   # A stuck collective raises mpzero's own error (naming the call) at 60 s, before
   # ctest's 240 s kill; NCCL's warnings go to the log.
   (cd "$build" && MPZERO_COMM_TIMEOUT_S=60 NCCL_DEBUG=WARN ctest -L gpu "${exclude[@]}" --no-tests=error \
-    --output-on-failure --timeout 240) 2>&1 | tee "$work/ctest_gpu.log" | tail -40
+    --output-on-failure --timeout 240 -j "${GPU_RUN_CTEST_J:-1}") 2>&1 | tee "$work/ctest_gpu.log" | tail -40
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] && rc=$built
   return "$rc"
 }
 phase_bench() {
   ensure_built mpzero_bench_cuda || return 1
+  # shellcheck disable=SC2086
   "$build/bench/mpzero_bench_cuda" --benchmark_out="$work/bench_cuda.json" --benchmark_out_format=json \
-    --benchmark_min_time=0.2 2>&1 | tee "$work/bench_cuda.txt" | tail -60
+    --benchmark_min_time=0.2 ${GPU_RUN_BENCH_ARGS:-} 2>&1 | tee "$work/bench_cuda.txt" | tail -60
   return "${PIPESTATUS[0]}"
 }
 phase_gpt() {

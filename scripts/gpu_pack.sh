@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Packs a build of the GPU targets for a lent GPU machine, so that its minutes go to
+# running them rather than compiling them (scripts/gpu_run.sh, GPU_RUN_PREBUILT=1).
+# Here (nvcc and PyPI's CUDA build of torch, the version the GPU machine has):
+#
+#   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+#         -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DMPZERO_BENCH_NATIVE=OFF -DMPZERO_TORCH_CUDA=ON
+#   cmake --build build-gpu --target test_gpu test_zero_gpu test_comm_gpu test_torch_gpu mpzero_bench_cuda train_gpt
+#   scripts/gpu_pack.sh
+#
+# No MPI (the GPU machine has none) and no -march=native (its CPU is another). The pack,
+# .gpu/build-gpu (git-ignored), is build-gpu/ without objects and static libraries: the
+# programs, CMakeCache.txt and the CTest files. Then, with carry [".gpu", ".deps"]:
+#   GPU_RUN_PREBUILT=1 scripts/gpu_run.sh test bench gpt states
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+src="${1:-$root/build-gpu}"
+dst="$root/.gpu/build-gpu"
+[ -f "$src/CMakeCache.txt" ] || { echo "gpu_pack: $src is not a build folder" >&2; exit 1; }
+if grep -q '^MPI_CXX_FOUND:.*=TRUE' "$src/CMakeCache.txt" 2>/dev/null || [ -n "$(find "$src" -name train_gpt -type f -exec sh -c 'ldd "$1" | grep -q libmpi' _ {} \; -print -quit)" ]; then
+  echo "gpu_pack: $src links MPI, which the GPU machine lacks: configure it with -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON" >&2
+  exit 1
+fi
+rm -rf "$dst"
+mkdir -p "$dst"
+tar -C "$src" --exclude='*.o' --exclude='*.a' --exclude='.ninja*' --exclude='build.ninja' --exclude='CMakeFiles' -cf - . |
+  tar -C "$dst" -xf -
+# Executables without their symbol tables (nothing here is debugged there).
+find "$dst" -type f -perm -u+x -exec sh -c 'file -b "$1" | grep -q ELF && strip --strip-unneeded "$1"' _ {} \;
+du -sh "$dst"
+find "$dst" -type f -perm -u+x -size +1M -exec ls -la {} \; | awk '{print $5, $9}'
