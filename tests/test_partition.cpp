@@ -384,6 +384,21 @@ TEST_CASE("bucket_plan: boundaries and parameters larger than the bucket", "[par
   const std::vector<std::uint64_t> big_first{50, 1, 1};
   CHECK(params_of(bucket_plan(flat_layout(big_first, 2), 10)) == pairs{{0, 1}, {1, 3}});
 
+  // A split starts a new bucket at that parameter, whatever room is left; none at 0 or
+  // past the end. A zero-size parameter at the split stays with the bucket before it
+  // (it holds no elements), and the next parameter with elements starts the new one.
+  CHECK(params_of(bucket_plan(even, 1000, 2)) == pairs{{0, 2}, {2, 4}});
+  CHECK(params_of(bucket_plan(even, 1000, 3)) == pairs{{0, 3}, {3, 4}});
+  CHECK(params_of(bucket_plan(even, 8, 1)) == pairs{{0, 1}, {1, 3}, {3, 4}});  // then 8 per bucket again
+  CHECK(params_of(bucket_plan(even, 1000, 0)) == pairs{{0, 4}});
+  CHECK(params_of(bucket_plan(even, 1000, 4)) == pairs{{0, 4}});
+  const std::vector<std::uint64_t> empty_at_split{4, 0, 4, 4};
+  CHECK(params_of(bucket_plan(flat_layout(empty_at_split, 2), 1000, 1)) == pairs{{0, 2}, {2, 4}});
+  const bucket_plan split(even, 1000, 2);
+  CHECK(split.buckets()[1].range == flat_range{8, 16});
+  CHECK(split.bucket_of(1) == 0);
+  CHECK(split.bucket_of(2) == 1);
+
   // Degenerate groups.
   const std::vector<std::uint64_t> none;
   CHECK(bucket_plan(flat_layout(none, 4), 8).buckets().empty());

@@ -728,6 +728,41 @@ TEST_CASE("ZeRO: full_grad reads the averaged reduced gradient; accumulate_grad 
   }
 }
 
+TEST_CASE("ZeRO: small parameters, placed last, do not hold back the other buckets' reductions", "[zero]") {
+  // Eight layers, each a weight of 1000 elements and a bias of 10 (at most the
+  // persistence threshold, so placed after every weight in the flat buffer), reported in
+  // backward order (last layer first), with buckets of one weight. The biases' bucket
+  // fills only when the first layer's bias reports, at the end of backward: were it
+  // reduced first (the order of the flat buffer, descending), every weight's staging
+  // buffer would be held until then (9 staging buffers of 1000 elements, the whole
+  // gradient). Reduced after the weights, at most 4 staging buffers (the biases', two in
+  // flight, one filling) and 3 receive buffers exist at any time.
+  auto& c = world();
+  std::vector<std::uint64_t> numels;
+  for (int layer = 0; layer < 8; ++layer) {
+    numels.push_back(1000);
+    numels.push_back(10);
+  }
+  zero_options zo;
+  zo.reduce_bucket_numel = 1000;
+  zo.param_persistence_threshold = 10;
+  ZeroOptimizer<policies::bf16_all, optim::adamw, stage<2>, comm::mpi_communicator> z(c, numels, {}, zo);
+  const std::vector<float> g(1000, static_cast<float>(c.rank() + 1) * 0x1p-6f);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (std::size_t p = numels.size(); p-- > 0;) z.accumulate_grad(p, g.data());
+    z.end_backward();
+    const std::uint64_t bucket_bytes = 1000 * sizeof(bf16);
+    INFO("pass " << pass << ", world " << c.size() << ": " << z.memory().buckets << " bytes of buckets");
+    REQUIRE(z.memory().buckets <= 7 * bucket_bytes);
+  }
+  // And the gradients are right: each element the sum over ranks of two passes, averaged.
+  const float expect = static_cast<float>(c.size() + 1) * 0x1p-6f;
+  for (std::size_t p = 0; p < numels.size(); ++p) {
+    const std::vector<float> full = z.full_grad(p);
+    REQUIRE(std::count(full.begin(), full.end(), expect) == static_cast<std::ptrdiff_t>(numels[p]));
+  }
+}
+
 namespace {
 
 template <class Policy, class Opt>

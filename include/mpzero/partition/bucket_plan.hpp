@@ -32,7 +32,11 @@ class bucket_plan {
   // parameters join the bucket of the parameter before them (or, at the start, the
   // one after). Buckets are listed in parameter order; backward produces gradients
   // roughly in reverse order, so the LAST bucket usually completes first.
-  bucket_plan(const flat_layout& layout, std::uint64_t bucket_numel) : bucket_numel_(bucket_numel) {
+  // `split` (a parameter index; none by default) starts a new bucket there: no bucket
+  // holds parameters from both sides (ZeroOptimizer splits at its small parameters,
+  // placed last, so that they do not hold back the buckets before them).
+  bucket_plan(const flat_layout& layout, std::uint64_t bucket_numel, std::size_t split = static_cast<std::size_t>(-1))
+      : bucket_numel_(bucket_numel) {
     if (bucket_numel == 0) {
       detail::throw_invalid("bucket_plan: bucket_numel = 0; it must be at least 1 (DeepSpeed's "
                             "reduce_bucket_size default is 5e8 elements)");
@@ -44,7 +48,8 @@ class bucket_plan {
       const std::uint64_t size = layout.numel(p);
       // Close the current bucket only when it holds elements, so a bucket has zero size
       // only when every parameter has. The sum cannot overflow: it is at most total_numel.
-      if (size > 0 && !current.range.empty() && current.range.size() + size > bucket_numel) {
+      const bool crosses_split = p >= split && current.first_param < split;
+      if (size > 0 && !current.range.empty() && (current.range.size() + size > bucket_numel || crosses_split)) {
         buckets_.push_back(current);
         current = bucket{p, p, {current.range.end, current.range.end}};
       }

@@ -417,7 +417,7 @@ class ZeroOptimizer {
       std::fill(launched_.begin(), launched_.end(), std::uint8_t{0});
       std::fill(dirty_.begin(), dirty_.end(), std::int32_t{0});
       for (std::size_t b = 0; b < remaining_.size(); ++b) remaining_[b] = params_in_bucket_[b];
-      next_launch_ = static_cast<std::ptrdiff_t>(remaining_.size()) - 1;
+      launch_pos_ = 0;
       pass_ended_ = true;
     }
     in_backward_ = false;
@@ -1097,8 +1097,17 @@ class ZeroOptimizer {
     shard_ = zero_stage == 0 ? flat_range{0, layout_.padded_numel()} : layout_.partition(rank_);
     plan_wire_runs(order);
     if constexpr (zero_stage >= 2) {
-      buckets_ = bucket_plan(layout_, zo_.reduce_bucket_numel);
+      // The small parameters (placed last) get buckets of their own, reduced after the
+      // others: in backward order they are the first buckets to launch, but they fill
+      // only as backward ends (the first layers' biases and norms are among them), so
+      // launching them first would hold every other bucket's staging buffer until then.
+      buckets_ = bucket_plan(layout_, zo_.reduce_bucket_numel, n_large);
       const std::size_t nb = buckets_.buckets().size();
+      std::size_t first_small = nb;
+      while (first_small > 0 && buckets_.buckets()[first_small - 1].first_param >= n_large) --first_small;
+      launch_order_.clear();
+      for (std::size_t b = first_small; b-- > 0;) launch_order_.push_back(b);
+      for (std::size_t b = nb; b-- > first_small;) launch_order_.push_back(b);
       // Each bucket's runs of equal wire dtype (one run, the whole bucket, by default).
       bucket_runs_.assign(nb, {});
       for (std::size_t b = 0; b < nb; ++b) {
@@ -1117,7 +1126,7 @@ class ZeroOptimizer {
       launched_.assign(nb, 0);
       dirty_.assign(nb, 0);
       reported_.assign(n, 0);
-      next_launch_ = static_cast<std::ptrdiff_t>(nb) - 1;
+      launch_pos_ = 0;
     }
   }
 
@@ -1348,21 +1357,22 @@ class ZeroOptimizer {
     return m;
   }
 
-  // Buckets go in descending order, the order backward usually completes them, so
-  // every rank issues the same reductions in the same order whatever its timing.
+  // Buckets go in launch_order_ (descending, the order backward usually completes
+  // them, with the small parameters' buckets last), so every rank issues the same
+  // reductions in the same order whatever its timing.
   void launch_ready_buckets() {
-    while (next_launch_ >= 0 && remaining_[static_cast<std::size_t>(next_launch_)] == 0) {
-      launch(static_cast<std::size_t>(next_launch_));
-      --next_launch_;
+    while (launch_pos_ < launch_order_.size() && remaining_[launch_order_[launch_pos_]] == 0) {
+      launch(launch_order_[launch_pos_]);
+      ++launch_pos_;
     }
   }
 
   void launch_all_remaining() {
-    while (next_launch_ >= 0) {
-      const auto b = static_cast<std::size_t>(next_launch_);
+    while (launch_pos_ < launch_order_.size()) {
+      const std::size_t b = launch_order_[launch_pos_];
       if (staging_of_[b] < 0) staging_of_[b] = acquire_staging();  // no gradient this pass: reduce zeros
       launch(b);
-      --next_launch_;
+      ++launch_pos_;
     }
   }
 
@@ -1570,7 +1580,8 @@ class ZeroOptimizer {
   std::vector<int> staging_of_;
   std::vector<std::uint8_t> launched_, reported_;
   std::vector<std::int32_t> dirty_;
-  std::ptrdiff_t next_launch_ = -1;
+  std::vector<std::size_t> launch_order_;  // bucket indices in the order they are reduced each pass
+  std::size_t launch_pos_ = 0;              // launch_order_[launch_pos_] is the next to launch
   pool<grad_type> staging_;  // gradient-typed buckets being filled or sent
   std::vector<std::vector<wire_run>> bucket_runs_;  // each bucket's runs of equal wire dtype
   pools<> recv_pools_;  // this rank's block of a reduction in flight
