@@ -102,7 +102,15 @@ void guarded(benchmark::State& state, Body&& body) {
   }
 }
 
-template <precision_policy Policy, optim::rule Optimizer>
+// A launch shape other than the default (cuda_tuning), for the tuning sweep below.
+template <int Threads, int Ilp, std::uint32_t Chunk = 65536>
+struct tuning {
+  static constexpr int threads = Threads;
+  static constexpr int ilp = Ilp;
+  static constexpr std::uint32_t chunk = Chunk;
+};
+
+template <precision_policy Policy, optim::rule Optimizer, class Tuning = cuda_step_tuning<Policy::rounding::stochastic>>
 void BM_cuda_step(benchmark::State& state) {
   guarded(state, [&] {
     const auto n = static_cast<std::uint64_t>(state.range(0));
@@ -128,8 +136,10 @@ void BM_cuda_step(benchmark::State& state) {
       fill<typename Policy::state_type>(*states[k], n, state_fill(k, ns), se.stream);
       t.states[k] = states[k]->as<typename Policy::state_type>();
     }
-    const fused_step<Policy, Optimizer> step(std::vector<tensor>{t});
-    mpzero::cuda::fused_step_launcher<Policy, Optimizer> launcher(step);
+    plan_options po;
+    po.chunk_size = Tuning::chunk;
+    const fused_step<Policy, Optimizer> step(std::vector<tensor>{t}, po);
+    mpzero::cuda::fused_step_launcher<Policy, Optimizer, Tuning> launcher(step);
     device_buffer workspace(launcher.workspace_bytes());
     launcher.upload(workspace.as<void>(), workspace.bytes(), se.stream);
     const auto args = make_step_args<Optimizer>(bench_options<Optimizer>(), 10, 1.0f, 0x5eed);
@@ -217,6 +227,25 @@ BENCHMARK_TEMPLATE(BM_cuda_step, policies::fp16_master_fp32_states, optim::adamw
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::bf16_fp32_grads, optim::adamw)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::fp32, optim::sgd)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::fp32, optim::lion)->Apply(step_sizes);
+// Launch-shape sweep (docs/perf.md, "first GPU run"): threads per block, elements per
+// thread and chunk size, at 64M elements, for the policies furthest from copy bandwidth.
+// --benchmark_filter=tuning selects them.
+void sweep_size(benchmark::internal::Benchmark* b) {
+  b->Arg(std::int64_t{1} << 26)->UseManualTime()->Unit(benchmark::kMicrosecond);
+}
+#define MPZERO_TUNING_SWEEP(P)                                                                                \
+  BENCHMARK_TEMPLATE(BM_cuda_step, P, optim::adamw, tuning<512, 8>)->Apply(sweep_size);                        \
+  BENCHMARK_TEMPLATE(BM_cuda_step, P, optim::adamw, tuning<256, 8>)->Apply(sweep_size);                        \
+  BENCHMARK_TEMPLATE(BM_cuda_step, P, optim::adamw, tuning<1024, 8>)->Apply(sweep_size);                       \
+  BENCHMARK_TEMPLATE(BM_cuda_step, P, optim::adamw, tuning<128, 8>)->Apply(sweep_size);                        \
+  BENCHMARK_TEMPLATE(BM_cuda_step, P, optim::adamw, tuning<256, 16>)->Apply(sweep_size);                       \
+  BENCHMARK_TEMPLATE(BM_cuda_step, P, optim::adamw, tuning<512, 8, 16384>)->Apply(sweep_size);                 \
+  BENCHMARK_TEMPLATE(BM_cuda_step, P, optim::adamw, tuning<512, 8, 262144>)->Apply(sweep_size);
+MPZERO_TUNING_SWEEP(policies::fp32)
+MPZERO_TUNING_SWEEP(policies::bf16_fp32_master)
+MPZERO_TUNING_SWEEP(policies::bf16_all_sr)
+MPZERO_TUNING_SWEEP(policies::fp16_master_fp32_states)
+#undef MPZERO_TUNING_SWEEP
 BENCHMARK(BM_cuda_memcpy)->Apply(copy_sizes);
 BENCHMARK(BM_cuda_copy_kernel)->Apply(copy_sizes);
 

@@ -330,7 +330,10 @@ struct cuda_backend {
   class stepper {
    public:
     stepper(const cuda_backend& b, std::vector<step_tensor<Policy, Optimizer>> tensors)
-        : stream_(b.stream), step_(std::move(tensors)), launcher_(step_), workspace_(launcher_.workspace_bytes(), stream_) {
+        : stream_(b.stream),
+          step_(std::move(tensors), cuda_step_tuning<Policy::rounding::stochastic>::plan()),
+          launcher_(step_),
+          workspace_(launcher_.workspace_bytes(), stream_) {
       launcher_.upload(workspace_.data(), workspace_.size(), stream_);
     }
     void run(const step_args<Optimizer>& args) const { launcher_.run(args, stream_); }

@@ -81,7 +81,10 @@ inline void require_workspace(const void* ws, std::size_t given, std::size_t nee
 }  // namespace detail
 
 // Runs a fused_step on a CUDA stream. The tensors' pointers must be device memory.
-template <precision_policy Policy, optim::rule Optimizer, class Tuning = cuda_tuning>
+// Tuning: the launch shape (threads per block, elements per thread); by default the
+// policy's cuda_step_tuning, whose plan() the fused_step should be built with (any plan
+// works: one block runs one chunk of it).
+template <precision_policy Policy, optim::rule Optimizer, class Tuning = cuda_step_tuning<Policy::rounding::stochastic>>
 class fused_step_launcher {
  public:
   using tensor = step_tensor<Policy, Optimizer>;
