@@ -149,6 +149,31 @@ def main():
         res = json.load(f)
     runs = {r["id"]: r for r in res["runs"]}
 
+    # Reduction buffers (engine.memory().buckets): stage 2 holds some; stages 0-1 reduce
+    # in place, and so hold none unless autocast sends some gradients in bf16 (-ac rows);
+    # the torch row has none. The bucket size is DeepSpeed's default unless --bucket sets
+    # it, and a smaller one holds less.
+    check(res["meta"].get("reduce_bucket_size") == 500000000,
+          "meta.reduce_bucket_size is the default 5e8 (got %r)" % res["meta"].get("reduce_bucket_size"))
+    for cid, r in runs.items():
+        b = r.get("bucket_bytes")
+        if "/z2" in cid:
+            check(isinstance(b, int) and b > 0, "%s: bucket_bytes %r > 0 (stage 2 reduces in buckets)" % (cid, b))
+        elif "-ac" not in cid:
+            check(b == 0, "%s: bucket_bytes %r == 0 (reduced in place)" % (cid, b))
+    if a.world == 1:
+        small_out = os.path.join(a.work, "small_bucket")
+        p = subprocess.run([a.train_gpt, *TINY, "--steps", "3", "--configs", "bf16/z2", "--corpus", corpus,
+                            "--out", small_out, "--bucket", "64"], capture_output=True, text=True)
+        check(p.returncode == 0, "train_gpt --bucket 64 exits 0 (rc %d, stderr %r)" % (p.returncode, p.stderr[-300:]))
+        if p.returncode == 0:
+            with open(os.path.join(small_out, "results.json")) as f:
+                small = json.load(f)
+            got = small["runs"][0]["bucket_bytes"]
+            check(small["meta"]["reduce_bucket_size"] == 64 and 0 < got < runs["bf16/z2"]["bucket_bytes"],
+                  "--bucket 64: meta says 64 and bf16/z2 holds fewer bucket bytes (%d) than with the default (%d)" %
+                  (got, runs["bf16/z2"]["bucket_bytes"]))
+
     # The GPU's memory plot (a second panel of peak device memory) drawn from these results
     # with made-up peaks: it must exist and be wider than the CPU's single panel.
     shaped = os.path.join(a.work, "gpu_shaped")
@@ -210,6 +235,8 @@ def main():
         refused(["--steps", "4x"], "--steps 4x: not an integer")
         refused(["--lr", "3e-3abc"], "--lr 3e-3abc: not a number")
         refused(["--seed", "-1"], "--seed -1: not an integer from 0 to 18446744073709551615")
+        for bad in ("0", "-5", "5e7"):
+            refused(["--bucket", bad], "--bucket %s: must be a positive whole number of elements" % bad)
         blocker = os.path.join(a.work, "a_file")
         with open(blocker, "w") as f:
             f.write("not a directory\n")

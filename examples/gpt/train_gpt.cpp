@@ -266,6 +266,7 @@ struct options {
   std::string configs = default_configs, out = "gpt_out", corpus = "/usr/share/games/fortunes";
   std::string device = "auto";  // cpu, cuda, cuda:N or auto
   std::string save;             // --save: a checkpoint and its fp32 export per configuration
+  std::uint64_t bucket = 0;     // --bucket: zero_optimization.reduce_bucket_size (0: the default, 5e8)
 };
 
 // --device as a torch::Device: auto is the first CUDA device when LibTorch sees one and
@@ -296,6 +297,7 @@ torch::Device resolve_device(const std::string& d) {
 
 json make_config(const run_spec& s, const options& o) {
   json zero = {{"stage", s.stage}};
+  if (o.bucket > 0) zero["reduce_bucket_size"] = o.bucket;
   if (s.offload) zero["offload_optimizer"] = {{"device", "cpu"}};
   json j = {{"train_micro_batch_size_per_gpu", o.batch},
             {"gradient_accumulation_steps", 1},
@@ -323,7 +325,7 @@ void usage() {
   std::printf(
       "usage: train_gpt [--steps N] [--layers N] [--dim N] [--heads N] [--seq N] [--batch N] [--lr X]\n"
       "                 [--eval-batches N] [--seed N] [--configs LIST] [--out DIR] [--corpus DIR] [--big]\n"
-      "                 [--device auto|cpu|cuda|cuda:N] [--save DIR]\n"
+      "                 [--device auto|cpu|cuda|cuda:N] [--save DIR] [--bucket N]\n"
       "  --configs: comma-separated ids (bf16/z2, fp16/z1+off), precisions (every variant: fp32, bf16,\n"
       "             bf16-master, bf16-all, bf16-all-sr, fp16, fp16-master; with bf16 autocast: fp32-ac, bf16-all-ac,\n"
       "             bf16-all-sr-ac), 'torch' (plain LibTorch AdamW, no mpzero) or 'all'. The first is\n"
@@ -336,7 +338,9 @@ void usage() {
       "  --save:    after training, each mpzero configuration saves its checkpoint to DIR/<id, '/' as '_'>\n"
       "             (engine.save_checkpoint), exports it to one fp32 file beside the shards\n"
       "             (fp32.safetensors, mpzero_zero_to_fp32) and reports the held-out loss of that export\n"
-      "             evaluated in fp32 by a fresh model (export_eval_loss in results.json)\n",
+      "             evaluated in fp32 by a fresh model (export_eval_loss in results.json)\n"
+      "  --bucket:  zero_optimization.reduce_bucket_size in elements (default DeepSpeed's 500000000); stages 2-3\n"
+      "             hold a staging and a receive buffer of up to this many gradient elements\n",
       default_configs);
 }
 
@@ -398,6 +402,18 @@ options parse_args(int argc, char** argv) {
     else if (a == "--corpus") o.corpus = v;
     else if (a == "--device") o.device = v;
     else if (a == "--save") o.save = v;
+    else if (a == "--bucket") {
+      std::size_t used = 0;
+      unsigned long long b = 0;
+      try {
+        b = std::stoull(v, &used);
+      } catch (...) {
+        used = 0;
+      }
+      if (used == 0 || used != v.size() || b == 0 || v[0] == '-')
+        throw std::invalid_argument("--bucket " + v + ": must be a positive whole number of elements (e.g. 50000000)");
+      o.bucket = b;
+    }
     else throw std::invalid_argument("unknown flag " + a + " (see --help)");
   }
   if (o.dim % o.heads != 0)
@@ -416,6 +432,7 @@ struct result {
   std::vector<std::uint64_t> skipped_at;  // the optimizer steps (1-based) an fp16 overflow skipped
   // On a GPU: LibTorch's caching allocator peak, and that plus the core's device bytes.
   std::uint64_t torch_peak_bytes = 0, peak_device_bytes = 0;
+  std::uint64_t bucket_bytes = 0;  // the core's reduction buffers (engine.memory().buckets), beside the states
   // --save: the checkpoint's directory, the save's wall time, and the held-out loss of its
   // fp32 export (rank 0's; NaN elsewhere and without --save).
   std::string checkpoint;
@@ -686,6 +703,7 @@ result train_engine(mt::engine<GPT>& engine, const run_spec& spec, const options
   r.numel = m.model_numel;
   r.padding = m.padding_numel;
   r.device_bytes = m.model_state_bytes();
+  r.bucket_bytes = m.buckets;
   r.host_bytes = m.host_model_state_bytes();
   // The core's model states and buckets are allocated outside LibTorch's allocator.
   finish(r, device, r.device_bytes + m.buckets, comm.rank(), index, total);
@@ -829,6 +847,7 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
                     {"measured_host_bytes", r.host_bytes},
                     {"torch_peak_bytes", r.torch_peak_bytes},
                     {"peak_device_bytes", r.peak_device_bytes},
+                    {"bucket_bytes", r.bucket_bytes},
                     {"measured_bytes_per_param", r.measured_bpp()},
                     {"predicted_device_bytes_per_param", r.predicted.device_bytes},
                     {"predicted_host_bytes_per_param", r.predicted.host_bytes},
@@ -847,6 +866,7 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
   json meta = {{"steps", o.steps},   {"layers", o.layers},         {"dim", o.dim},
                {"heads", o.heads},   {"seq", o.seq},               {"batch", o.batch},
                {"lr", o.lr},         {"seed", o.seed},             {"world_size", world},
+               {"reduce_bucket_size", o.bucket > 0 ? json(o.bucket) : json(500'000'000)},
                {"threads", torch::get_num_threads()},              {"corpus", o.corpus},
                {"train_bytes", data.train.size()},                 {"eval_bytes", data.eval.size()},
                {"fortunes", data.fortunes},                        {"device", device},
