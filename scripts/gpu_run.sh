@@ -60,12 +60,12 @@ fi
 # Shared libraries: .deps (Google Benchmark), then LibTorch's and pip's NCCL and the
 # toolkit's, for programs built elsewhere whose rpaths name another machine's folders.
 if [ -z "${GPU_RUN_LIBS:-}" ]; then  # once: the phases run this script again (--one)
-extra_libs="$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null || true)"
-nccl_lib="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)/lib"
-[ -d "$nccl_lib" ] && extra_libs="$extra_libs:$nccl_lib"
-[ -d /usr/local/cuda/lib64 ] && extra_libs="$extra_libs:/usr/local/cuda/lib64"
-export LD_LIBRARY_PATH="$prefix/lib/x86_64-linux-gnu:${extra_libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export GPU_RUN_LIBS=1
+  extra_libs="$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null || true)"
+  nccl_lib="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)/lib"
+  [ -d "$nccl_lib" ] && extra_libs="$extra_libs:$nccl_lib"
+  [ -d /usr/local/cuda/lib64 ] && extra_libs="$extra_libs:/usr/local/cuda/lib64"
+  export LD_LIBRARY_PATH="$prefix/lib/x86_64-linux-gnu:${extra_libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  export GPU_RUN_LIBS=1
 fi
 nvcc_bin="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
 # NCCL: the toolkit's, else pip's nvidia-nccl wheel (what a PyTorch image may have; its
