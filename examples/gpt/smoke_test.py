@@ -161,14 +161,20 @@ def main():
             check(isinstance(b, int) and b > 0, "%s: bucket_bytes %r > 0 (stage 2 reduces in buckets)" % (cid, b))
         elif "-ac" not in cid:
             check(b == 0, "%s: bucket_bytes %r == 0 (reduced in place)" % (cid, b))
+    def run_tiny(name, configs, *extra):
+        """train_gpt on the tiny model into work/<name>: its process and results (None if it failed)."""
+        dest = os.path.join(a.work, name)
+        p = subprocess.run([a.train_gpt, *TINY, *extra, "--configs", configs, "--corpus", corpus, "--out", dest],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            return p, None
+        with open(os.path.join(dest, "results.json")) as f:
+            return p, json.load(f)
+
     if a.world == 1:
-        small_out = os.path.join(a.work, "small_bucket")
-        p = subprocess.run([a.train_gpt, *TINY, "--steps", "3", "--configs", "bf16/z2", "--corpus", corpus,
-                            "--out", small_out, "--bucket", "64"], capture_output=True, text=True)
+        p, small = run_tiny("small_bucket", "bf16/z2", "--steps", "3", "--bucket", "64")
         check(p.returncode == 0, "train_gpt --bucket 64 exits 0 (rc %d, stderr %r)" % (p.returncode, p.stderr[-300:]))
-        if p.returncode == 0:
-            with open(os.path.join(small_out, "results.json")) as f:
-                small = json.load(f)
+        if small is not None:
             got = small["runs"][0]["bucket_bytes"]
             check(small["meta"]["reduce_bucket_size"] == 64 and 0 < got < runs["bf16/z2"]["bucket_bytes"],
                   "--bucket 64: meta says 64 and bf16/z2 holds fewer bucket bytes (%d) than with the default (%d)" %
@@ -246,13 +252,9 @@ def main():
         # A run that stops (fp16 overflowing at its minimum loss scale, from a far too large
         # learning rate) is reported as not finished; the next configuration still runs, and
         # becomes the base, which the table says. (A seed above 2^32 is taken: seeds are 64 bits.)
-        stop_out = os.path.join(a.work, "stopped")
-        p = subprocess.run([a.train_gpt, *TINY, "--lr", "100", "--configs", "fp16/z0,fp32/z0", "--corpus", corpus,
-                            "--out", stop_out, "--seed", "30000000000"], capture_output=True, text=True)
+        p, stopped = run_tiny("stopped", "fp16/z0,fp32/z0", "--lr", "100", "--seed", "30000000000")
         check(p.returncode == 0, "train_gpt goes on after a run stops (rc %d, stderr %r)" % (p.returncode, p.stderr[-400:]))
-        if p.returncode == 0:
-            with open(os.path.join(stop_out, "results.json")) as f:
-                stopped = json.load(f)
+        if stopped is not None:
             check([r["id"] for r in stopped["runs"]] == ["fp32/z0"], "the fp32 run finished after fp16 stopped")
             check(len(stopped["not_run"]) == 1 and stopped["not_run"][0]["id"] == "fp16/z0" and
                   stopped["not_run"][0]["reason"].startswith("stopped during training"),
