@@ -9,8 +9,10 @@
 // - Parameters: the model's trainable parameters are converted to the configured
 //   parameter dtype and re-pointed at views of the ZeRO optimizer's flat parameter
 //   buffer, so forward reads them and step() updates them in place. Rank 0's values are
-//   broadcast at initialisation, through a bounded host window (detail::startup_window_elements). Frozen parameters and floating buffers are converted to
-//   the parameter dtype too (as DeepSpeed's module.bfloat16() does) but not managed.
+//   broadcast at initialisation, through a bounded host window
+//   (detail::startup_window_elements). Frozen parameters and floating buffers are
+//   converted to the parameter dtype too (as DeepSpeed's module.bfloat16() does) but
+//   not managed.
 // - Gradients: a post-accumulate-grad hook per trainable parameter hands the gradient to
 //   the ZeRO core (bucketed reduce-scatter at stage 2), scaled by 1/GAS, and releases
 //   param.grad(). Dividing at the parameter (not at the model's outputs) divides once,
