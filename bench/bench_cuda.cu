@@ -102,7 +102,7 @@ void guarded(benchmark::State& state, Body&& body) {
   }
 }
 
-// A launch shape other than the default (cuda_tuning), for the tuning sweep below.
+// A launch shape other than the library's (cuda_step_tuning), for the sweep below.
 template <int Threads, int Ilp, std::uint32_t Chunk = 65536>
 struct tuning {
   static constexpr int threads = Threads;
@@ -136,9 +136,7 @@ void BM_cuda_step(benchmark::State& state) {
       fill<typename Policy::state_type>(*states[k], n, state_fill(k, ns), se.stream);
       t.states[k] = states[k]->as<typename Policy::state_type>();
     }
-    plan_options po;
-    po.chunk_size = Tuning::chunk;
-    const fused_step<Policy, Optimizer> step(std::vector<tensor>{t}, po);
+    const fused_step<Policy, Optimizer> step(std::vector<tensor>{t}, plan_for<Tuning>());
     mpzero::cuda::fused_step_launcher<Policy, Optimizer, Tuning> launcher(step);
     device_buffer workspace(launcher.workspace_bytes());
     launcher.upload(workspace.as<void>(), workspace.bytes(), se.stream);

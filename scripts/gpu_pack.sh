@@ -17,7 +17,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 src="${1:-$root/build-gpu}"
 dst="$root/.gpu/build-gpu"
 [ -f "$src/CMakeCache.txt" ] || { echo "gpu_pack: $src is not a build folder" >&2; exit 1; }
-if grep -q '^MPI_CXX_FOUND:.*=TRUE' "$src/CMakeCache.txt" 2>/dev/null || [ -n "$(find "$src" -name train_gpt -type f -exec sh -c 'ldd "$1" | grep -q libmpi' _ {} \; -print -quit)" ]; then
+if [ -f "$src/examples/train_gpt" ] && ldd "$src/examples/train_gpt" | grep -q libmpi; then
   echo "gpu_pack: $src links MPI, which the GPU machine lacks: configure it with -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON" >&2
   exit 1
 fi

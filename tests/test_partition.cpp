@@ -399,6 +399,18 @@ TEST_CASE("bucket_plan: boundaries and parameters larger than the bucket", "[par
   CHECK(split.bucket_of(1) == 0);
   CHECK(split.bucket_of(2) == 1);
 
+  // Launch order: last-first, the buckets from the split on after the others.
+  auto order_of = [](const bucket_plan& plan) {
+    return std::vector<std::size_t>(plan.launch_order().begin(), plan.launch_order().end());
+  };
+  using order = std::vector<std::size_t>;
+  CHECK(order_of(bucket_plan(even, 7)) == order{3, 2, 1, 0});        // no split
+  CHECK(order_of(bucket_plan(even, 7, 2)) == order{1, 0, 3, 2});     // {0}, {1} | {2}, {3}
+  CHECK(order_of(bucket_plan(even, 8, 1)) == order{0, 2, 1});        // {0} | {1, 2}, {3}
+  CHECK(order_of(bucket_plan(even, 7, 0)) == order{3, 2, 1, 0});     // all from the split on
+  CHECK(order_of(bucket_plan(even, 7, 4)) == order{3, 2, 1, 0});     // none
+  CHECK(bucket_plan(flat_layout(std::vector<std::uint64_t>{}, 4), 8, 0).launch_order().empty());
+
   // Degenerate groups.
   const std::vector<std::uint64_t> none;
   CHECK(bucket_plan(flat_layout(none, 4), 8).buckets().empty());

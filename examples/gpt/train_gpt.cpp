@@ -266,7 +266,7 @@ struct options {
   std::string configs = default_configs, out = "gpt_out", corpus = "/usr/share/games/fortunes";
   std::string device = "auto";  // cpu, cuda, cuda:N or auto
   std::string save;             // --save: a checkpoint and its fp32 export per configuration
-  std::uint64_t bucket = 0;     // --bucket: zero_optimization.reduce_bucket_size (0: the default, 5e8)
+  std::uint64_t bucket = mt::zero_config{}.reduce_bucket_size;  // --bucket: zero_optimization.reduce_bucket_size
 };
 
 // --device as a torch::Device: auto is the first CUDA device when LibTorch sees one and
@@ -297,7 +297,7 @@ torch::Device resolve_device(const std::string& d) {
 
 json make_config(const run_spec& s, const options& o) {
   json zero = {{"stage", s.stage}};
-  if (o.bucket > 0) zero["reduce_bucket_size"] = o.bucket;
+  zero["reduce_bucket_size"] = o.bucket;
   if (s.offload) zero["offload_optimizer"] = {{"device", "cpu"}};
   json j = {{"train_micro_batch_size_per_gpu", o.batch},
             {"gradient_accumulation_steps", 1},
@@ -370,6 +370,18 @@ options parse_args(int argc, char** argv) {
       if (x < lo) throw std::invalid_argument(a + " " + v + ": must be at least " + std::to_string(lo));
       return x;
     };
+    // v as a whole number from 0 to 2^64 - 1 (no sign, nothing after it), or nothing.
+    auto unsigned64 = [&]() -> std::optional<std::uint64_t> {
+      std::size_t used = 0;
+      std::uint64_t x = 0;
+      try {
+        if (!v.empty() && v[0] != '-') x = std::stoull(v, &used);
+      } catch (...) {
+        used = 0;
+      }
+      if (used == 0 || used != v.size()) return std::nullopt;
+      return x;
+    };
     if (a == "--steps") o.steps = integer(2);
     else if (a == "--layers") o.layers = integer(1);
     else if (a == "--dim") o.dim = integer(8);
@@ -378,14 +390,9 @@ options parse_args(int argc, char** argv) {
     else if (a == "--batch") o.batch = integer(1);
     else if (a == "--eval-batches") o.eval_batches = integer(1);
     else if (a == "--seed") {  // the engine's seed is 64 bits (docs/config.md)
-      std::size_t used = 0;
-      try {
-        if (!v.empty() && v[0] != '-') o.seed = std::stoull(v, &used);
-      } catch (...) {
-        used = 0;
-      }
-      if (used == 0 || used != v.size())
-        throw std::invalid_argument("--seed " + v + ": not an integer from 0 to 18446744073709551615");
+      const auto s = unsigned64();
+      if (!s) throw std::invalid_argument("--seed " + v + ": not an integer from 0 to 18446744073709551615");
+      o.seed = *s;
     }
     else if (a == "--lr") {
       std::size_t used = 0;
@@ -403,16 +410,10 @@ options parse_args(int argc, char** argv) {
     else if (a == "--device") o.device = v;
     else if (a == "--save") o.save = v;
     else if (a == "--bucket") {
-      std::size_t used = 0;
-      unsigned long long b = 0;
-      try {
-        b = std::stoull(v, &used);
-      } catch (...) {
-        used = 0;
-      }
-      if (used == 0 || used != v.size() || b == 0 || v[0] == '-')
+      const auto b = unsigned64();
+      if (!b || *b == 0)
         throw std::invalid_argument("--bucket " + v + ": must be a positive whole number of elements (e.g. 50000000)");
-      o.bucket = b;
+      o.bucket = *b;
     }
     else throw std::invalid_argument("unknown flag " + a + " (see --help)");
   }
@@ -866,7 +867,7 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
   json meta = {{"steps", o.steps},   {"layers", o.layers},         {"dim", o.dim},
                {"heads", o.heads},   {"seq", o.seq},               {"batch", o.batch},
                {"lr", o.lr},         {"seed", o.seed},             {"world_size", world},
-               {"reduce_bucket_size", o.bucket > 0 ? json(o.bucket) : json(500'000'000)},
+               {"reduce_bucket_size", o.bucket},
                {"threads", torch::get_num_threads()},              {"corpus", o.corpus},
                {"train_bytes", data.train.size()},                 {"eval_bytes", data.eval.size()},
                {"fortunes", data.fortunes},                        {"device", device},

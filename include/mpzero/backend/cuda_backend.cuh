@@ -331,7 +331,7 @@ struct cuda_backend {
    public:
     stepper(const cuda_backend& b, std::vector<step_tensor<Policy, Optimizer>> tensors)
         : stream_(b.stream),
-          step_(std::move(tensors), cuda_step_tuning<Policy::rounding::stochastic>::plan()),
+          step_(std::move(tensors), plan_for<cuda_step_tuning<Policy::rounding::stochastic>>()),
           launcher_(step_),
           workspace_(launcher_.workspace_bytes(), stream_) {
       launcher_.upload(workspace_.data(), workspace_.size(), stream_);

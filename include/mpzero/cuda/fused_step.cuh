@@ -82,8 +82,8 @@ inline void require_workspace(const void* ws, std::size_t given, std::size_t nee
 
 // Runs a fused_step on a CUDA stream. The tensors' pointers must be device memory.
 // Tuning: the launch shape (threads per block, elements per thread); by default the
-// policy's cuda_step_tuning, whose plan() the fused_step should be built with (any plan
-// works: one block runs one chunk of it).
+// policy's cuda_step_tuning, whose plan_for<>() the fused_step is best built with (any
+// plan works: one block runs one chunk of it).
 template <precision_policy Policy, optim::rule Optimizer, class Tuning = cuda_step_tuning<Policy::rounding::stochastic>>
 class fused_step_launcher {
  public:

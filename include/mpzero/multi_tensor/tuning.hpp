@@ -29,15 +29,16 @@ template <bool Stochastic>
 struct cuda_step_tuning {
   static constexpr int threads = Stochastic ? 1024 : 512;
   static constexpr int ilp = 8;
-  static constexpr int reduce_threads = cuda_tuning::reduce_threads;
   static constexpr std::uint32_t chunk = Stochastic ? 65536u : 16384u;
   static_assert(chunk % (threads * ilp) == 0, "a chunk is a whole number of block iterations");
-  // The plan for this shape (plan_options with its chunk size).
-  static constexpr plan_options plan() noexcept {
-    plan_options o;
-    o.chunk_size = chunk;
-    return o;
-  }
 };
+
+// The plan options for a launch shape: its chunk size, the rest the defaults.
+template <class Tuning>
+constexpr plan_options plan_for() noexcept {
+  plan_options o;
+  o.chunk_size = Tuning::chunk;
+  return o;
+}
 
 }  // namespace mpzero

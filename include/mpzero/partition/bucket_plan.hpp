@@ -33,8 +33,10 @@ class bucket_plan {
   // one after). Buckets are listed in parameter order; backward produces gradients
   // roughly in reverse order, so the LAST bucket usually completes first.
   // `split` (a parameter index; none by default) starts a new bucket there: no bucket
-  // holds parameters from both sides (ZeroOptimizer splits at its small parameters,
-  // placed last, so that they do not hold back the buckets before them).
+  // holds parameters from both sides. launch_order() then reduces the buckets before the
+  // split last-first, and those after it last-first after them (ZeroOptimizer splits at
+  // its small parameters, placed last: they fill only when backward reaches the first
+  // layers, and reduced first they would hold back every other bucket).
   bucket_plan(const flat_layout& layout, std::uint64_t bucket_numel, std::size_t split = static_cast<std::size_t>(-1))
       : bucket_numel_(bucket_numel) {
     if (bucket_numel == 0) {
@@ -57,9 +59,16 @@ class bucket_plan {
       current.range.end += size;
     }
     buckets_.push_back(current);
+    std::size_t first_after = buckets_.size();  // the first bucket of the parameters from split on
+    while (first_after > 0 && buckets_[first_after - 1].first_param >= split) --first_after;
+    for (std::size_t b = first_after; b-- > 0;) launch_order_.push_back(b);
+    for (std::size_t b = buckets_.size(); b-- > first_after;) launch_order_.push_back(b);
   }
 
   std::span<const bucket> buckets() const noexcept { return buckets_; }
+  // Bucket indices in the order to reduce them: descending (the order backward usually
+  // completes them), with the buckets from `split` on after the others.
+  std::span<const std::size_t> launch_order() const noexcept { return launch_order_; }
   std::size_t num_buckets() const noexcept { return buckets_.size(); }
   std::uint64_t bucket_numel() const noexcept { return bucket_numel_; }
 
@@ -78,6 +87,7 @@ class bucket_plan {
 
  private:
   std::vector<bucket> buckets_;
+  std::vector<std::size_t> launch_order_;
   std::uint64_t bucket_numel_ = 0;
 };
 

@@ -1098,16 +1098,9 @@ class ZeroOptimizer {
     plan_wire_runs(order);
     if constexpr (zero_stage >= 2) {
       // The small parameters (placed last) get buckets of their own, reduced after the
-      // others: in backward order they are the first buckets to launch, but they fill
-      // only as backward ends (the first layers' biases and norms are among them), so
-      // launching them first would hold every other bucket's staging buffer until then.
+      // others (bucket_plan::launch_order): they fill only as backward ends.
       buckets_ = bucket_plan(layout_, zo_.reduce_bucket_numel, n_large);
       const std::size_t nb = buckets_.buckets().size();
-      std::size_t first_small = nb;
-      while (first_small > 0 && buckets_.buckets()[first_small - 1].first_param >= n_large) --first_small;
-      launch_order_.clear();
-      for (std::size_t b = first_small; b-- > 0;) launch_order_.push_back(b);
-      for (std::size_t b = nb; b-- > first_small;) launch_order_.push_back(b);
       // Each bucket's runs of equal wire dtype (one run, the whole bucket, by default).
       bucket_runs_.assign(nb, {});
       for (std::size_t b = 0; b < nb; ++b) {
@@ -1357,19 +1350,21 @@ class ZeroOptimizer {
     return m;
   }
 
-  // Buckets go in launch_order_ (descending, the order backward usually completes
-  // them, with the small parameters' buckets last), so every rank issues the same
-  // reductions in the same order whatever its timing.
+  // Buckets go in the plan's launch order (descending, the order backward usually
+  // completes them, with the small parameters' buckets last), so every rank issues the
+  // same reductions in the same order whatever its timing.
   void launch_ready_buckets() {
-    while (launch_pos_ < launch_order_.size() && remaining_[launch_order_[launch_pos_]] == 0) {
-      launch(launch_order_[launch_pos_]);
+    const auto order = buckets_.launch_order();
+    while (launch_pos_ < order.size() && remaining_[order[launch_pos_]] == 0) {
+      launch(order[launch_pos_]);
       ++launch_pos_;
     }
   }
 
   void launch_all_remaining() {
-    while (launch_pos_ < launch_order_.size()) {
-      const std::size_t b = launch_order_[launch_pos_];
+    const auto order = buckets_.launch_order();
+    while (launch_pos_ < order.size()) {
+      const std::size_t b = order[launch_pos_];
       if (staging_of_[b] < 0) staging_of_[b] = acquire_staging();  // no gradient this pass: reduce zeros
       launch(b);
       ++launch_pos_;
@@ -1580,8 +1575,7 @@ class ZeroOptimizer {
   std::vector<int> staging_of_;
   std::vector<std::uint8_t> launched_, reported_;
   std::vector<std::int32_t> dirty_;
-  std::vector<std::size_t> launch_order_;  // bucket indices in the order they are reduced each pass
-  std::size_t launch_pos_ = 0;              // launch_order_[launch_pos_] is the next to launch
+  std::size_t launch_pos_ = 0;  // buckets_.launch_order()[launch_pos_] is the next to launch
   pool<grad_type> staging_;  // gradient-typed buckets being filled or sent
   std::vector<std::vector<wire_run>> bucket_runs_;  // each bucket's runs of equal wire dtype
   pools<> recv_pools_;  // this rank's block of a reduction in flight
