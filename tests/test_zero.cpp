@@ -763,6 +763,96 @@ TEST_CASE("ZeRO: small parameters, placed last, do not hold back the other bucke
   }
 }
 
+TEST_CASE("ZeRO: at world size 1, stages 2 and 3 accumulate straight into the gradient (no bucket buffers, stage 0's bits)", "[zero]") {
+  // Gradients that are not exact in bf16, three backward passes with a shared weight
+  // reported twice, scaled by 1/2: stage 0 rounds each report into the gradient once.
+  // At world size 1 stages 2 and 3 must do the same, with no staging or receive buffer
+  // (reducing through a zeroed staging bucket rounds twice and holds the buckets). Above
+  // world size 1 the buckets are there.
+  auto& c = world();
+  const std::vector<std::uint64_t> numels{1000, 37, 5000, 3};
+  zero_options zo;
+  zo.reduce_bucket_numel = 1024;
+  zo.param_persistence_threshold = 40;
+  using Z0 = ZeroOptimizer<policies::bf16_all, optim::adamw, stage<0>, comm::mpi_communicator>;
+  using Z2 = ZeroOptimizer<policies::bf16_all, optim::adamw, stage<2>, comm::mpi_communicator>;
+  using Z3 = ZeroOptimizer<policies::bf16_all, optim::adamw, stage<3>, comm::mpi_communicator>;
+  Z0 z0(c, numels, {}, zo);
+  Z2 z2(c, numels, {}, zo);
+  Z3 z3(c, numels, {}, zo);
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<std::vector<float>> grads(numels.size());
+  auto backward = [&](auto& z) {
+    for (std::size_t p = numels.size(); p-- > 0;) {
+      z.accumulate_grad(p, grads[p].data(), 0.5f);
+      if (p == 0) z.accumulate_grad(p, grads[p].data(), 0.5f);
+    }
+    z.end_backward();
+  };
+  for (int pass = 0; pass < 3; ++pass) {
+    for (std::size_t p = 0; p < numels.size(); ++p) {
+      grads[p].resize(numels[p]);
+      for (float& v : grads[p]) v = u(gen);
+    }
+    backward(z0);
+    backward(z2);
+    backward(z3);
+  }
+  INFO("world " << c.size() << ": stage 2 holds " << z2.memory().buckets << " bytes of buckets, stage 3 "
+                << z3.memory().buckets);
+  if (c.size() == 1) {
+    CHECK(z2.memory().buckets == 0);
+    CHECK(z3.memory().buckets == 0);
+    for (std::size_t p = 0; p < numels.size(); ++p) {
+      const std::vector<float> g0 = z0.full_grad(p), g2 = z2.full_grad(p), g3 = z3.full_grad(p);
+      INFO("parameter " << p);
+      REQUIRE(std::memcmp(g0.data(), g2.data(), g0.size() * sizeof(float)) == 0);
+      REQUIRE(std::memcmp(g0.data(), g3.data(), g0.size() * sizeof(float)) == 0);
+    }
+    z0.step();
+    z2.step();
+    z3.step();
+    z3.gather(0, numels.size());
+    for (std::size_t p = 0; p < numels.size(); ++p) {
+      const auto a = z0.param(p), b = z2.param(p), d = z3.param(p);
+      REQUIRE(std::memcmp(a.data(), b.data(), a.size_bytes()) == 0);
+      REQUIRE(std::memcmp(a.data(), d.data(), a.size_bytes()) == 0);
+    }
+    z3.release(0, numels.size());
+    CHECK(z2.memory().buckets == 0);
+  } else {
+    CHECK(z2.memory().buckets > 0);
+    CHECK(z3.memory().buckets > 0);
+  }
+}
+
+TEST_CASE("ZeRO: at world size 1, offload and another wire dtype keep their buckets", "[zero]") {
+  // Offload's partition is in host memory, and a bf16 wire rounds each bucket once:
+  // both still go through the buckets at one rank, so their bits match every world size.
+  auto& c = world();
+  const std::vector<std::uint64_t> numels{1000, 3000};
+  zero_options zo;
+  zo.reduce_bucket_numel = 1024;
+  zo.param_persistence_threshold = 0;
+  ZeroOptimizer<policies::bf16_all, optim::adamw, stage<2>, comm::mpi_communicator, host_backend, offload_cpu> off(c, numels, {}, zo);
+  ZeroOptimizer<policies::fp32, optim::adamw, stage<2>, comm::mpi_communicator, host_backend, offload_none, bf16> wire(c, numels, {}, zo);
+  const std::vector<float> g(3000, 0x1p-4f);
+  for (std::size_t p = numels.size(); p-- > 0;) {
+    off.accumulate_grad(p, g.data());
+    wire.accumulate_grad(p, g.data());
+  }
+  off.end_backward();
+  wire.end_backward();
+  CHECK(off.memory().buckets > 0);
+  CHECK(wire.memory().buckets > 0);
+  for (std::size_t p = 0; p < numels.size(); ++p) {
+    const std::vector<float> a = off.full_grad(p), b = wire.full_grad(p);
+    REQUIRE(std::count(a.begin(), a.end(), 0x1p-4f) == static_cast<std::ptrdiff_t>(numels[p]));
+    REQUIRE(std::count(b.begin(), b.end(), 0x1p-4f) == static_cast<std::ptrdiff_t>(numels[p]));
+  }
+}
+
 namespace {
 
 template <class Policy, class Opt>

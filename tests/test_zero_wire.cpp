@@ -416,7 +416,8 @@ TEST_CASE("ZeRO wire dtypes: memory().buckets counts the wire buffers", "[zero]"
     feed(plain, 1);
     const std::uint64_t mine = std::max<std::uint64_t>(intersect(z.shard(), flat_range{0, 1000}).size(), 1);
     CHECK(z.memory().buckets == 1000 * 4 + 1000 * 2 + mine * 2);
-    CHECK(plain.memory().buckets == 1000 * 4 + mine * 4);
+    // In the gradient dtype, one rank has nothing to reduce: no buffers at all.
+    CHECK(plain.memory().buckets == (c.size() == 1 ? 0 : 1000 * 4 + mine * 4));
   }
 }
 

@@ -340,7 +340,8 @@ void usage() {
       "             (fp32.safetensors, mpzero_zero_to_fp32) and reports the held-out loss of that export\n"
       "             evaluated in fp32 by a fresh model (export_eval_loss in results.json)\n"
       "  --bucket:  zero_optimization.reduce_bucket_size in elements (default DeepSpeed's 500000000); stages 2-3\n"
-      "             hold a staging and a receive buffer of up to this many gradient elements\n",
+      "             hold a staging and a receive buffer of up to this many gradient elements (none at world\n"
+      "             size 1 without offload: one rank adds straight into the gradient)\n",
       default_configs);
 }
 

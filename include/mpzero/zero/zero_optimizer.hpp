@@ -4,7 +4,8 @@
 //   stage 1  master weights and optimizer states are partitioned; gradients are
 //            reduce-scattered at the step; updated parameters are all-gathered.
 //   stage 2  gradients are partitioned too: they are reduce-scattered in buckets
-//            while backward runs, into the owner's partition.
+//            while backward runs, into the owner's partition (at world size 1,
+//            accumulated straight into it: no bucket buffers).
 //   stage 3  parameters are partitioned too: gather() a group of parameters before
 //            use (prefetch() the next one), release() it after; parameters of at
 //            most param_persistence_threshold elements stay whole on every rank.
@@ -367,13 +368,19 @@ class ZeroOptimizer {
     } else {
       const std::size_t b = buckets_.bucket_of(s);
       const bucket& bk = buckets_.buckets()[b];
-      if (staging_of_[b] < 0) staging_of_[b] = acquire_staging();
-      backend_.accumulate(staging_.data(staging_of_[b]) + (r.begin - bk.range.begin), src,
-                          r.size(), scale);
+      if (direct_[b]) {
+        // Nothing to reduce (one rank, the gradient dtype on the wire): straight into the
+        // gradient partition, as stage 0 does, with no staging or receive buffer.
+        backend_.accumulate(grads_.data() + (r.begin - shard_.begin), src, r.size(), scale);
+      } else {
+        if (staging_of_[b] < 0) staging_of_[b] = acquire_staging();
+        backend_.accumulate(staging_.data(staging_of_[b]) + (r.begin - bk.range.begin), src,
+                            r.size(), scale);
+      }
       if (!reported_[s]) {
         reported_[s] = 1;
         if (--remaining_[b] == 0) launch_ready_buckets();
-      } else if (launched_[b]) {
+      } else if (launched_[b] && !direct_[b]) {
         dirty_[b] = 1;  // reported again after its bucket went: reduce it once more at end_backward()
       }
     }
@@ -406,10 +413,7 @@ class ZeroOptimizer {
         // (One rank agrees with itself: no round trip through the device.)
         if (world_ > 1) backend_.all_reduce_host(comm_, dirty_.data(), dirty_.size(), comm::reduce_op::max);
         for (std::size_t b = dirty_.size(); b-- > 0;) {
-          if (dirty_[b]) {
-            if (staging_of_[b] < 0) staging_of_[b] = acquire_staging();
-            launch(b);
-          }
+          if (dirty_[b]) launch(b);
         }
       }
       drain();
@@ -1112,6 +1116,16 @@ class ZeroOptimizer {
         // A bucket of empty parameters still takes part (a reduction of nothing).
         if (bucket_runs_[b].empty()) bucket_runs_[b].push_back(wire_run{br, dtype_of_v<Wire>});
       }
+      // One rank reduces nothing: a bucket whose gradients travel in the gradient dtype
+      // (no wire rounding to keep) accumulates straight into the partition, which at
+      // world size 1 is the whole gradient. Offload keeps its buckets: the partition is
+      // in host memory, and the reports are not.
+      direct_.assign(nb, 0);
+      for (std::size_t b = 0; b < nb; ++b) {
+        direct_[b] = world_ == 1 && !offloaded &&
+                     std::all_of(bucket_runs_[b].begin(), bucket_runs_[b].end(),
+                                 [](const wire_run& w) { return w.wire == dtype_of_v<grad_type>; });
+      }
       params_in_bucket_.assign(nb, 0);
       for (std::size_t s = 0; s < n; ++s) ++params_in_bucket_[buckets_.bucket_of(s)];
       remaining_ = params_in_bucket_;
@@ -1364,9 +1378,7 @@ class ZeroOptimizer {
   void launch_all_remaining() {
     const auto order = buckets_.launch_order();
     while (launch_pos_ < order.size()) {
-      const std::size_t b = order[launch_pos_];
-      if (staging_of_[b] < 0) staging_of_[b] = acquire_staging();  // no gradient this pass: reduce zeros
-      launch(b);
+      launch(order[launch_pos_]);  // a bucket with no gradient this pass reduces zeros
       ++launch_pos_;
     }
   }
@@ -1377,15 +1389,18 @@ class ZeroOptimizer {
   // A run in the gradient dtype is sent straight from the staging buffer; the others
   // from a wire-typed copy of the bucket (one per dtype), so the staging buffer is
   // given back at once when no run needs it.
+  // A direct bucket (see direct_) has nothing to reduce.
   void launch(std::size_t b) {
+    launched_[b] = 1;
+    if (direct_[b]) return;
     constexpr std::size_t max_in_flight = 2;
     while (pending_.size() >= max_in_flight) complete_oldest();
     const bucket& bk = buckets_.buckets()[b];
+    if (staging_of_[b] < 0) staging_of_[b] = acquire_staging();  // no gradient this pass: zeros
     in_flight f;
     f.bucket = b;
     f.staging = staging_of_[b];
     staging_of_[b] = -1;
-    launched_[b] = 1;
     const grad_type* staged = staging_.data(f.staging);
     bool sends_staging = false;
     for (const wire_run& run : bucket_runs_[b]) {
@@ -1574,6 +1589,9 @@ class ZeroOptimizer {
   std::vector<std::uint32_t> params_in_bucket_, remaining_;
   std::vector<int> staging_of_;
   std::vector<std::uint8_t> launched_, reported_;
+  // Buckets with nothing to reduce (world size 1, no offload, every run in the gradient
+  // dtype): reports accumulate into grads_ directly, and launch() only marks them.
+  std::vector<std::uint8_t> direct_;
   std::vector<std::int32_t> dirty_;
   std::size_t launch_pos_ = 0;  // buckets_.launch_order()[launch_pos_] is the next to launch
   pool<grad_type> staging_;  // gradient-typed buckets being filled or sent
