@@ -120,7 +120,13 @@ inline std::size_t remove_stale_shards(const std::filesystem::path& dir, std::ui
 
 namespace detail {
 
-inline std::string quoted(const std::filesystem::path& p) { return "'" + p.string() + "'"; }
+// (Appended, not "'" + p.string(): GCC 12 warns, falsely, of an overlapping memcpy there: -Wrestrict.)
+inline std::string quoted(const std::filesystem::path& p) {
+  std::string s = "'";
+  s += p.string();
+  s += '\'';
+  return s;
+}
 
 template <class T>
 void put(std::string& out, const T& v) {
