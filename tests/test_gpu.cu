@@ -110,8 +110,9 @@ __device__ void record(mismatch_counter* m, unsigned long long checked, unsigned
   }
 }
 
-// Checks the float patterns [first, first + n): mpzero's conversions against
-// __float2bfloat16_rn and __float2half_rn, in the same kernel.
+// Checks the float patterns [first, first + n): mpzero's integer conversions (what the
+// host runs) against __float2bfloat16_rn and __float2half_rn, in the same kernel, and the
+// device's own (the hardware's cvt) against the integer ones.
 __global__ void from_float_kernel(std::uint32_t first, std::uint32_t n, mismatch_counter* bf,
                                   mismatch_counter* hf) {
   unsigned long long checked = 0, bf_count = 0, hf_count = 0, bf_first = ~0ull, hf_first = ~0ull;
@@ -120,10 +121,12 @@ __global__ void from_float_kernel(std::uint32_t first, std::uint32_t n, mismatch
     ++checked;
     const std::uint32_t u = first + i;
     const float f = __uint_as_float(u);
-    if (bf16_from_float_rn(f).bits != __bfloat16_as_ushort(__float2bfloat16_rn(f))) {
+    const std::uint16_t bf_soft = detail::bf16_from_float_rn_soft(f).bits;
+    const std::uint16_t hf_soft = detail::fp16_from_float_rn_soft(f).bits;
+    if (bf_soft != __bfloat16_as_ushort(__float2bfloat16_rn(f)) || bf16_from_float_rn(f).bits != bf_soft) {
       if (bf_count++ == 0) bf_first = u;  // u grows along a thread's loop: the first is its smallest
     }
-    if (fp16_from_float_rn(f).bits != __half_as_ushort(__float2half_rn(f))) {
+    if (hf_soft != __half_as_ushort(__float2half_rn(f)) || fp16_from_float_rn(f).bits != hf_soft) {
       if (hf_count++ == 0) hf_first = u;
     }
   }
@@ -136,14 +139,17 @@ __global__ void from_float_kernel(std::uint32_t first, std::uint32_t n, mismatch
 // (`*_payload`): for bf16, sm_90 widens with cvt.f32.bf16, which may return the
 // canonical NaN where CUDA's host conversion (and mpzero, on host and device alike)
 // keeps the payload; for fp16 both mpzero and CUDA's host code give the canonical NaN
-// 0x7fffffff. `ours` gets mpzero's device results, which the host compares with its own.
+// 0x7fffffff. `ours` gets mpzero's device results, which the host compares with its own;
+// the fp16 widening the device runs (the hardware's, NaN made canonical) must equal the
+// integer one (the host's) for every input, NaN included.
 __global__ void to_float_kernel(mismatch_counter* bf, mismatch_counter* hf, mismatch_counter* bf_payload,
                                 mismatch_counter* hf_payload, std::uint32_t* ours_bf, std::uint32_t* ours_hf) {
   const std::uint32_t h = blockIdx.x * blockDim.x + threadIdx.x;
   if (h > 0xffffu) return;
   const auto s = static_cast<std::uint16_t>(h);
   const float our_bf = to_float(bf16{s}), cuda_bf = __bfloat162float(__ushort_as_bfloat16(s));
-  const float our_hf = to_float(fp16{s}), cuda_hf = __half2float(__ushort_as_half(s));
+  const float our_hf = detail::fp16_to_float_soft(fp16{s}), cuda_hf = __half2float(__ushort_as_half(s));
+  const bool hf_device_differs = __float_as_uint(to_float(fp16{s})) != __float_as_uint(our_hf);
   ours_bf[h] = __float_as_uint(our_bf);
   ours_hf[h] = __float_as_uint(our_hf);
   const bool bf_nan = (s & 0x7f80u) == 0x7f80u && (s & 0x007fu) != 0;
@@ -151,7 +157,7 @@ __global__ void to_float_kernel(mismatch_counter* bf, mismatch_counter* hf, mism
   const bool bf_bits = __float_as_uint(our_bf) != __float_as_uint(cuda_bf);
   const bool hf_bits = __float_as_uint(our_hf) != __float_as_uint(cuda_hf);
   const bool bf_differs = bf_nan ? !(isnan(our_bf) && isnan(cuda_bf)) : bf_bits;
-  const bool hf_differs = hf_nan ? !(isnan(our_hf) && isnan(cuda_hf)) : hf_bits;
+  const bool hf_differs = (hf_nan ? !(isnan(our_hf) && isnan(cuda_hf)) : hf_bits) || hf_device_differs;
   record(bf, 1, bf_differs ? 1 : 0, bf_differs ? h : ~0ull);
   record(hf, 1, hf_differs ? 1 : 0, hf_differs ? h : ~0ull);
   record(bf_payload, bf_nan ? 1 : 0, bf_nan && bf_bits ? 1 : 0, bf_nan && bf_bits ? h : ~0ull);
@@ -162,16 +168,16 @@ __global__ void to_float_kernel(mismatch_counter* bf, mismatch_counter* hf, mism
 // mpzero fp16, CUDA fp16}.
 __global__ void probe_from_float_kernel(std::uint32_t u, std::uint32_t* out) {
   const float f = __uint_as_float(u);
-  out[0] = bf16_from_float_rn(f).bits;
+  out[0] = detail::bf16_from_float_rn_soft(f).bits;
   out[1] = __bfloat16_as_ushort(__float2bfloat16_rn(f));
-  out[2] = fp16_from_float_rn(f).bits;
+  out[2] = detail::fp16_from_float_rn_soft(f).bits;
   out[3] = __half_as_ushort(__float2half_rn(f));
 }
 
 __global__ void probe_to_float_kernel(std::uint16_t h, std::uint32_t* out) {
   out[0] = __float_as_uint(to_float(bf16{h}));
   out[1] = __float_as_uint(__bfloat162float(__ushort_as_bfloat16(h)));
-  out[2] = __float_as_uint(to_float(fp16{h}));
+  out[2] = __float_as_uint(detail::fp16_to_float_soft(fp16{h}));
   out[3] = __float_as_uint(__half2float(__ushort_as_half(h)));
 }
 
@@ -198,11 +204,13 @@ void check_counters(const mismatch_counter* d_counters, bool from_float, unsigne
   MPZERO_CUDA_CHECK(cudaStreamSynchronize(s));
   const char* format[2] = {"bf16", "fp16"};
   for (int k = 0; k < 2; ++k) {
-    INFO(format[k] << ": " << c[k].count << " of the " << input_kind << " inputs differ from CUDA's intrinsic");
+    INFO(format[k] << ": " << c[k].count << " of the " << input_kind
+                   << " inputs differ from CUDA's intrinsic (mpzero's integer conversion), or the device's "
+                      "conversion differs from the integer one");
     CHECK(c[k].checked == inputs);
     if (c[k].count != 0) {
       const auto r = probe(from_float, static_cast<std::uint32_t>(c[k].first), s);
-      INFO("first mismatch at input " << hex(c[k].first) << ": mpzero gives " << hex(r[2 * k]) << ", CUDA gives "
+      INFO("first mismatch at input " << hex(c[k].first) << ": mpzero's integer conversion gives " << hex(r[2 * k]) << ", CUDA gives "
                                       << hex(r[2 * k + 1]));
       CHECK(c[k].count == 0);
     } else {

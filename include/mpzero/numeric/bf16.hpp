@@ -1,7 +1,8 @@
 // mpzero: bfloat16 storage type and its conversions.
 //
-// Conversions are written once, in integer arithmetic, and used on host and device,
-// so both give the same bits. They reproduce CUDA's __float2bfloat16_rn and
+// Conversions are written once, in integer arithmetic, and used on host and device
+// (device code from sm_80 on rounds to nearest with the hardware's cvt, which gives the
+// same bits), so both give the same bits. They reproduce CUDA's __float2bfloat16_rn and
 // __bfloat162float exactly (NaN becomes the canonical 0x7FFF); tests check every
 // 16-bit pattern and every rounding boundary.
 #pragma once
@@ -32,10 +33,29 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr float to_float(bf16 x) noexcept 
 // integer operations instead of seven, which the vectorized host step, rounding three
 // values per element under bf16_all, feels. Infinities stay (their low half is zero);
 // NaN takes one select, as in bf16_from_float_sr.
-MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr bf16 bf16_from_float_rn(float f) noexcept {
+//
+// Device code from sm_80 on runs the hardware's cvt.rn.bf16.f32 instead; the integer
+// version stays as detail::bf16_from_float_rn_soft, which the [gpu] tests hold against
+// CUDA's __float2bfloat16_rn for every input.
+namespace detail {
+
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr bf16 bf16_from_float_rn_soft(float f) noexcept {
   const std::uint32_t u = detail::float_as_bits(f);
   const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   return bf16{static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fffu : rounded)};  // NaN: canonical
+}
+
+}  // namespace detail
+
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr bf16 bf16_from_float_rn(float f) noexcept {
+#if MPZERO_IS_DEVICE_CODE && __CUDA_ARCH__ >= 800
+  if (!__builtin_is_constant_evaluated()) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return bf16{h};
+  }
+#endif
+  return detail::bf16_from_float_rn_soft(f);
 }
 
 // Stochastic rounding: the magnitude rounds up with probability equal to the

@@ -3,6 +3,10 @@
 // Written in integer arithmetic and shared by host and device. They reproduce
 // CUDA's __float2half_rn and __half2float bit for bit, including NaN
 // canonicalisation (float NaN -> 0x7FFF, half NaN -> 0x7FFFFFFF) and subnormals.
+// Device code runs the hardware's conversions instead (one cvt each, where the integer
+// version costs dozens of operations); the integer versions stay as detail::*_soft, which
+// the [gpu] tests hold against CUDA's intrinsics for every input, so host and device
+// still give the same bits.
 #pragma once
 
 #include <cstdint>
@@ -51,7 +55,9 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr std::uint32_t shl_blend(std::uin
 // Branch-free, and in integer arithmetic only: host loops vectorize only code they
 // may execute for every lane, and under -ftrapping-math (GCC's default) no FP
 // operation may be executed speculatively.
-MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr float to_float(fp16 x) noexcept {
+namespace detail {
+
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr float fp16_to_float_soft(fp16 x) noexcept {
   const std::uint32_t h = x.bits;
   const std::uint32_t sign = (h & 0x8000u) << 16;
   const std::uint32_t exponent = (h >> 10) & 0x1fu;
@@ -74,6 +80,22 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr float to_float(fp16 x) noexcept 
   const std::uint32_t special = mantissa != 0u ? 0x7fffffffu : (sign | 0x7f800000u);
   const std::uint32_t r = exponent == 0x1fu ? special : (exponent == 0u ? subnormal : normal);
   return detail::bits_as_float(r);
+}
+
+}  // namespace detail
+
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr float to_float(fp16 x) noexcept {
+#if MPZERO_IS_DEVICE_CODE
+  if (!__builtin_is_constant_evaluated()) {
+    // cvt.f32.f16 is exact for every non-NaN input; a NaN becomes the canonical one, as
+    // in the integer version (the hardware may keep the payload).
+    const unsigned short h = x.bits;
+    float r;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h));
+    return (h & 0x7fffu) > 0x7c00u ? detail::bits_as_float(0x7fffffffu) : r;
+  }
+#endif
+  return detail::fp16_to_float_soft(x);
 }
 
 namespace detail {
@@ -100,9 +122,11 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr fp16_split split_for_fp16(std::u
 
 }  // namespace detail
 
+namespace detail {
+
 // Round to nearest, ties to even; |f| >= 65520 becomes infinity. Branch-free: the
 // normal and the subnormal result are both computed, then selected.
-MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr fp16 fp16_from_float_rn(float f) noexcept {
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr fp16 fp16_from_float_rn_soft(float f) noexcept {
   const std::uint32_t x = detail::float_as_bits(f);
   const std::uint32_t u = x & 0x7fffffffu;
   const std::uint32_t sign = (x >> 16) & 0x8000u;
@@ -122,6 +146,20 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr fp16 fp16_from_float_rn(float f)
   r = u >= 0x47800000u ? (sign | 0x7c00u) : r;
   r = u > 0x7f800000u ? 0x7fffu : r;
   return fp16{static_cast<std::uint16_t>(r)};
+}
+
+}  // namespace detail
+
+// Round to nearest, ties to even; |f| >= 65520 becomes infinity; NaN becomes 0x7FFF.
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr fp16 fp16_from_float_rn(float f) noexcept {
+#if MPZERO_IS_DEVICE_CODE
+  if (!__builtin_is_constant_evaluated()) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return fp16{h};
+  }
+#endif
+  return detail::fp16_from_float_rn_soft(f);
 }
 
 // Stochastic rounding with 16 uniform random bits. A normal half result discards 13
