@@ -38,7 +38,7 @@ namespace fs = std::filesystem;
 // The adapter's refusals: mpzero::invalid_argument, prefixed "mpzero::torch: ".
 [[noreturn]] inline void fail(const std::string& what) { throw mpzero::invalid_argument("mpzero::torch: " + what); }
 
-inline std::string quoted(const fs::path& p) { return "'" + p.string() + "'"; }
+using mpzero::checkpoint::detail::quoted;  // 'path', as the core's messages write it
 
 // "[4, 4]", as torch prints a shape.
 inline std::string shape_of(c10::IntArrayRef shape) {
