@@ -187,6 +187,33 @@ def main():
                   "--bucket 64: meta says 64 and bf16/z2+off holds fewer bucket bytes (%d) than with the default (%d)" %
                   (got, runs["bf16/z2+off"]["bucket_bytes"]))
 
+    # --rounds: one round by default; with 2, each configuration is timed twice, its
+    # steps/s is the median of the two (their mean) and the step-time change against the
+    # base the median of the two rounds' paired ratios.
+    check(res["meta"].get("rounds") == 1 and all(len(r["steps_per_s_rounds"]) == 1 for r in res["runs"]),
+          "one round by default: meta.rounds 1, one steps_per_s_rounds entry per run")
+    if a.world == 1:
+        p, twice = run_tiny("rounds", "bf16/z2,bf16-all/z2", "--steps", "4", "--rounds", "2")
+        check(p.returncode == 0, "train_gpt --rounds 2 exits 0 (rc %d, stderr %r)" % (p.returncode, p.stderr[-300:]))
+        if twice is not None:
+            by = {r["id"]: r for r in twice["runs"]}
+            for cid, r in by.items():
+                sp = r["steps_per_s_rounds"]
+                check(len(sp) == 2 and min(sp) > 0 and abs(r["steps_per_s"] - (sp[0] + sp[1]) / 2) <= 1e-9 * r["steps_per_s"],
+                      "--rounds 2, %s: two timings %r, steps_per_s %r their median" % (cid, sp, r["steps_per_s"]))
+            cmp = [e for e in twice["blog_comparison"] if e["id"] == "bf16-all/z2"]
+            check(len(cmp) == 1, "--rounds 2: the blog comparison has bf16-all/z2")
+            if cmp:
+                b, r = by["bf16/z2"]["steps_per_s_rounds"], by["bf16-all/z2"]["steps_per_s_rounds"]
+                want = [b[k] / r[k] - 1 for k in range(2)]
+                got = cmp[0]["step_time_change_rounds"]
+                check(len(got) == 2 and all(abs(g - w) <= 1e-9 for g, w in zip(got, want)) and
+                      abs(cmp[0]["step_time_change"] - sum(want) / 2) <= 1e-9,
+                      "--rounds 2: step_time_change_rounds %r are the paired ratios %r, step_time_change their median"
+                      % (got, want))
+            check(twice["meta"]["rounds"] == 2 and twice["meta"]["configs_done"] == 2,
+                  "--rounds 2: meta.rounds 2, configs_done counts configurations (got %r)" % twice["meta"])
+
     # The GPU's memory plot (a second panel of peak device memory) drawn from these results
     # with made-up peaks: it must exist and be wider than the CPU's single panel.
     shaped = os.path.join(a.work, "gpu_shaped")
@@ -250,6 +277,7 @@ def main():
         refused(["--seed", "-1"], "--seed -1: not an integer from 0 to 18446744073709551615")
         for bad in ("0", "-5", "5e7"):
             refused(["--bucket", bad], "--bucket %s: must be a positive whole number of elements" % bad)
+        refused(["--rounds", "0"], "--rounds 0: must be at least 1")
         blocker = os.path.join(a.work, "a_file")
         with open(blocker, "w") as f:
             f.write("not a directory\n")

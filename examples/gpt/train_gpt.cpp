@@ -14,6 +14,7 @@
 //   ./train_gpt --configs bf16,fp16     every stage/offload variant of those precisions
 //   ./train_gpt --configs all --steps 500 --out results
 //   mpirun -n 2 ./train_gpt             data parallel (when built with MPI; CPU)
+//   ./train_gpt --rounds 5              the list 5 times over, for step times on a noisy machine
 //   ./train_gpt --device cuda --big     on a GPU (the default --device auto picks one when
 //                                       LibTorch sees it and the adapter has CUDA cores)
 //
@@ -267,6 +268,7 @@ struct options {
   std::string device = "auto";  // cpu, cuda, cuda:N or auto
   std::string save;             // --save: a checkpoint and its fp32 export per configuration
   std::uint64_t bucket = mt::zero_config{}.reduce_bucket_size;  // --bucket: zero_optimization.reduce_bucket_size
+  int rounds = 1;  // --rounds: the configuration list is trained this many times, round by round
 };
 
 // --device as a torch::Device: auto is the first CUDA device when LibTorch sees one and
@@ -325,7 +327,7 @@ void usage() {
   std::printf(
       "usage: train_gpt [--steps N] [--layers N] [--dim N] [--heads N] [--seq N] [--batch N] [--lr X]\n"
       "                 [--eval-batches N] [--seed N] [--configs LIST] [--out DIR] [--corpus DIR] [--big]\n"
-      "                 [--device auto|cpu|cuda|cuda:N] [--save DIR] [--bucket N]\n"
+      "                 [--device auto|cpu|cuda|cuda:N] [--save DIR] [--bucket N] [--rounds N]\n"
       "  --configs: comma-separated ids (bf16/z2, fp16/z1+off), precisions (every variant: fp32, bf16,\n"
       "             bf16-master, bf16-all, bf16-all-sr, fp16, fp16-master; with bf16 autocast: fp32-ac, bf16-all-ac,\n"
       "             bf16-all-sr-ac), 'torch' (plain LibTorch AdamW, no mpzero) or 'all'. The first is\n"
@@ -341,7 +343,12 @@ void usage() {
       "             evaluated in fp32 by a fresh model (export_eval_loss in results.json)\n"
       "  --bucket:  zero_optimization.reduce_bucket_size in elements (default DeepSpeed's 500000000); stages 2-3\n"
       "             hold a staging and a receive buffer of up to this many gradient elements (none at world\n"
-      "             size 1 without offload: one rank adds straight into the gradient)\n",
+      "             size 1 without offload: one rank adds straight into the gradient)\n"
+      "  --rounds:  train the whole list N times, round by round (A B C A B C ...), and report each\n"
+      "             configuration's median steps/s over the rounds and its step time against the base as\n"
+      "             the median of the rounds' paired ratios, so that a machine's slow spell hits every\n"
+      "             configuration alike (default 1). Losses and memory are the first round's; later rounds\n"
+      "             are timed only (and not saved)\n",
       default_configs);
 }
 
@@ -390,6 +397,7 @@ options parse_args(int argc, char** argv) {
     else if (a == "--seq") o.seq = integer(2);
     else if (a == "--batch") o.batch = integer(1);
     else if (a == "--eval-batches") o.eval_batches = integer(1);
+    else if (a == "--rounds") o.rounds = integer(1);
     else if (a == "--seed") {  // the engine's seed is 64 bits (docs/config.md)
       const auto s = unsigned64();
       if (!s) throw std::invalid_argument("--seed " + v + ": not an integer from 0 to 18446744073709551615");
@@ -429,6 +437,8 @@ struct result {
   std::string describe;
   bool autocast = false;  // the forward ran under torch_autocast (the config says so)
   std::vector<double> losses;
+  // --rounds: each round's steps/s (the first round's first); steps_per_s is their median.
+  std::vector<double> round_steps_per_s;
   double steps_per_s = 0, steps_per_s_mean = 0, final_loss = 0, mean_loss = 0, eval_loss = 0, loss_scale = 1;
   std::uint64_t skipped = 0, numel = 0, padding = 0, device_bytes = 0, host_bytes = 0;
   std::vector<std::uint64_t> skipped_at;  // the optimizer steps (1-based) an fp16 overflow skipped
@@ -495,6 +505,7 @@ void train_and_evaluate(result& r, const options& o, const corpus& data, mt::any
   r.steps_per_s_mean = static_cast<double>(timed.size()) / std::accumulate(timed.begin(), timed.end(), 0.0);
   std::nth_element(timed.begin(), timed.begin() + static_cast<std::ptrdiff_t>(timed.size() / 2), timed.end());
   r.steps_per_s = 1.0 / timed[timed.size() / 2];
+  r.round_steps_per_s = {r.steps_per_s};
 
   // Every rank trained on its own batches: report the mean over ranks (one collective, at the end).
   if (world > 1) {
@@ -713,6 +724,29 @@ result train_engine(mt::engine<GPT>& engine, const run_spec& spec, const options
 }
 
 // `first`: the id of the first selected configuration, the intended base.
+// The median of `v` (the mean of the middle two for an even count).
+// NaNs (rounds that did not finish) are left out.
+double median(std::vector<double> v) {
+  std::erase_if(v, [](double x) { return std::isnan(x); });
+  if (v.empty()) return std::nan("");
+  std::sort(v.begin(), v.end());
+  const std::size_t m = v.size() / 2;
+  return v.size() % 2 ? v[m] : 0.5 * (v[m - 1] + v[m]);
+}
+
+// r's step time against base's, round by round (time_r / time_base - 1 in each round in
+// which both ran); one value without --rounds.
+std::vector<double> step_time_changes(const result& r, const result& base) {
+  std::vector<double> out;
+  const std::size_t n = std::min(r.round_steps_per_s.size(), base.round_steps_per_s.size());
+  for (std::size_t k = 0; k < n; ++k) {
+    const double change = base.round_steps_per_s[k] / r.round_steps_per_s[k] - 1.0;
+    if (!std::isnan(change)) out.push_back(change);  // both finished that round
+  }
+  if (out.empty()) out.push_back(base.steps_per_s / r.steps_per_s - 1.0);
+  return out;
+}
+
 void print_table(const std::vector<result>& rs, bool gpu, const std::string& first) {
   const auto& b = rs.front();
   std::printf("\n%-18s %8s %6s %10s %10s %8s %9s %8s %8s %8s %8s %7s\n", "config", "steps/s", "speed", "states MiB",
@@ -721,7 +755,7 @@ void print_table(const std::vector<result>& rs, bool gpu, const std::string& fir
               "measured", "predicted", "train", "train", "loss", "vs base", "steps");
   for (const auto& r : rs) {
     std::printf("%-18s %8.1f %5.2fx %10.3f %10.3f %8.2f %9.2f %8.4f %8.4f %8.4f %+8.4f %7llu\n", r.spec.id().c_str(),
-                r.steps_per_s, r.steps_per_s / b.steps_per_s, (r.device_bytes + r.host_bytes) / 1048576.0,
+                r.steps_per_s, 1.0 / (1.0 + median(step_time_changes(r, b))), (r.device_bytes + r.host_bytes) / 1048576.0,
                 r.host_bytes / 1048576.0, r.measured_bpp(), r.predicted.total(), r.final_loss, r.mean_loss,
                 r.eval_loss, r.eval_loss - b.eval_loss, static_cast<unsigned long long>(r.skipped));
   }
@@ -736,7 +770,8 @@ void print_table(const std::vector<result>& rs, bool gpu, const std::string& fir
     std::printf("peak (device): LibTorch's caching-allocator peak + the device bytes mpzero's core holds\n"
                 "(model states and buckets, allocated outside LibTorch's allocator).\n");
   }
-  std::printf("\nbase = %s. steps/s: 1 / median step time (steps 2..N); speed relative to base.\n"
+  std::printf("\nbase = %s. steps/s: 1 / median step time (steps 2..N), with --rounds the median over the\n"
+              "rounds; speed relative to base (with --rounds, from the median of the rounds' paired ratios).\n"
               "B/param: bytes of model states (parameters, gradients, master weights, optimizer states) per\n"
               "trainable parameter on this rank, device + host (states MiB includes the offloaded host part);\n"
               "'predicted' is mpzero::bytes_per_param for the engine's dtypes. final train: mean of the last 10\n"
@@ -775,7 +810,8 @@ json blog_comparison(const std::vector<result>& rs, bool gpu, int steps) {
       json e = {{"id", r->spec.id()},
                 {"baseline", base->spec.id()},
                 {"memory_change", memory(*r) / memory(*base) - 1.0},
-                {"step_time_change", base->steps_per_s / r->steps_per_s - 1.0},
+                {"step_time_change", median(step_time_changes(*r, *base))},
+                {"step_time_change_rounds", step_time_changes(*r, *base)},
                 {"eval_change_vs_baseline", r->eval_loss / base->eval_loss - 1.0}};
       e["memory_target_met"] = e["memory_change"].get<double>() <= -0.45;
       e["step_time_target_met"] = e["step_time_change"].get<double>() <= 0.03;
@@ -843,6 +879,7 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
                     {"autocast", r.autocast},
                     {"steps_per_s", r.steps_per_s},
                     {"steps_per_s_mean", r.steps_per_s_mean},
+                    {"steps_per_s_rounds", r.round_steps_per_s},
                     {"model_numel", r.numel},
                     {"padding_numel", r.padding},
                     {"measured_device_bytes", r.device_bytes},
@@ -868,7 +905,7 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
   json meta = {{"steps", o.steps},   {"layers", o.layers},         {"dim", o.dim},
                {"heads", o.heads},   {"seq", o.seq},               {"batch", o.batch},
                {"lr", o.lr},         {"seed", o.seed},             {"world_size", world},
-               {"reduce_bucket_size", o.bucket},
+               {"reduce_bucket_size", o.bucket},                   {"rounds", o.rounds},
                {"threads", torch::get_num_threads()},              {"corpus", o.corpus},
                {"train_bytes", data.train.size()},                 {"eval_bytes", data.eval.size()},
                {"fortunes", data.fortunes},                        {"device", device},
@@ -939,9 +976,10 @@ int run(int argc, char** argv, mt::any_communicator comm) {
   }
   std::vector<result> rs;
   std::vector<std::pair<std::string, std::string>> refused;  // (id, the engine's message)
+  const int total = static_cast<int>(specs.size()) * o.rounds;  // trainings, for the progress line
   for (std::size_t i = 0; i < specs.size(); ++i) {
     no_result why;
-    auto r = train_one(specs[i], o, data, comm, device, static_cast<int>(i), static_cast<int>(specs.size()), why);
+    auto r = train_one(specs[i], o, data, comm, device, static_cast<int>(i), total, why);
     if (r) {
       rs.push_back(std::move(*r));
     } else {
@@ -950,7 +988,7 @@ int run(int argc, char** argv, mt::any_communicator comm) {
       if (first_line.size() > tail.size() && first_line.ends_with(tail)) first_line.resize(first_line.size() - tail.size());
       refused.emplace_back(specs[i].id(), first_line);
       if (root) {  // a stopped run's progress line is still open
-        std::fprintf(stderr, "%s[%zu/%zu] %-18s %s: %s\n", why.stopped ? "\n" : "", i + 1, specs.size(),
+        std::fprintf(stderr, "%s[%zu/%d] %-18s %s: %s\n", why.stopped ? "\n" : "", i + 1, total,
                      specs[i].id().c_str(), why.stopped ? "not finished" : "skipped", first_line.c_str());
       }
     }
@@ -961,6 +999,29 @@ int run(int argc, char** argv, mt::any_communicator comm) {
     }
   }
   if (rs.empty()) throw std::runtime_error("no selected configuration finished (see above)");
+  // --rounds: the configurations that finished, again, timed only (same seed, same batches;
+  // not saved), round by round; a training that stops this time counts as NaN in its round.
+  options again = o;
+  again.save.clear();
+  for (int k = 1; k < o.rounds; ++k) {
+    for (std::size_t j = 0; j < rs.size(); ++j) {
+      result& r = rs[j];
+      const auto at = std::find_if(specs.begin(), specs.end(), [&](const run_spec& s) { return s.id() == r.spec.id(); });
+      const int index = k * static_cast<int>(specs.size()) + static_cast<int>(at - specs.begin());
+      no_result why;
+      const auto t = train_one(r.spec, again, data, comm, device, index, total, why);
+      r.round_steps_per_s.push_back(t ? t->steps_per_s : std::nan(""));
+      if (!t && root) {
+        std::fprintf(stderr, "%s[%d/%d] %-18s round %d not timed: %s\n", why.stopped ? "\n" : "", index + 1, total,
+                     r.spec.id().c_str(), k + 1, why.reason.substr(0, why.reason.find('\n')).c_str());
+      }
+    }
+    for (result& r : rs) r.steps_per_s = median(r.round_steps_per_s);
+    if (root) {
+      write_outputs(rs, refused, blog_comparison(rs, device.is_cuda(), o.steps), o, data, comm.size(), device.str(),
+                    specs.size());
+    }
+  }
   if (root) {
     print_table(rs, device.is_cuda(), specs.front().id());
     const json blog = blog_comparison(rs, device.is_cuda(), o.steps);
