@@ -151,7 +151,8 @@ def main():
 
     # Reduction buffers (engine.memory().buckets): stage 2 reduces in buckets above world
     # size 1. One rank has nothing to reduce, so stage 2 adds straight into the gradient
-    # and holds none, except with offload (+off: the partition is in host memory).
+    # and holds none, except with offload (+off: the partition is in host memory, so
+    # reports are still staged per bucket).
     # Stages 0-1 reduce in place, and so hold none unless autocast sends some gradients
     # in another dtype (-ac rows, not checked); the torch row has none. The bucket size is
     # DeepSpeed's default unless --bucket sets it, and a smaller one holds less.

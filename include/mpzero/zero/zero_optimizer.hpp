@@ -368,7 +368,7 @@ class ZeroOptimizer {
     } else {
       const std::size_t b = buckets_.bucket_of(s);
       const bucket& bk = buckets_.buckets()[b];
-      if (direct_[b]) {
+      if (!offloaded && direct_[b]) {
         // Nothing to reduce (one rank, the gradient dtype on the wire): straight into the
         // gradient partition, as stage 0 does, with no staging or receive buffer.
         backend_.accumulate(grads_.data() + (r.begin - shard_.begin), src, r.size(), scale);
@@ -380,8 +380,8 @@ class ZeroOptimizer {
       if (!reported_[s]) {
         reported_[s] = 1;
         if (--remaining_[b] == 0) launch_ready_buckets();
-      } else if (launched_[b] && !direct_[b]) {
-        dirty_[b] = 1;  // reported again after its bucket went: reduce it once more at end_backward()
+      } else if (launched_[b] && (offloaded || !direct_[b])) {
+        dirty_[b] = 1;  // reported again after its bucket went: reduce (or send) it once more at end_backward()
       }
     }
   }
@@ -1118,11 +1118,11 @@ class ZeroOptimizer {
       }
       // One rank reduces nothing: a bucket whose gradients travel in the gradient dtype
       // (no wire rounding to keep) accumulates straight into the partition, which at
-      // world size 1 is the whole gradient. Offload keeps its buckets: the partition is
-      // in host memory, and the reports are not.
+      // world size 1 is the whole gradient. With offload the partition is in host memory
+      // and the reports are not: the staged bucket goes there as it is (send_to_host).
       direct_.assign(nb, 0);
       for (std::size_t b = 0; b < nb; ++b) {
-        direct_[b] = world_ == 1 && !offloaded &&
+        direct_[b] = world_ == 1 &&
                      std::all_of(bucket_runs_[b].begin(), bucket_runs_[b].end(),
                                  [](const wire_run& w) { return w.wire == dtype_of_v<grad_type>; });
       }
@@ -1392,7 +1392,10 @@ class ZeroOptimizer {
   // A direct bucket (see direct_) has nothing to reduce.
   void launch(std::size_t b) {
     launched_[b] = 1;
-    if (direct_[b]) return;
+    if (direct_[b]) {
+      if constexpr (offloaded) send_to_host(b);
+      return;
+    }
     constexpr std::size_t max_in_flight = 2;
     while (pending_.size() >= max_in_flight) complete_oldest();
     const bucket& bk = buckets_.buckets()[b];
@@ -1441,6 +1444,27 @@ class ZeroOptimizer {
     pending_.push_back(std::move(f));
   }
 
+  // Offload at world size 1, a direct bucket: its staged gradients are added to the host
+  // partition as they are, with no reduction and no receive buffer; on a device backend
+  // through a download that holds the staging buffer until retire_downloads. A bucket
+  // that got no gradient this pass adds nothing (stage 0 adds nothing either).
+  void send_to_host(std::size_t b) {
+    const int st = staging_of_[b];
+    if (st < 0) return;
+    staging_of_[b] = -1;
+    const flat_range r = buckets_.buckets()[b].range;  // within the shard: one rank holds it all
+    if constexpr (Backend::device_memory) {
+      auto& hp = host_pools_.template get<grad_type>();
+      const int h = hp.acquire(backend_.host_memory(zo_.pin_memory), r.size());
+      downloads_.push_back(download{backend_.download_async(hp.data(h), staging_.data(st), r.size()),
+                                    dtype_of_v<grad_type>, -1, h, r.begin - shard_.begin, r.size(), st});
+      retire_downloads(2);  // at most two in flight, as with reductions
+    } else {
+      host_.accumulate(h_grads_.data() + (r.begin - shard_.begin), staging_.data(st), r.size());
+      staging_.release(st);
+    }
+  }
+
   void complete_oldest() {
     in_flight f = std::move(pending_.front());
     pending_.pop_front();
@@ -1457,7 +1481,7 @@ class ZeroOptimizer {
               // backend's copy stream and is added when the copy is done (retire_downloads).
               const int h = host_pools_.template get<T>().acquire(backend_.host_memory(zo_.pin_memory), own.size());
               downloads_.push_back(download{backend_.download_async(host_pools_.template get<T>().data(h), got, own.size()),
-                                            part.run.wire, part.recv, h, own.begin - shard_.begin, own.size()});
+                                            part.run.wire, part.recv, h, own.begin - shard_.begin, own.size(), -1});
               return;  // the receive buffer stays busy until then
             } else {
               host_.accumulate(h_grads_.data() + (own.begin - shard_.begin), got, own.size());
@@ -1541,7 +1565,8 @@ class ZeroOptimizer {
       visit_dtype(d.wire, [&]<class T>(T*) {
         host_.accumulate(h_grads_.data() + d.offset, host_pools_.template get<T>().data(d.host), d.n);
         host_pools_.template get<T>().release(d.host);
-        recv_pools_.template get<T>().release(d.recv);
+        if (d.recv >= 0) recv_pools_.template get<T>().release(d.recv);
+        if (d.staging >= 0) staging_.release(d.staging);
       });
       downloads_.pop_front();
     }
@@ -1589,8 +1614,9 @@ class ZeroOptimizer {
   std::vector<std::uint32_t> params_in_bucket_, remaining_;
   std::vector<int> staging_of_;
   std::vector<std::uint8_t> launched_, reported_;
-  // Buckets with nothing to reduce (world size 1, no offload, every run in the gradient
-  // dtype): reports accumulate into grads_ directly, and launch() only marks them.
+  // Buckets with nothing to reduce (world size 1, every run in the gradient dtype):
+  // reports accumulate into grads_ directly and launch() only marks them; with offload
+  // they are staged and launch() sends them to the host partition (send_to_host).
   std::vector<std::uint8_t> direct_;
   std::vector<std::int32_t> dirty_;
   std::size_t launch_pos_ = 0;  // buckets_.launch_order()[launch_pos_] is the next to launch
@@ -1602,10 +1628,11 @@ class ZeroOptimizer {
   struct download {
     typename Backend::transfer transfer;
     dtype wire;
-    int recv;             // in recv_pools_: busy until the copy is done
+    int recv;             // in recv_pools_: busy until the copy is done (-1: sent from staging)
     int host;             // in host_pools_: the copy's destination
     std::uint64_t offset; // in the host partition
     std::uint64_t n;
+    int staging;          // in staging_: busy until the copy is done (send_to_host), else -1
   };
   pools<host_buffer> host_pools_;  // before downloads_, which point into it
   std::deque<download> downloads_;
