@@ -724,7 +724,6 @@ result train_engine(mt::engine<GPT>& engine, const run_spec& spec, const options
   return r;
 }
 
-// `first`: the id of the first selected configuration, the intended base.
 // The median of `v` (the mean of the middle two for an even count).
 // NaNs (rounds that did not finish) are left out.
 double median(std::vector<double> v) {
@@ -736,7 +735,7 @@ double median(std::vector<double> v) {
 }
 
 // r's step time against base's, round by round (time_r / time_base - 1 in each round in
-// which both ran); one value without --rounds.
+// which both ran; the first always did); one value without --rounds.
 std::vector<double> step_time_changes(const result& r, const result& base) {
   std::vector<double> out;
   const std::size_t n = std::min(r.round_steps_per_s.size(), base.round_steps_per_s.size());
@@ -744,10 +743,10 @@ std::vector<double> step_time_changes(const result& r, const result& base) {
     const double change = base.round_steps_per_s[k] / r.round_steps_per_s[k] - 1.0;
     if (!std::isnan(change)) out.push_back(change);  // both finished that round
   }
-  if (out.empty()) out.push_back(base.steps_per_s / r.steps_per_s - 1.0);
-  return out;
+  return out;  // not empty: every result has its first round's timing
 }
 
+// `first`: the id of the first selected configuration, the intended base.
 void print_table(const std::vector<result>& rs, bool gpu, const std::string& first) {
   const auto& b = rs.front();
   std::printf("\n%-18s %8s %6s %10s %10s %8s %9s %8s %8s %8s %8s %7s\n", "config", "steps/s", "speed", "states MiB",
@@ -808,11 +807,12 @@ json blog_comparison(const std::vector<result>& rs, bool gpu, int steps) {
     for (const char* p : {"bf16-all-ac", "bf16-all-sr-ac", "bf16-all", "bf16-all-sr"}) {
       const result* r = find(p + z);
       if (!r) continue;
+      const std::vector<double> times = step_time_changes(*r, *base);
       json e = {{"id", r->spec.id()},
                 {"baseline", base->spec.id()},
                 {"memory_change", memory(*r) / memory(*base) - 1.0},
-                {"step_time_change", median(step_time_changes(*r, *base))},
-                {"step_time_change_rounds", step_time_changes(*r, *base)},
+                {"step_time_change", median(times)},
+                {"step_time_change_rounds", times},
                 {"eval_change_vs_baseline", r->eval_loss / base->eval_loss - 1.0}};
       e["memory_target_met"] = e["memory_change"].get<double>() <= -0.45;
       e["step_time_target_met"] = e["step_time_change"].get<double>() <= 0.03;
@@ -1005,8 +1005,7 @@ int run(int argc, char** argv, mt::any_communicator comm) {
   options again = o;
   again.save.clear();
   for (int k = 1; k < o.rounds; ++k) {
-    for (std::size_t j = 0; j < rs.size(); ++j) {
-      result& r = rs[j];
+    for (result& r : rs) {
       const auto at = std::find_if(specs.begin(), specs.end(), [&](const run_spec& s) { return s.id() == r.spec.id(); });
       const int index = k * static_cast<int>(specs.size()) + static_cast<int>(at - specs.begin());
       no_result why;

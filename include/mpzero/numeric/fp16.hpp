@@ -120,10 +120,6 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr fp16_split split_for_fp16(std::u
   return {mantissa >> shift, mantissa & ((1u << shift) - 1u), shift};
 }
 
-}  // namespace detail
-
-namespace detail {
-
 // Round to nearest, ties to even; |f| >= 65520 becomes infinity. Branch-free: the
 // normal and the subnormal result are both computed, then selected.
 MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr fp16 fp16_from_float_rn_soft(float f) noexcept {
