@@ -7,9 +7,12 @@ if(TARGET mpzero_torch AND MPI_CXX_FOUND)
   # Gradient reduction dtypes (torch_autocast, communication_data_type) and the LR
   # schedules end to end; a TU of its own so that it rebuilds without test_torch.cpp.
   mpzero_add_test(test_torch_wire SOURCES test_torch_wire.cpp TAGS torch MPI 1 2 LIBS mpzero::torch)
+  # ZeRO-3 in the engine ([zero3]): stage 3 against stage 2 bit for bit, gathered_forward's
+  # gathers and releases, checkpoints across stages.
+  mpzero_add_test(test_torch_zero3 SOURCES test_torch_zero3.cpp TAGS zero3 MPI 1 2 LIBS mpzero::torch)
   foreach(np 1 2)
     set_tests_properties(test_torch.torch.np${np} test_torch.hooks.np${np} test_torch_wire.torch.np${np}
-                         PROPERTIES TIMEOUT 900)
+                         test_torch_zero3.zero3.np${np} PROPERTIES TIMEOUT 900)
   endforeach()
 elseif(TARGET mpzero_torch)
   message(STATUS "mpzero: MPI not found; the [torch] tests are not built")

@@ -38,8 +38,9 @@
 //   bf16-all-sr-ac  the same with stochastic rounding
 //   torch        no mpzero: LibTorch's torch::optim::AdamW in fp32, same hyperparameters
 //                and clipping (what the engine costs per step; id "torch")
-// each at ZeRO stage 0, 1, 2 and with CPU offload at stages 1 and 2 (ids: bf16/z2,
-// bf16/z2+off, ...).
+// each at ZeRO stage 0, 1, 2, 3 and with CPU offload at stages 1-3 (ids: bf16/z2,
+// bf16/z3+off, ...). At stage 3 each transformer block's parameters are gathered around
+// its forward and backward (mpzero::torch::gathered_forward).
 #include <ATen/DeviceAccelerator.h>
 #include <torch/torch.h>
 
@@ -128,7 +129,9 @@ struct GPTImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& idx, const torch::Tensor& targets) {
     const auto t = idx.size(1);
     auto x = tok(idx) + pos(torch::arange(t, idx.options()));
-    for (auto& m : *blocks) x = m->as<Block>()->forward(x);
+    // ZeRO-3: each block's parameters are gathered around its forward and its backward
+    // only (at other stages, and for the plain-LibTorch run, a plain call).
+    for (std::size_t k = 0; k < blocks->size(); ++k) x = mt::gathered_forward(blocks->ptr<BlockImpl>(k), x);
     auto logits = head(ln_f(x)).to(torch::kFloat);
     return torch::nn::functional::cross_entropy(logits.view({-1, 256}), targets.reshape({-1}));
   }
@@ -215,8 +218,8 @@ bool needs_zero(const std::string& p) { return p.rfind("bf16-", 0) == 0 || p == 
 std::vector<run_spec> all_specs() {
   std::vector<run_spec> v{{"torch", 0, false}};
   for (const auto& p : precisions) {
-    for (int s = needs_zero(p) ? 1 : 0; s <= 2; ++s) v.push_back({p, s, false});
-    for (int s = 1; s <= 2; ++s) v.push_back({p, s, true});
+    for (int s = needs_zero(p) ? 1 : 0; s <= 3; ++s) v.push_back({p, s, false});
+    for (int s = 1; s <= 3; ++s) v.push_back({p, s, true});
   }
   return v;
 }
@@ -224,8 +227,8 @@ std::vector<run_spec> all_specs() {
 // The default: every precision once, plus the stages and offload for bf16 and fp16, the
 // blog's autocast pair and the plain-LibTorch reference.
 const char* default_configs =
-    "fp32/z0,bf16/z0,bf16/z1,bf16/z2,bf16/z2+off,bf16-master/z2,bf16-all/z2,bf16-all-sr/z2,fp16/z0,fp16/z2,fp16-master/z2,"
-    "fp32-ac/z0,bf16-all-ac/z2,torch";
+    "fp32/z0,bf16/z0,bf16/z1,bf16/z2,bf16/z2+off,bf16/z3,bf16-master/z2,bf16-all/z2,bf16-all/z3,bf16-all-sr/z2,fp16/z0,"
+    "fp16/z2,fp16-master/z2,fp32-ac/z0,bf16-all-ac/z2,torch";
 
 std::vector<run_spec> select_specs(const std::string& list) {
   const auto all = all_specs();
@@ -269,6 +272,9 @@ struct options {
   std::string save;             // --save: a checkpoint and its fp32 export per configuration
   std::uint64_t bucket = mt::zero_config{}.reduce_bucket_size;  // --bucket: zero_optimization.reduce_bucket_size
   int rounds = 1;  // --rounds: the configuration list is trained this many times, round by round
+  // --persistence: zero_optimization.stage3_param_persistence_threshold (stage 3 keeps
+  // parameters of at most this many elements whole on every rank)
+  std::uint64_t persistence = mt::zero_config{}.stage3_param_persistence_threshold;
 };
 
 // --device as a torch::Device: auto is the first CUDA device when LibTorch sees one and
@@ -300,6 +306,7 @@ torch::Device resolve_device(const std::string& d) {
 json make_config(const run_spec& s, const options& o) {
   json zero = {{"stage", s.stage}};
   zero["reduce_bucket_size"] = o.bucket;
+  zero["stage3_param_persistence_threshold"] = o.persistence;
   if (s.offload) zero["offload_optimizer"] = {{"device", "cpu"}};
   json j = {{"train_micro_batch_size_per_gpu", o.batch},
             {"gradient_accumulation_steps", 1},
@@ -328,6 +335,7 @@ void usage() {
       "usage: train_gpt [--steps N] [--layers N] [--dim N] [--heads N] [--seq N] [--batch N] [--lr X]\n"
       "                 [--eval-batches N] [--seed N] [--configs LIST] [--out DIR] [--corpus DIR] [--big]\n"
       "                 [--device auto|cpu|cuda|cuda:N] [--save DIR] [--bucket N] [--rounds N]\n"
+      "                 [--persistence N]\n"
       "  --configs: comma-separated ids (bf16/z2, fp16/z1+off), precisions (every variant: fp32, bf16,\n"
       "             bf16-master, bf16-all, bf16-all-sr, fp16, fp16-master; with bf16 autocast: fp32-ac, bf16-all-ac,\n"
       "             bf16-all-sr-ac), 'torch' (plain LibTorch AdamW, no mpzero) or 'all'. The first is\n"
@@ -349,7 +357,11 @@ void usage() {
       "             configuration's median steps/s over the rounds and its step time against the base as\n"
       "             the median of the rounds' paired ratios, so that a machine's slow spell hits every\n"
       "             configuration alike (default 1). Losses and memory are the first round's; later rounds\n"
-      "             are timed only (and not saved)\n",
+      "             are timed only (and not saved)\n"
+      "  --persistence: zero_optimization.stage3_param_persistence_threshold in elements (default\n"
+      "             DeepSpeed's 100000): at stage 3, parameters of at most this many elements stay whole on\n"
+      "             every rank; the larger ones are partitioned and gathered around each block's forward and\n"
+      "             backward (the default model's are all below it: use --big or a smaller threshold)\n",
       default_configs);
 }
 
@@ -424,6 +436,11 @@ options parse_args(int argc, char** argv) {
       if (!b || *b == 0)
         throw std::invalid_argument("--bucket " + v + ": must be a positive whole number of elements (e.g. 50000000)");
       o.bucket = *b;
+    }
+    else if (a == "--persistence") {
+      const auto b = unsigned64();
+      if (!b) throw std::invalid_argument("--persistence " + v + ": must be a whole number of elements (e.g. 100000)");
+      o.persistence = *b;
     }
     else throw std::invalid_argument("unknown flag " + a + " (see --help)");
   }
@@ -697,6 +714,19 @@ result train_engine(mt::engine<GPT>& engine, const run_spec& spec, const options
                                     n_states(cfg.optimizer.type)};
   r.predicted = mpzero::bytes_per_param(layout, spec.stage, spec.offload ? mpzero::offload_kind::cpu : mpzero::offload_kind::none,
                                         comm.size());
+  if (spec.stage == 3) {
+    // The memory model partitions every parameter at stage 3; those at or below the
+    // persistence threshold stay whole on every rank: P x their count x (1 - 1/W) more.
+    std::uint64_t persistent = 0, total = 0;
+    for (const auto& p : engine.parameters()) {
+      std::uint64_t n = 1;
+      for (auto d : engine.parameter_shape(p)) n *= static_cast<std::uint64_t>(d);
+      total += n;
+      if (n > 0 && n <= o.persistence) persistent += n;
+    }
+    r.predicted.device_bytes += static_cast<double>(mpzero::size_of(cfg.param_dtype())) *
+                                (1.0 - 1.0 / comm.size()) * static_cast<double>(persistent) / static_cast<double>(total);
+  }
   std::uint64_t calls = 0;
   auto step = [&](const torch::Tensor& x, const torch::Tensor& y) {
     auto loss = engine.forward(x, y);
@@ -800,7 +830,7 @@ json blog_comparison(const std::vector<result>& rs, bool gpu, int steps) {
   };
   const result* fp32 = find("fp32/z0");
   json out = json::array();
-  for (int stage = 0; stage <= 2; ++stage) {
+  for (int stage = 0; stage <= 3; ++stage) {
     const std::string z = "/z" + std::to_string(stage);
     const result* base = find("bf16" + z);
     if (!base) continue;

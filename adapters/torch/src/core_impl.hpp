@@ -81,12 +81,28 @@ class core_impl final : public zero_core {
 
   const core_spec& spec() const noexcept override { return spec_; }
 
-  void* param_data(std::size_t i) override {
+  void* param_data(std::size_t i) override { return z_->param(i).data(); }
+  bool partitioned(std::size_t i) const override {
     if constexpr (N < 3) {
-      return z_->param(i).data();
+      return false;
     } else {
-      throw config_error("mpzero::torch: ZeRO stage 3 parameters are partitioned; the engine does not support "
-                         "stage 3 yet (use zero_optimization.stage 0, 1 or 2)");
+      return z_->numel(i) > 0 && !z_->is_persistent(i);
+    }
+  }
+  void gather(std::size_t first, std::size_t end) override {
+    if constexpr (N < 3) {
+      stage3_only("gather");
+    } else {
+      typename Context::scope s(ctx_);
+      z_->gather(first, end);
+    }
+  }
+  void release(std::size_t first, std::size_t end) override {
+    if constexpr (N < 3) {
+      stage3_only("release");
+    } else {
+      typename Context::scope s(ctx_);
+      z_->release(first, end);
     }
   }
   void load_param(std::size_t i, const void* values, dtype t) override {
@@ -165,6 +181,11 @@ class core_impl final : public zero_core {
   void join_stream(void* stream) override { ctx_.join_stream(stream); }
 
  private:
+  [[noreturn]] static void stage3_only(const char* what) {
+    throw mpzero::error(std::string("mpzero::torch: zero_core::") + what + " gathers ZeRO-3 parameters; this core is stage " +
+                        std::to_string(N) + ", whose parameters are whole on every rank");
+  }
+
   Context ctx_;
   any_communicator comm_;  // before z_, which keeps a reference to it
   core_spec spec_;
@@ -183,8 +204,8 @@ struct core_row {
   core_agreement max_over_ranks;
 };
 
-// A table's rows for one precision policy: Adam (L2 decay) and AdamW at stages 0-2, and,
-// when WithOffload, CPU offload at stages 1 and 2 (offload needs a partition).
+// A table's rows for one precision policy: Adam (L2 decay) and AdamW at stages 0-3, and,
+// when WithOffload, CPU offload at stages 1-3 (offload needs a partition).
 // Row<Policy, Opt, Stage, Offload>::make() makes one row.
 template <class Policy, template <class, class, int, class> class Row, bool WithOffload>
 void add_policy(std::vector<core_row>& t) {
@@ -192,9 +213,11 @@ void add_policy(std::vector<core_row>& t) {
     t.push_back(Row<Policy, Opt, 0, offload_none>::make());
     t.push_back(Row<Policy, Opt, 1, offload_none>::make());
     t.push_back(Row<Policy, Opt, 2, offload_none>::make());
+    t.push_back(Row<Policy, Opt, 3, offload_none>::make());
     if constexpr (WithOffload) {
       t.push_back(Row<Policy, Opt, 1, offload_cpu>::make());
       t.push_back(Row<Policy, Opt, 2, offload_cpu>::make());
+      t.push_back(Row<Policy, Opt, 3, offload_cpu>::make());
     }
   };
   add.template operator()<optim::adam>();
@@ -204,8 +227,8 @@ void add_policy(std::vector<core_row>& t) {
 // ---- the compiled set -------------------------------------------------------------------
 // Both tables compile the same combinations (CPU and CUDA parameters get the same
 // choices): what DeepSpeed's bf16/fp16 sections, data_types.grad_accum_dtype and
-// adam_w_mode can select, with Adam (L2) and AdamW, ZeRO stages 0-2, and CPU offload at
-// stages 1-2 where it applies. Build time is the constraint: every policy costs one fused
+// adam_w_mode can select, with Adam (L2) and AdamW, ZeRO stages 0-3, and CPU offload at
+// stages 1-3 where it applies. Build time is the constraint: every policy costs one fused
 // step per optimizer (a CUDA kernel on the CUDA side) and, with offload, a vectorized host
 // step. So each table is split into parts, one generated translation unit per part and
 // table (torch.cmake writes them from src/table_part.in), which a parallel build

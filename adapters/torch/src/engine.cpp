@@ -4,6 +4,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/accumulate.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -22,6 +23,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <system_error>
 #include <sstream>
 #include <unordered_map>
@@ -138,6 +140,16 @@ struct pass {
   std::weak_ptr<char> alive;    // expires when the graph task holding the callback is destroyed
 };
 
+struct forward_hold;
+
+// ZeRO-3: what a backward says when it reaches parameters a step() released.
+[[noreturn]] void released_since_forward(const char* what) {
+  throw mpzero::error(std::string("mpzero::torch: ZeRO-3: a backward reached ") + what +
+                      " whose parameters were released since its forward (engine.step() or load_checkpoint came "
+                      "between): the parameters it saved are gone. Run backward before step(), and forward again "
+                      "after it");
+}
+
 class engine_state : public std::enable_shared_from_this<engine_state> {
  public:
   engine_state(std::shared_ptr<::torch::nn::Module> module, mpzero::torch::config cfg, any_communicator comm)
@@ -147,14 +159,20 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     // Leave the model usable: give each parameter that became a view of the core's
     // buffer its own storage again (the buffer dies with the core); a failed init
     // leaves the others untouched. The hooks stay installed but find no engine.
+    // ZeRO-3: a partitioned parameter keeps its values only if gathered now; the others
+    // stay empty (gathering them here would be a collective in a destructor).
+    ::torch::NoGradGuard ng;
     try {
-      ::torch::NoGradGuard ng;
       if (core_) join_core();  // the copies below read what the core's stream wrote
-      for (std::size_t i = 0; i < bound_; ++i) {
+    } catch (...) {
+    }
+    for (std::size_t i = 0; i < bound_; ++i) {
+      try {
+        if (core_->partitioned(i) && holds_[i] == 0) continue;
         // (A parameter that something else rebound since keeps its storage.)
         if (params_[i].data_ptr() == core_->param_data(i)) params_[i].set_data(params_[i].detach().clone());
+      } catch (...) {
       }
-    } catch (...) {
     }
   }
 
@@ -187,6 +205,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     core_waits();
     core_->end_backward();
     ++epilogues_;
+    release_backward_units();
   }
   // Ends the open passes `pred` selects: done, their graph tasks forgotten. (Open and
   // not done are the same thing: a pass leaves open_ only here.)
@@ -236,7 +255,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   }
   ::torch::Tensor full_grad(std::size_t i) {
     std::vector<float> g = core_->full_grad(i);
-    return ::torch::tensor(at::ArrayRef<float>(g), ::torch::kFloat).reshape(params_[i].sizes()).to(device_);
+    return ::torch::tensor(at::ArrayRef<float>(g), ::torch::kFloat).reshape(shapes_[i]).to(device_);
   }
 
   // ---- checkpoints ---------------------------------------------------------------------
@@ -273,7 +292,8 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     }
   }
   nlohmann::json engine_json(const std::string& tag, const nlohmann::json& client_state, std::uint64_t save_id) const;
-  c10::IValue module_states(std::uint64_t save_id) const;
+  // whole[i]: managed parameter i's values where its tensor is partitioned (ZeRO-3).
+  c10::IValue module_states(std::uint64_t save_id, const std::vector<::torch::Tensor>& whole) const;
 
   // ---- streams (CUDA parameters) ------------------------------------------------------
   // The core queues its work on torch's current stream of the parameters' device as it
@@ -295,6 +315,40 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     const c10::Stream s = current_stream();
     if (s != *core_stream_) core_->join_stream(s.native_handle());
   }
+
+  // ---- ZeRO-3: gathering partitioned parameters ---------------------------------------
+  // Each managed parameter has a count of holds; a partitioned parameter is gathered (its
+  // tensor a view of the core's gathered copy) while its count is above zero. Holds are
+  // taken and dropped in the same order on every rank, so the gathers, which are
+  // collective, match. A core group (a contiguous run of parameters gathered together)
+  // is released when none of its parameters is held any more.
+  void hold(const std::vector<std::size_t>& idx);
+  void unhold(const std::vector<std::size_t>& idx);
+  // Releases every group, whatever holds it (before step() and loads, which rewrite the
+  // partitions); holds taken before do nothing when dropped.
+  void release_all();
+  // The partitioned parameters engine.forward gathers for the whole pass: those no
+  // gathered_forward call has covered yet.
+  std::vector<std::size_t> forward_set() const;
+  std::vector<std::size_t> all_partitioned() const;
+  void release_backward_units();
+  // Points parameter i at the core's storage of it (a gathered copy at ZeRO-3), or at
+  // nothing (unbind: partitioned).
+  void bind(std::size_t i);
+  void unbind(std::size_t i);
+
+  bool zero3_ = false;
+  std::vector<std::vector<std::int64_t>> shapes_;  // per managed parameter (its tensor is empty while partitioned)
+  std::vector<std::uint32_t> holds_;
+  std::vector<c10::Storage> storages_;  // per managed parameter, once bound: kept across gathers
+  std::vector<std::pair<std::size_t, std::size_t>> group_of_;  // the core group a held parameter is gathered in
+  std::map<std::pair<std::size_t, std::size_t>, std::size_t> live_groups_;  // group -> its held parameters
+  std::vector<char> claimed_;  // covered by a gathered_forward call
+  std::uint64_t generation_ = 0;  // release_all() count
+  std::uint64_t gathered_numel_ = 0;
+  ::torch::Tensor placeholder_;  // what a partitioned parameter's tensor holds between gathers
+  std::shared_ptr<forward_hold> forward_hold_;  // engine.forward's hold on forward_set(), while it runs
+  std::vector<std::weak_ptr<unit_call>> backward_units_;  // calls gathered for their backward
 
   mpzero::torch::config cfg_;
   any_communicator comm_;
@@ -359,12 +413,227 @@ struct grad_hook final : ag::PostAccumulateGradHook {
 
 }  // namespace
 
+// ---- ZeRO-3 -------------------------------------------------------------------------
+
+// A gathered_forward call: its parameters, and whether its backward holds them.
+class unit_call {
+ public:
+  unit_call(std::weak_ptr<engine_state> st, std::uint64_t generation, std::vector<std::size_t> params)
+      : st_(std::move(st)), generation_(generation), params_(std::move(params)) {}
+  ~unit_call() {
+    drop(forward_held_);
+    drop(backward_held_);
+  }
+  unit_call(const unit_call&) = delete;
+  unit_call& operator=(const unit_call&) = delete;
+
+  void hold_forward(engine_state& s) {
+    s.hold(params_);
+    forward_held_ = true;
+  }
+  void end_forward() noexcept { drop(forward_held_); }
+  void add_input() { ++inputs_; }
+  // The first output gradient of a backward: gather for the submodule's backward.
+  void on_output_grad(const std::shared_ptr<unit_call>& self) {
+    if (backward_held_) return;
+    auto s = st_.lock();
+    if (!s) return;
+    if (s->generation_ != generation_) released_since_forward("a gathered_forward call");
+    s->hold(params_);
+    backward_held_ = true;
+    pending_ = inputs_;
+    s->backward_units_.push_back(self);  // the epilogue releases it if no input does
+  }
+  // An input's gradient is complete: once all are, the submodule's backward is over.
+  void on_input_grad() noexcept {
+    if (backward_held_ && pending_ > 0 && --pending_ == 0) drop(backward_held_);
+  }
+  void end_backward() noexcept { drop(backward_held_); }
+
+ private:
+  void drop(bool& held) noexcept {
+    if (!held) return;
+    held = false;
+    try {
+      if (auto s = st_.lock(); s && s->generation_ == generation_) s->unhold(params_);
+    } catch (...) {
+    }
+  }
+
+  std::weak_ptr<engine_state> st_;
+  std::uint64_t generation_;
+  std::vector<std::size_t> params_;
+  bool forward_held_ = false, backward_held_ = false;
+  int inputs_ = 0, pending_ = 0;
+};
+
+// engine.forward's hold on forward_set(): kept alive by the outputs' graph.
+struct forward_hold {
+  std::weak_ptr<engine_state> st;
+  std::uint64_t generation = 0;
+  std::vector<std::size_t> params;
+  ~forward_hold() {
+    try {
+      if (auto s = st.lock(); s && s->generation_ == generation) s->unhold(params);
+    } catch (...) {
+    }
+  }
+};
+
+void engine_state::bind(std::size_t i) {
+  void* data = core_->param_data(i);
+  if (!storages_[i]) {
+    // target_device: no driver lookup of the pointer (which fails on the null pointer of
+    // an empty model's buffer).
+    params_[i].set_data(at::for_blob(data, shapes_[i])
+                            .options(::torch::TensorOptions().dtype(param_type_).device(device_))
+                            .target_device(device_)
+                            .make_tensor());
+    storages_[i] = params_[i].storage();
+    return;
+  }
+  // ZeRO-3, gathered again: the parameter keeps its storage, re-pointed at the new copy,
+  // so that views of it that forward saved for backward (Linear saves weight.t()) read
+  // the copy backward gathers, not the one released after forward.
+  storages_[i].set_data_ptr_noswap(c10::DataPtr(data, device_));
+  storages_[i].set_nbytes(static_cast<std::size_t>(c10::multiply_integers(shapes_[i])) * c10::elementSize(param_type_));
+  params_[i].set_data(
+      ::torch::empty({0}, ::torch::TensorOptions().dtype(param_type_).device(device_)).set_(storages_[i], 0, shapes_[i]));
+}
+
+void engine_state::unbind(std::size_t i) {
+  params_[i].set_data(placeholder_);
+  // Views of the parameter still in a graph point nowhere until the next gather.
+  storages_[i].set_data_ptr_noswap(c10::DataPtr(nullptr, device_));
+  storages_[i].set_nbytes(0);
+}
+
+void engine_state::hold(const std::vector<std::size_t>& idx) {
+  // Parameters not held yet: rebind those whose group is still gathered, gather the
+  // others in contiguous runs (idx is sorted).
+  std::vector<std::size_t> fresh;
+  for (std::size_t i : idx) {
+    if (holds_[i]++ > 0) continue;
+    if (auto g = live_groups_.find(group_of_[i]); g != live_groups_.end() && g->first.first <= i && i < g->first.second) {
+      ++g->second;
+      bind(i);
+      gathered_numel_ += static_cast<std::uint64_t>(params_[i].numel());
+    } else {
+      fresh.push_back(i);
+    }
+  }
+  if (fresh.empty()) return;
+  core_waits();
+  for (std::size_t a = 0; a < fresh.size();) {
+    std::size_t b = a + 1;
+    while (b < fresh.size() && fresh[b] == fresh[b - 1] + 1) ++b;
+    const std::pair<std::size_t, std::size_t> group{fresh[a], fresh[b - 1] + 1};
+    core_->gather(group.first, group.second);
+    live_groups_[group] = b - a;
+    for (std::size_t k = a; k < b; ++k) {
+      group_of_[fresh[k]] = group;
+      bind(fresh[k]);
+      gathered_numel_ += static_cast<std::uint64_t>(params_[fresh[k]].numel());
+    }
+    a = b;
+  }
+  join_core();  // torch's stream reads what the gather wrote
+}
+
+void engine_state::unhold(const std::vector<std::size_t>& idx) {
+  bool waited = false;
+  for (std::size_t i : idx) {
+    if (holds_[i] == 0 || --holds_[i] > 0) continue;
+    gathered_numel_ -= static_cast<std::uint64_t>(params_[i].numel());
+    unbind(i);
+    auto g = live_groups_.find(group_of_[i]);
+    if (g == live_groups_.end() || --g->second > 0) continue;
+    if (!waited) waited = true, core_waits();  // the copy is freed after torch's reads of it
+    core_->release(g->first.first, g->first.second);
+    live_groups_.erase(g);
+  }
+}
+
+void engine_state::release_all() {
+  if (!zero3_) return;
+  ++generation_;
+  backward_units_.clear();
+  forward_hold_.reset();
+  if (live_groups_.empty()) return;
+  core_waits();
+  for (const auto& [g, n] : live_groups_) core_->release(g.first, g.second);
+  live_groups_.clear();
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    if (holds_[i] > 0 && core_->partitioned(i)) unbind(i);
+    holds_[i] = 0;
+  }
+  gathered_numel_ = 0;
+}
+
+std::vector<std::size_t> engine_state::forward_set() const {
+  std::vector<std::size_t> out;
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    if (!claimed_[i] && core_->partitioned(i)) out.push_back(i);
+  return out;
+}
+
+std::vector<std::size_t> engine_state::all_partitioned() const {
+  std::vector<std::size_t> out;
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    if (core_->partitioned(i)) out.push_back(i);
+  return out;
+}
+
+void engine_state::release_backward_units() {
+  auto units = std::move(backward_units_);
+  backward_units_.clear();
+  for (auto& w : units)
+    if (auto c = w.lock()) c->end_backward();
+}
+
+std::shared_ptr<unit_call> begin_unit(const ::torch::nn::Module& m) {
+  // The engine: the first parameter of m that a live ZeRO-3 engine's hook feeds.
+  std::shared_ptr<engine_state> st;
+  const auto params = m.parameters(/*recurse=*/true);
+  for (const auto& p : params) {
+    for (auto* h = dynamic_cast<grad_hook*>(ag::impl::post_acc_grad_hooks(p).get()); h != nullptr && !st;
+         h = dynamic_cast<grad_hook*>(h->prev.get())) {
+      if (auto s = h->st.lock(); s && s->zero3_) st = std::move(s);
+    }
+    if (st) break;
+  }
+  if (!st) return nullptr;
+  std::vector<std::size_t> idx;
+  for (const auto& p : params) {
+    auto it = st->index_.find(p.unsafeGetTensorImpl());
+    if (it != st->index_.end() && st->core_->partitioned(it->second)) idx.push_back(it->second);
+  }
+  std::sort(idx.begin(), idx.end());
+  idx.erase(std::unique(idx.begin(), idx.end()), idx.end());
+  if (idx.empty()) return nullptr;
+  for (std::size_t i : idx) st->claimed_[i] = 1;
+  auto c = std::make_shared<unit_call>(st, st->generation_, std::move(idx));
+  c->hold_forward(*st);
+  return c;
+}
+
+::torch::Tensor unit_input(const std::shared_ptr<unit_call>& c, const ::torch::Tensor& x) {
+  if (!x.defined() || !x.requires_grad() || !::torch::GradMode::is_enabled()) return x;
+  ::torch::Tensor v = x.view_as(x);
+  c->add_input();
+  v.register_hook([c](const ::torch::Tensor&) { c->on_input_grad(); });
+  return v;
+}
+
+void unit_output(const std::shared_ptr<unit_call>& c, const ::torch::Tensor& y) {
+  if (!y.defined() || !y.requires_grad() || !y.grad_fn()) return;
+  y.register_hook([c](const ::torch::Tensor&) { c->on_output_grad(c); });
+}
+
+void end_unit(unit_call& c) noexcept { c.end_forward(); }
+
 std::pair<std::string, std::string> engine_state::prepare() {
   const int world = comm_.size();
-  if (cfg_.zero.stage == 3) {
-    fail("zero_optimization.stage = 3 is not supported by the LibTorch engine yet (parameters would need gather/"
-         "release hooks around each module); use stage 0, 1 or 2");
-  }
   if (cfg_.gradient_accumulation_steps == 0) fail("gradient_accumulation_steps = 0; it must be at least 1");
   inv_gas_ = static_cast<float>(1.0 / static_cast<double>(cfg_.gradient_accumulation_steps));
 
@@ -426,6 +695,7 @@ std::pair<std::string, std::string> engine_state::prepare() {
     index_[p.unsafeGetTensorImpl()] = params_.size();
     params_.push_back(p);
     names_.push_back(item.key());
+    shapes_.push_back(p.sizes().vec());
   }
 
   if (params_.empty()) {
@@ -654,15 +924,21 @@ void engine_state::start() {
   agree("initialize", consequence, [&] { load(ends.size() - 1); });
   flat = {};
 
+  zero3_ = cfg_.zero.stage == 3;
+  holds_.assign(params_.size(), 0);
+  storages_.assign(params_.size(), c10::Storage());
+  group_of_.assign(params_.size(), {0, 0});
+  claimed_.assign(params_.size(), 0);
+  placeholder_ = ::torch::empty({0}, ::torch::TensorOptions().dtype(param_type_).device(device_));
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
-    // The parameter becomes a view of the core's buffer: forward reads it, step() writes it.
-    // target_device: no driver lookup of the pointer (which fails on the null pointer
-    // of an empty model's buffer).
-    p.set_data(at::for_blob(core_->param_data(i), p.sizes())
-                   .options(::torch::TensorOptions().dtype(param_type_).device(device_))
-                   .target_device(device_)
-                   .make_tensor());
+    // The parameter becomes a view of the core's buffer: forward reads it, step() writes
+    // it. ZeRO-3: a partitioned one is empty until gathered.
+    if (core_->partitioned(i)) {
+      p.set_data(placeholder_);
+    } else {
+      bind(i);
+    }
     bound_ = i + 1;
     p.mutable_grad().reset();
     auto hook = std::make_unique<grad_hook>();
@@ -844,6 +1120,7 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
 void engine_state::step() {
   if (is_boundary()) {
     drop_stale_passes();
+    release_all();  // ZeRO-3: the step rewrites the partitions the gathered copies came from
     core_->set_lr(next_lr());
     core_waits();
     try {
@@ -878,7 +1155,7 @@ nlohmann::json engine_state::engine_json(const std::string& tag, const nlohmann:
   }
   nlohmann::json params = nlohmann::json::array();
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    params.push_back({{"name", names_[i]}, {"shape", params_[i].sizes().vec()}});
+    params.push_back({{"name", names_[i]}, {"shape", shapes_[i]}});
     if (!aliases[i].empty()) params.back()["aliases"] = aliases[i];
   }
   return {{"format", "mpzero engine checkpoint"},
@@ -898,9 +1175,16 @@ nlohmann::json engine_state::engine_json(const std::string& tag, const nlohmann:
 
 // The module's parameters and buffers as DeepSpeed's model_states file holds them:
 // {"module": {name: tensor}, "global_steps": N}, and the save id that ties it to its shards.
-c10::IValue engine_state::module_states(std::uint64_t save_id) const {
+c10::IValue engine_state::module_states(std::uint64_t save_id, const std::vector<::torch::Tensor>& whole) const {
   c10::Dict<std::string, at::Tensor> state;
-  for (const auto& item : module_->named_parameters(/*recurse=*/true)) state.insert(item.key(), item.value().detach().cpu());
+  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    const auto managed = index_.find(item.value().unsafeGetTensorImpl());
+    if (managed != index_.end() && whole[managed->second].defined()) {
+      state.insert(item.key(), whole[managed->second]);  // ZeRO-3: gathered for the save
+    } else {
+      state.insert(item.key(), item.value().detach().cpu());
+    }
+  }
   for (const auto& item : module_->named_buffers(/*recurse=*/true)) state.insert(item.key(), item.value().detach().cpu());
   c10::impl::GenericDict top(c10::StringType::get(), c10::AnyType::get());
   top.insert("module", state);
@@ -931,9 +1215,17 @@ void engine_state::save_checkpoint(const std::string& save_dir, const std::strin
   // The shards first, then the files that name their save id: a load refuses engine files
   // of another save than the shards beside them.
   const std::uint64_t id = core_->save_checkpoint(dir.string());
+  // ZeRO-3: model_states.pt holds whole parameters, so every rank gathers them for it
+  // (DeepSpeed's stage3_gather_16bit_weights_on_model_save), one at a time.
+  std::vector<::torch::Tensor> whole(params_.size());  // rank 0: the partitioned parameters' values
+  for (std::size_t i : all_partitioned()) {
+    hold({i});
+    if (comm_.rank() == 0) whole[i] = params_[i].detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    unhold({i});
+  }
   agree("save_checkpoint", "the shard files were written, but the checkpoint is incomplete", [&] {
     if (comm_.rank() == 0) {
-      detail::write_torch_file(dir / "model_states.pt", module_states(id));
+      detail::write_torch_file(dir / "model_states.pt", module_states(id, whole));
       write_atomically(dir / "mpzero_engine.json", engine_json(tag, client_state, id).dump(2));
     }
   });
@@ -996,10 +1288,10 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
     }
     for (std::size_t i = 0; !module_only && i < params_.size(); ++i) {
       const auto& saved_param = meta.params[i];
-      if (saved_param.name != names_[i] || saved_param.shape != params_[i].sizes().vec()) {
+      if (saved_param.name != names_[i] || saved_param.shape != shapes_[i]) {
         fail("engine.load_checkpoint: trainable parameter " + std::to_string(i) + " is '" + saved_param.name +
              "' of shape " + shape_of(saved_param.shape) + " in " + quoted(meta_path) + ", '" + names_[i] +
-             "' of shape " + shape_of(params_[i].sizes()) + " here. Load a checkpoint of this model");
+             "' of shape " + shape_of(shapes_[i]) + " here. Load a checkpoint of this model");
       }
     }
     counters[0] = meta.global_steps;
@@ -1026,9 +1318,12 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
         fail("engine.load_checkpoint: " + quoted(module_path) + " has no '" + name +
              "', which this model has. Load a checkpoint of this model");
       }
-      if (it->second.sizes() != like.sizes()) {
+      // (A ZeRO-3 partitioned parameter's tensor is empty: its shape is the engine's.)
+      const auto managed = index_.find(like.unsafeGetTensorImpl());
+      const at::IntArrayRef shape = managed != index_.end() ? at::IntArrayRef(shapes_[managed->second]) : like.sizes();
+      if (it->second.sizes() != shape) {
         fail("engine.load_checkpoint: '" + name + "' has shape " + shape_of(it->second.sizes()) + " in " + quoted(module_path) +
-             " and " + shape_of(like.sizes()) + " here. Load a checkpoint of this model");
+             " and " + shape_of(shape) + " here. Load a checkpoint of this model");
       }
       used.insert(name);
       return it->second;
@@ -1051,6 +1346,7 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
     }
   });
 
+  release_all();  // ZeRO-3: the load rewrites the partitions
   core_waits();
   if (module_only) {
     for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -1120,6 +1416,16 @@ mpzero::torch::config config_from_string(const std::string& s, int world_size) {
 // ---- engine_base: forwards to the state ------------------------------------------------
 
 engine_base::forward_scope::forward_scope(detail::engine_state& st) : st_(st) {
+  if (st_.zero3_ && st_.forward_depth_ == 0) {
+    // ZeRO-3: the partitioned parameters no gathered_forward call covers, for this
+    // forward and its backward (the outputs' graph keeps the hold; see watch()).
+    auto h = std::make_shared<detail::forward_hold>();
+    h->st = st_.weak_from_this();
+    h->generation = st_.generation_;
+    h->params = st_.forward_set();
+    st_.hold(h->params);
+    st_.forward_hold_ = std::move(h);
+  }
   ++st_.forward_depth_;
   const auto& ac = st_.cfg_.torch_autocast;
   if (ac.enabled) {
@@ -1139,15 +1445,20 @@ engine_base::forward_scope::~forward_scope() {
     at::autocast::set_autocast_enabled(st_.device_.type(), prev_enabled_);
     at::autocast::set_autocast_dtype(st_.device_.type(), prev_dtype_);
   }
-  --st_.forward_depth_;
+  // Released here unless an output that requires grad keeps it for the backward.
+  if (--st_.forward_depth_ == 0) st_.forward_hold_.reset();
 }
 
 void engine_base::watch(const ::torch::Tensor& out) {
   // A leaf (a parameter or an input returned as is) would keep the hook for good, one
   // more per forward; the parameter hooks cover it.
   if (!out.defined() || !out.requires_grad() || !out.grad_fn()) return;
-  out.register_hook([w = std::weak_ptr<detail::engine_state>(st_)](const ::torch::Tensor&) {
-    if (auto s = w.lock()) s->on_output();
+  out.register_hook([w = std::weak_ptr<detail::engine_state>(st_), hold = st_->forward_hold_](const ::torch::Tensor&) {
+    // ZeRO-3: engine.forward's gathered parameters live as long as this graph.
+    auto s = w.lock();
+    if (!s) return;
+    if (hold && hold->generation != s->generation_) detail::released_since_forward("an engine.forward output");
+    s->on_output();
   });
 }
 
@@ -1195,7 +1506,7 @@ std::vector<::torch::Tensor> engine_base::master_weights() {
   std::vector<::torch::Tensor> out;
   for (std::size_t i = 0; i < all.size(); ++i) {
     out.push_back(
-        ::torch::tensor(at::ArrayRef<float>(all[i]), ::torch::kFloat).reshape(st_->params_[i].sizes()).to(st_->device_));
+        ::torch::tensor(at::ArrayRef<float>(all[i]), ::torch::kFloat).reshape(st_->shapes_[i]).to(st_->device_));
   }
   return out;
 }
@@ -1203,6 +1514,10 @@ dtype engine_base::comm_dtype(const ::torch::Tensor& param) const { return st_->
 std::uint64_t engine_base::epilogues() const { return st_->epilogues_; }
 std::uint64_t engine_base::bookkeeping_lookups() const { return st_->lookups_; }
 memory_report engine_base::memory() const { return st_->core_->memory(); }
+std::vector<std::int64_t> engine_base::parameter_shape(const ::torch::Tensor& param) const {
+  return st_->shapes_[st_->index_of(param, "parameter_shape")];
+}
+std::uint64_t engine_base::gathered_numel() const { return st_->gathered_numel_; }
 std::string engine_base::describe() const { return st_->core_->spec().describe(); }
 
 }  // namespace mpzero::torch

@@ -295,7 +295,8 @@ class ZeroOptimizer {
   bool is_persistent(std::size_t i) const { return layout_.offset(slot(i)) >= persistent_begin_; }
 
   // The parameter's storage, in the backend's memory. Stage 3: only while gathered
-  // (or persistent); writes to a gathered copy are not kept.
+  // (or persistent); a gathered parameter is read-only (a copy whose writes are lost,
+  // or at world size 1 the partition itself).
   std::span<param_type> param(std::size_t i) {
     const std::size_t s = slot(i);
     const std::uint64_t off = layout_.offset(s), n = layout_.numel(s);
@@ -571,7 +572,8 @@ class ZeroOptimizer {
     }
     gathered_group g;
     g.range = r;
-    if (!r.empty()) {
+    // One rank holds every element: its partition is the gathered parameters (no copy).
+    if (!r.empty() && world_ > 1) {
       g.data = backend_.template allocate<param_type>(r.size());
       const std::vector<std::uint64_t> counts = layout_.rank_counts(r);
       const flat_range own = intersect(r, shard_);
@@ -592,7 +594,9 @@ class ZeroOptimizer {
     for (std::size_t i = first; i < end; ++i) {
       const std::size_t s = slot(i);
       const std::uint64_t off = layout_.offset(s);
-      if (off < persistent_begin_) gathered_[s] = g.data.data() + (off - g.range.begin);
+      if (off < persistent_begin_) {
+        gathered_[s] = world_ > 1 ? g.data.data() + (off - g.range.begin) : params_.data() + (off - shard_.begin);
+      }
     }
   }
 

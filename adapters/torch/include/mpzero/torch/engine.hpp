@@ -60,7 +60,15 @@
 // autocast dtype, the others in communication_data_type, else in their own dtype; the
 // core takes them as zero_options::wire_dtypes (comm_dtype(param) reports each).
 //
-// Not yet: ZeRO stage 3 (refused with a message).
+// ZeRO-3 (zero_optimization.stage = 3): parameters above
+// stage3_param_persistence_threshold exist only as shards; between steps their tensors
+// are empty (shape [0]; engine.parameter_shape(p) has the real one). engine.forward
+// gathers, for the whole forward and backward, every such parameter that no
+// gathered_forward() call covered in an earlier forward (on the first forward: all of
+// them). gathered_forward(submodule, args...) inside the model's forward gathers a
+// submodule's parameters around its forward only, and again around its backward, which
+// is where ZeRO-3 saves memory: wrap each transformer block. LibTorch C++ has no module
+// hooks, hence the call. docs/torch.md, "ZeRO-3", has the rules.
 #pragma once
 
 #include <cstdint>
@@ -173,6 +181,10 @@ class engine_base {
   // task (diagnostics and tests): once per graph task, whatever the number of parameters.
   std::uint64_t bookkeeping_lookups() const;
   memory_report memory() const;
+  // ZeRO-3: a managed parameter's shape (its tensor is empty while partitioned), and
+  // how many elements of partitioned parameters are gathered on this rank now.
+  std::vector<std::int64_t> parameter_shape(const ::torch::Tensor& param) const;
+  std::uint64_t gathered_numel() const;
   // The compiled instantiation, e.g. "param bf16, master fp32, ..., ZeRO stage 2".
   std::string describe() const;
 
@@ -245,6 +257,47 @@ class engine : public engine_base {
 
 namespace detail {
 
+// ZeRO-3 gathered calls (gathered_forward): one per call of a submodule whose
+// partitioned parameters an engine manages.
+class unit_call;
+// The call's state, or nullptr when no live ZeRO-3 engine manages a partitioned
+// parameter of `m` (then gathered_forward is a plain call). Gathers them (collective).
+std::shared_ptr<unit_call> begin_unit(const ::torch::nn::Module& m);
+// An input that requires grad becomes a view whose gradient, once complete, releases
+// the parameters gathered for the call's backward.
+::torch::Tensor unit_input(const std::shared_ptr<unit_call>& c, const ::torch::Tensor& x);
+// An output that requires grad gathers the parameters again when its gradient arrives.
+void unit_output(const std::shared_ptr<unit_call>& c, const ::torch::Tensor& y);
+// Releases what begin_unit gathered (the forward's copy).
+void end_unit(unit_call& c) noexcept;
+
+struct unit_guard {
+  std::shared_ptr<unit_call> call;
+  ~unit_guard() {
+    if (call) end_unit(*call);
+  }
+};
+template <class A>
+decltype(auto) unit_arg(const std::shared_ptr<unit_call>& c, A&& a) {
+  if constexpr (std::is_same_v<std::remove_cvref_t<A>, ::torch::Tensor>) {
+    return unit_input(c, a);
+  } else {
+    return std::forward<A>(a);
+  }
+}
+template <class T>
+void unit_outputs(const std::shared_ptr<unit_call>& c, const T& out) {
+  if constexpr (std::is_convertible_v<const T&, const ::torch::Tensor&>) {
+    unit_output(c, out);
+  } else if constexpr (requires { std::tuple_size<T>::value; }) {
+    std::apply([&](const auto&... e) { (unit_outputs(c, e), ...); }, out);
+  } else if constexpr (requires { out.begin(); out.end(); }) {
+    for (const auto& e : out) unit_outputs(c, e);
+  }
+  // Anything else: no output gathers for backward; the backward then finds the
+  // parameters only if engine.forward still holds them (see gathered_forward).
+}
+
 // The start-up broadcast's host window, in fp32 elements: initialize moves rank 0's
 // values through at most this many (or the largest tensor's count, which loads whole).
 // Default 16 Mi elements (64 MiB). The setter (for tests) returns the previous value.
@@ -274,6 +327,31 @@ std::shared_ptr<::torch::nn::Module> module_ptr(const Model& m) {
 mpzero::torch::config config_from_string(const std::string& path_or_json, int world_size);
 
 }  // namespace detail
+
+// ---- ZeRO-3: gathered submodules --------------------------------------------------
+// module->forward(args...) with the partitioned (ZeRO-3) parameters of `module` gathered
+// only while its forward runs and again while its backward runs; `module` is a
+// ModuleHolder or a std::shared_ptr to a Module, as for initialize. Call it inside the
+// model's forward for each large submodule (a transformer block):
+//
+//   for (auto& block : blocks) x = mpzero::torch::gathered_forward(block, x);
+//
+// Without a ZeRO-3 engine managing the submodule's parameters (another stage, no engine,
+// frozen parameters) it is exactly module->forward(args...), so a model written with it
+// trains at any stage. Tensor arguments that require grad are passed on as views of
+// themselves: the backward releases the parameters once their gradients are complete.
+// Collective at stage 3: every rank must make the same calls in the same order, forward
+// and backward (the gathers are all-gathers). A parameter gathered_forward covered must
+// be used only inside such a call: engine.forward leaves it partitioned from the next
+// forward on (docs/torch.md, "ZeRO-3").
+template <class M, class... Args>
+auto gathered_forward(M&& module, Args&&... args) {
+  detail::unit_guard guard{detail::begin_unit(*detail::module_ptr(module))};
+  if (!guard.call) return module->forward(std::forward<Args>(args)...);
+  auto out = module->forward(detail::unit_arg(guard.call, std::forward<Args>(args))...);
+  detail::unit_outputs(guard.call, out);
+  return out;
+}
 
 // ---- initialize ---------------------------------------------------------------------
 // `comm` decides the world: any_communicator{} (default) is one process; wrap an MPI or

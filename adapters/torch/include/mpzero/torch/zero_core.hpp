@@ -53,8 +53,17 @@ class zero_core {
   virtual const core_spec& spec() const noexcept = 0;
 
   // Parameter i's storage (spec().param elements), which forward reads and step()
-  // updates in place. Stages 0-2 only.
+  // updates in place. Stage 3: a partitioned parameter's only while its group is
+  // gathered (the pointer changes with every gather); mpzero::error otherwise.
   virtual void* param_data(std::size_t i) = 0;
+  // ZeRO-3: whether parameter i exists only as shards (stage 3, above the persistence
+  // threshold, not empty). False for every parameter at stages 0-2.
+  virtual bool partitioned(std::size_t i) const = 0;
+  // ZeRO-3: ZeroOptimizer::gather (collective) and release (local) of parameters
+  // [first, end); a range holds partitioned parameters only where it is gathered.
+  // mpzero::error below stage 3.
+  virtual void gather(std::size_t first, std::size_t end) = 0;
+  virtual void release(std::size_t first, std::size_t end) = 0;
   // Sets parameter i (and its master copy) from numel(i) elements of type `t` in host
   // memory. Every rank passes the same values.
   virtual void load_param(std::size_t i, const void* values, dtype t) = 0;

@@ -1,0 +1,274 @@
+// ZeRO-3 in the LibTorch engine under mpirun (1 and 2 ranks): partitioned parameters,
+// engine.forward's gather, gathered_forward's per-submodule gathers around forward and
+// backward, checkpoints across stages, and the refusals.
+//
+// The reference is the stage-2 engine: stage 3 reduces and updates exactly as stage 2
+// (the same flat layout, buckets and step); only where the 16-bit parameters live
+// differs, so every loss, master weight and parameter must be equal bit for bit.
+#include "support/torch_mpi.hpp"  // LibTorch, then Catch and MPI
+#include "support/torch_reference.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <functional>
+#include <string>
+#include <vector>
+
+using namespace mpzero::testing;  // mt, Tensor, json, world(), W(), R()
+
+namespace {
+
+// A probe the model calls between blocks (forward) and whose gradient hooks it sets
+// (backward): what the test samples there.
+std::function<void(const char* where)> probe;
+
+// x (4 features) -> Linear(4, 16) -> 3 residual blocks (LayerNorm, Linear(16, 32), GELU,
+// Linear(32, 16)) -> Linear(16, 4). With a persistence threshold of 32 elements, the
+// weights (64-512 elements) are partitioned; biases and norms (4-32) stay whole.
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(int d) {
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    up = register_module("up", torch::nn::Linear(d, 2 * d));
+    down = register_module("down", torch::nn::Linear(2 * d, d));
+  }
+  Tensor forward(const Tensor& x) { return x + down(torch::gelu(up(ln(x)))); }
+  torch::nn::LayerNorm ln{nullptr};
+  torch::nn::Linear up{nullptr}, down{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct StackImpl : torch::nn::Module {
+  StackImpl(std::uint64_t seed, bool units) : units(units) {
+    torch::manual_seed(seed);
+    in = register_module("in", torch::nn::Linear(4, 16));
+    for (int k = 0; k < 3; ++k) blocks.push_back(register_module("block" + std::to_string(k), Block(16)));
+    out = register_module("out", torch::nn::Linear(16, 4));
+  }
+  Tensor forward(const Tensor& x) {
+    Tensor h = in(x.to(in->weight.scalar_type()));
+    for (auto& b : blocks) {
+      h = units ? mt::gathered_forward(b, h) : b->forward(h);
+      if (probe) {
+        probe("forward");
+        if (h.requires_grad()) h.register_hook([](const Tensor&) { probe("backward"); });
+      }
+    }
+    return out(h);
+  }
+  Tensor forward(const Tensor& x, const Tensor& y) { return torch::mse_loss(forward(x).to(torch::kFloat), y); }
+  bool units;
+  torch::nn::Linear in{nullptr}, out{nullptr};
+  std::vector<Block> blocks;
+};
+TORCH_MODULE(Stack);
+
+batch data(int k, int r) { return random_batch(static_cast<std::uint64_t>(7919 * k + r + 1)); }
+
+json config(int stage, const std::string& prec, std::uint64_t threshold, bool offload = false, int gas = 1) {
+  json extra = {{"zero_optimization", {{"stage3_param_persistence_threshold", threshold}}}};
+  if (offload) extra["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
+  if (prec == "bf16") extra["bf16"] = {{"enabled", true}};
+  return engine_config(stage, gas, 1e-2, extra);
+}
+
+mt::engine<Stack> make(int stage, const std::string& prec, std::uint64_t threshold, bool units, bool offload = false,
+                       int gas = 1) {
+  return mt::initialize(Stack(1234, units), config(stage, prec, threshold, offload, gas), world());
+}
+
+// One micro-step on this rank's batch k; returns the loss.
+float micro_step(mt::engine<Stack>& e, int k) {
+  const batch b = data(k, R());
+  Tensor loss = e.forward(b.x, b.y);
+  loss.backward();
+  e.step();
+  return loss.item<float>();
+}
+
+std::vector<Tensor> whole_params(mt::engine<Stack>& e) {
+  // master_weights() is whole on every rank at any stage; the parameters are its rounding.
+  std::vector<Tensor> out;
+  for (auto& m : e.master_weights()) out.push_back(m.to(e.parameters()[0].scalar_type()).to(torch::kFloat));
+  return out;
+}
+
+void require_equal(const std::vector<Tensor>& a, const std::vector<Tensor>& b, const std::string& what) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    INFO(what << ", tensor " << i);
+    REQUIRE(torch::equal(a[i], b[i]));
+  }
+}
+
+// The partitioned parameters' element count, all of them and engine.forward's part.
+std::int64_t numel_of(const std::vector<std::int64_t>& shape) {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("zero3: the engine at stage 3 trains bit for bit as at stage 2", "[torch][zero3]") {
+  const std::string prec = GENERATE(std::string("fp32"), std::string("bf16"));
+  const bool units = GENERATE(false, true);
+  const std::uint64_t threshold = GENERATE(std::uint64_t{0}, std::uint64_t{32});
+  const bool offload = GENERATE(false, true);
+  const int gas = offload ? 1 : 2;
+  INFO(prec << (units ? ", gathered_forward blocks" : ", no gathered_forward") << ", threshold " << threshold
+            << (offload ? ", CPU offload" : "") << ", gas " << gas << ", world " << W());
+  auto z2 = make(2, prec, threshold, units, offload, gas);
+  auto z3 = make(3, prec, threshold, units, offload, gas);
+  CHECK_THAT(z3.describe(), Catch::Contains("ZeRO stage 3"));
+  std::size_t partitioned = 0;
+  for (std::size_t i = 0; i < z3.parameters().size(); ++i) {
+    const Tensor& p = z3.parameters()[i];
+    const auto shape = z3.parameter_shape(p);
+    REQUIRE(shape == z2.parameters()[i].sizes().vec());
+    // Between steps a partitioned parameter is empty; a persistent one is whole.
+    if (static_cast<std::uint64_t>(numel_of(shape)) > threshold) {
+      CHECK(p.numel() == 0);
+      ++partitioned;
+    } else {
+      CHECK(p.sizes().vec() == shape);
+    }
+  }
+  CHECK(partitioned == (threshold == 0 ? z3.parameters().size() : 8));  // the 8 weights
+  for (int k = 0; k < 4; ++k) {
+    const float l2 = micro_step(z2, k), l3 = micro_step(z3, k);
+    INFO("micro-step " << k);
+    REQUIRE(l2 == l3);
+    CHECK(z3.gathered_numel() == 0);  // step() released everything (and gas-boundary forwards' graphs are gone)
+  }
+  require_equal(whole_params(z2), whole_params(z3), "master weights after 4 micro-steps");
+  // Stage 3 keeps 1/W of the partitioned parameters on each rank.
+  const auto m2 = z2.memory(), m3 = z3.memory();
+  if (W() > 1 && partitioned > 0) CHECK(m3.params < m2.params);
+  if (W() == 1) CHECK(m3.params >= m2.params);
+}
+
+TEST_CASE("zero3: gathered_forward holds a block's parameters only around its forward and its backward",
+          "[torch][zero3]") {
+  const std::string prec = GENERATE(std::string("fp32"), std::string("bf16"));
+  INFO(prec << ", world " << W());
+  auto e = make(3, prec, 32, /*units=*/true);
+  // Partitioned: in.weight and out.weight (64 each), and each block's up.weight and
+  // down.weight (512 each).
+  std::uint64_t outside = 0, block = 0, total = 0;
+  for (std::size_t i = 0; i < e.parameters().size(); ++i) {
+    const auto& name = e.parameter_names()[i];
+    const auto n = static_cast<std::uint64_t>(numel_of(e.parameter_shape(e.parameters()[i])));
+    if (n <= 32) continue;
+    total += n;
+    if (name.rfind("block", 0) != 0) outside += n;
+    if (name.rfind("block0.", 0) == 0) block += n;
+  }
+  REQUIRE(outside == 128);
+  REQUIRE(block == 1024);
+  std::vector<std::pair<std::string, std::uint64_t>> samples;
+  probe = [&](const char* where) { samples.emplace_back(where, e.gathered_numel()); };
+  for (int k = 0; k < 3; ++k) {
+    INFO("iteration " << k);
+    samples.clear();
+    const batch b = data(k, R());
+    Tensor loss = e.forward(b.x, b.y);
+    // Between blocks: the first forward gathers everything (it learns which parameters
+    // the gathered_forward calls cover); later ones only what no call covers.
+    const std::uint64_t held = k == 0 ? total : outside;
+    CHECK(e.gathered_numel() == held);
+    loss.backward();
+    CHECK(e.gathered_numel() == held);  // engine.forward's part lives with the graph, until step()
+    e.step();
+    CHECK(e.gathered_numel() == 0);
+    std::size_t fwd = 0, bwd = 0;
+    for (const auto& [where, n] : samples) {
+      if (where == std::string("forward")) {
+        ++fwd;
+        CHECK(n == held);
+      } else {
+        ++bwd;
+        // At each block boundary in backward: the block behind it is gathered again,
+        // the one after it (whose backward is done) released.
+        CHECK(n == (k == 0 ? total : outside + block));
+      }
+    }
+    CHECK(fwd == 3);
+    CHECK(bwd == 3);
+  }
+  // A forward under NoGradGuard gathers for the forward only.
+  {
+    torch::NoGradGuard ng;
+    const batch b = data(9, R());
+    samples.clear();
+    Tensor y = e.forward(b.x);
+    CHECK(y.sizes().vec() == std::vector<std::int64_t>{8, 4});
+    CHECK(e.gathered_numel() == 0);
+    for (const auto& s : samples) CHECK(s.second == outside);
+  }
+  probe = nullptr;
+}
+
+TEST_CASE("zero3: a backward after step() is refused with what to do", "[torch][zero3]") {
+  auto e = make(3, "fp32", 32, /*units=*/true);
+  const batch b0 = data(0, R()), b1 = data(1, R());
+  Tensor loss0 = e.forward(b0.x, b0.y);
+  Tensor loss1 = e.forward(b1.x, b1.y);
+  loss0.backward();
+  e.step();  // releases what loss1's graph would need
+  CHECK_THROWS_WITH(loss1.backward(), Catch::Contains("ZeRO-3") && Catch::Contains("Run backward before step()"));
+  // The engine goes on.
+  const float l = micro_step(e, 2);
+  CHECK(std::isfinite(l));
+}
+
+TEST_CASE("zero3: checkpoints move between stage 3 and stage 2 in both directions", "[torch][zero3][checkpoint]") {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("mpzero_zero3_ckpt_" + std::to_string(W()));
+  if (R() == 0) fs::remove_all(dir);
+  world().ibarrier().wait();
+  const std::string prec = GENERATE(std::string("fp32"), std::string("bf16"));
+  INFO(prec << ", world " << W());
+  auto z3 = make(3, prec, 32, true);
+  auto z2 = make(2, prec, 32, true);
+  for (int k = 0; k < 2; ++k) {
+    micro_step(z3, k);
+    micro_step(z2, k);
+  }
+  z3.save_checkpoint(dir.string(), "z3");
+  z2.save_checkpoint(dir.string(), "z2");
+  CHECK(z3.gathered_numel() == 0);  // the save gathered each parameter for model_states.pt, then released it
+  // model_states.pt of stage 3 holds the whole parameters, as stage 2's does.
+  if (R() == 0) {
+    auto read = [&](const std::string& tag) {
+      std::ifstream in(dir / tag / "model_states.pt", std::ios::binary);
+      std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      return torch::pickle_load(bytes).toGenericDict().at("module").toGenericDict();
+    };
+    auto a = read("z3"), b = read("z2");
+    REQUIRE(a.size() == b.size());
+    for (const auto& item : b) {
+      INFO(item.key().toStringRef());
+      REQUIRE(torch::equal(a.at(item.key()).toTensor(), item.value().toTensor()));
+    }
+  }
+  // Cross loads continue bit for bit.
+  auto from3 = make(2, prec, 32, true);
+  auto from2 = make(3, prec, 32, true);
+  REQUIRE(from3.load_checkpoint(dir.string(), "z3"));
+  REQUIRE(from2.load_checkpoint(dir.string(), "z2"));
+  require_equal(whole_params(from3), whole_params(z3), "stage 2 loaded from stage 3");
+  require_equal(whole_params(from2), whole_params(z2), "stage 3 loaded from stage 2");
+  const float a = micro_step(z2, 5), b = micro_step(from2, 5), c = micro_step(from3, 5);
+  CHECK(a == b);
+  CHECK(a == c);
+  // Module only, into stage 3: the parameters from model_states.pt.
+  auto mod = make(3, prec, 32, true);
+  REQUIRE(mod.load_checkpoint(dir.string(), "z2", /*load_module_only=*/true));
+  CHECK(mod.gathered_numel() == 0);
+  world().ibarrier().wait();
+  if (R() == 0) fs::remove_all(dir);
+}
