@@ -34,7 +34,11 @@ long status_kib(const std::string& key) {
 
 struct FlatImpl : torch::nn::Module {
   FlatImpl(std::int64_t k, std::int64_t n) {
-    for (std::int64_t i = 0; i < k; ++i) register_parameter("w" + std::to_string(i), torch::randn({n}));
+    for (std::int64_t i = 0; i < k; ++i) {
+      std::string name = "w";  // appended, not "w" + ...: GCC 12's false -Wrestrict
+      name += std::to_string(i);
+      register_parameter(name, torch::randn({n}));
+    }
   }
   torch::Tensor forward(const torch::Tensor& x) { return x; }
 };

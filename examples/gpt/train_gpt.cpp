@@ -716,16 +716,19 @@ result train_engine(mt::engine<GPT>& engine, const run_spec& spec, const options
                                         comm.size());
   if (spec.stage == 3) {
     // The memory model partitions every parameter at stage 3; those at or below the
-    // persistence threshold stay whole on every rank: P x their count x (1 - 1/W) more.
-    std::uint64_t persistent = 0, total = 0;
+    // persistence threshold stay whole on every rank, at the end of the flat layout. This
+    // rank (0, whose numbers are reported) keeps the partitioned part of its slice,
+    // min(N/W, N - persistent) elements, plus all the persistent ones.
+    double persistent = 0, n_all = 0;
     for (const auto& p : engine.parameters()) {
-      std::uint64_t n = 1;
-      for (auto d : engine.parameter_shape(p)) n *= static_cast<std::uint64_t>(d);
-      total += n;
-      if (n > 0 && n <= o.persistence) persistent += n;
+      double n = 1;
+      for (auto d : engine.parameter_shape(p)) n *= static_cast<double>(d);
+      n_all += n;
+      if (n > 0 && n <= static_cast<double>(o.persistence)) persistent += n;
     }
+    const double slice = n_all / comm.size();
     r.predicted.device_bytes += static_cast<double>(mpzero::size_of(cfg.param_dtype())) *
-                                (1.0 - 1.0 / comm.size()) * static_cast<double>(persistent) / static_cast<double>(total);
+                                (std::min(slice, n_all - persistent) + persistent - slice) / n_all;
   }
   std::uint64_t calls = 0;
   auto step = [&](const torch::Tensor& x, const torch::Tensor& y) {
