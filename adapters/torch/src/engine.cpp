@@ -503,6 +503,7 @@ void engine_state::bind(std::size_t i) {
 
 void engine_state::unbind(std::size_t i) {
   params_[i].set_data(placeholder_);
+  if (!storages_[i]) return;
   // Views of the parameter still in a graph point nowhere until the next gather.
   storages_[i].set_data_ptr_noswap(c10::DataPtr(nullptr, device_));
   storages_[i].set_nbytes(0);
@@ -524,18 +525,36 @@ void engine_state::hold(const std::vector<std::size_t>& idx) {
   }
   if (fresh.empty()) return;
   core_waits();
-  for (std::size_t a = 0; a < fresh.size();) {
-    std::size_t b = a + 1;
-    while (b < fresh.size() && fresh[b] == fresh[b - 1] + 1) ++b;
-    const std::pair<std::size_t, std::size_t> group{fresh[a], fresh[b - 1] + 1};
-    core_->gather(group.first, group.second);
-    live_groups_[group] = b - a;
-    for (std::size_t k = a; k < b; ++k) {
-      group_of_[fresh[k]] = group;
-      bind(fresh[k]);
-      gathered_numel_ += static_cast<std::uint64_t>(params_[fresh[k]].numel());
+  std::size_t a = 0;
+  try {
+    while (a < fresh.size()) {
+      std::size_t b = a + 1;
+      while (b < fresh.size() && fresh[b] == fresh[b - 1] + 1) ++b;
+      const std::pair<std::size_t, std::size_t> group{fresh[a], fresh[b - 1] + 1};
+      core_->gather(group.first, group.second);
+      live_groups_[group] = b - a;
+      for (std::size_t k = a; k < b; ++k) {
+        group_of_[fresh[k]] = group;
+        bind(fresh[k]);
+        gathered_numel_ += static_cast<std::uint64_t>(params_[fresh[k]].numel());
+      }
+      a = b;
     }
-    a = b;
+  } catch (...) {
+    // Undo this call: the parameters not gathered lose their count, the others are
+    // unheld as a release would (the caller holds nothing).
+    std::vector<std::size_t> done;
+    std::size_t f = a;
+    for (std::size_t i : idx) {
+      if (f < fresh.size() && fresh[f] == i) {
+        --holds_[i];
+        ++f;
+      } else {
+        done.push_back(i);
+      }
+    }
+    unhold(done);
+    throw;
   }
   join_core();  // torch's stream reads what the gather wrote
 }
