@@ -187,13 +187,7 @@ struct MlpImpl : torch::nn::Module {
 TORCH_MODULE(Mlp);
 
 // Mlp with each layer a ZeRO-3 unit (mpzero::torch::gathered_forward).
-struct UnitMlpImpl : torch::nn::Module {
-  torch::nn::Linear a{nullptr}, b{nullptr};
-  UnitMlpImpl() {
-    torch::manual_seed(11);
-    a = register_module("a", torch::nn::Linear(32, 64));
-    b = register_module("b", torch::nn::Linear(64, 4));
-  }
+struct UnitMlpImpl : MlpImpl {
   Tensor forward(const Tensor& x, const Tensor& y) {
     Tensor h = torch::tanh(mt::gathered_forward(a, x));
     return torch::mse_loss(mt::gathered_forward(b, h).to(torch::kFloat), y);

@@ -174,6 +174,7 @@ TEST_CASE("zero3: gathered_forward holds a block's parameters only around its fo
   for (int k = 0; k < 3; ++k) {
     INFO("iteration " << k);
     samples.clear();
+    const std::uint64_t hits = e.prefetched_gathers();
     const batch b = data(k, R());
     Tensor loss = e.forward(b.x, b.y);
     // Between blocks: the first forward gathers everything (it learns which parameters
@@ -198,6 +199,11 @@ TEST_CASE("zero3: gathered_forward holds a block's parameters only around its fo
     }
     CHECK(fwd == 3);
     CHECK(bwd == 3);
+    // From the second forward on, the order of the blocks is known: blocks 1 and 2 find
+    // their all-gather started while the block before them computed, and in backward
+    // blocks 1 and 0 while the block after them did. (The prefetched copies are not
+    // bound, so the samples above do not count them.)
+    CHECK(e.prefetched_gathers() - hits == (k == 0 ? 0u : 4u));
   }
   // A forward under NoGradGuard gathers for the forward only.
   {
@@ -210,6 +216,21 @@ TEST_CASE("zero3: gathered_forward holds a block's parameters only around its fo
     for (const auto& s : samples) CHECK(s.second == outside);
   }
   probe = nullptr;
+}
+
+TEST_CASE("zero3: stage3_prefetch_bucket_size bounds the prefetch; 0 turns it off, with the same results",
+          "[torch][zero3]") {
+  INFO("world " << W());
+  // Each block holds 1024 partitioned elements.
+  const std::uint64_t bucket = GENERATE(std::uint64_t{0}, std::uint64_t{1000}, std::uint64_t{1024});
+  INFO("stage3_prefetch_bucket_size " << bucket);
+  json cfg = config(3, "bf16", 32, false, 1);
+  cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = bucket;
+  auto e = mt::initialize(Stack(1234, true), cfg, world());
+  auto ref = make(2, "bf16", 32, true);
+  for (int k = 0; k < 3; ++k) REQUIRE(micro_step(e, k) == micro_step(ref, k));
+  CHECK(e.prefetched_gathers() == (bucket >= 1024 ? 8u : 0u));  // 4 in each of the last two iterations
+  require_equal(whole_params(e), whole_params(ref), "master weights");
 }
 
 TEST_CASE("zero3: a backward after step() is refused with what to do", "[torch][zero3]") {

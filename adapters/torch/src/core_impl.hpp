@@ -97,6 +97,14 @@ class core_impl final : public zero_core {
       z_->gather(first, end);
     }
   }
+  void prefetch(std::size_t first, std::size_t end) override {
+    if constexpr (N < 3) {
+      stage3_only("prefetch");
+    } else {
+      typename Context::scope s(ctx_);
+      z_->prefetch(first, end);
+    }
+  }
   void release(std::size_t first, std::size_t end) override {
     if constexpr (N < 3) {
       stage3_only("release");

@@ -24,6 +24,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <set>
 #include <system_error>
 #include <sstream>
 #include <unordered_map>
@@ -206,6 +207,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     core_->end_backward();
     ++epilogues_;
     release_backward_units();
+    drop_prefetches();
   }
   // Ends the open passes `pred` selects: done, their graph tasks forgotten. (Open and
   // not done are the same thing: a pass leaves open_ only here.)
@@ -332,6 +334,32 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::vector<std::size_t> forward_set() const;
   std::vector<std::size_t> all_partitioned() const;
   void release_backward_units();
+  // Starts the all-gather of those of idx (sorted) that no group holds or fetches yet, if
+  // stage3_prefetch_bucket_size allows their size; hold() then waits for it.
+  void prefetch(const std::vector<std::size_t>& idx);
+  // Releases the groups prefetched and not gathered since (the end of a forward or of a
+  // backward: the unit they were for did not come).
+  void drop_prefetches();
+  // `sorted` in ranges of one all-gather each: neighbours join when only parameters that
+  // are never gathered (persistent, empty) lie between them, as a block's biases between
+  // its weights.
+  std::vector<std::pair<std::size_t, std::size_t>> runs_of(const std::vector<std::size_t>& sorted) const {
+    std::vector<std::pair<std::size_t, std::size_t>> out;
+    for (std::size_t i : sorted) {
+      bool join = !out.empty();
+      for (std::size_t k = join ? out.back().second : 0; join && k < i; ++k) join = !core_->partitioned(k);
+      if (join) {
+        out.back().second = i + 1;
+      } else {
+        out.emplace_back(i, i + 1);
+      }
+    }
+    return out;
+  }
+  bool member(std::size_t i) const {
+    const auto& g = group_of_[i];
+    return g.first <= i && i < g.second;
+  }
   // Points parameter i at the core's storage of it (a gathered copy at ZeRO-3), or at
   // nothing (unbind: partitioned).
   void bind(std::size_t i);
@@ -349,6 +377,13 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   ::torch::Tensor placeholder_;  // what a partitioned parameter's tensor holds between gathers
   std::shared_ptr<forward_hold> forward_hold_;  // engine.forward's hold on forward_set(), while it runs
   std::vector<std::weak_ptr<unit_call>> backward_units_;  // calls gathered for their backward
+  std::set<std::pair<std::size_t, std::size_t>> prefetched_;  // groups whose all-gather runs, not gathered yet
+  std::uint64_t prefetch_hits_ = 0;                           // gathers a prefetch had started
+  // The order of the units (gathered_forward calls) in the last forward: the parameters of
+  // the unit that began after a module's, which its next call prefetches.
+  std::unordered_map<const ::torch::nn::Module*, std::vector<std::size_t>> next_unit_;
+  const ::torch::nn::Module* last_module_ = nullptr;  // this forward's last unit
+  std::weak_ptr<unit_call> last_unit_;
 
   mpzero::torch::config cfg_;
   any_communicator comm_;
@@ -418,8 +453,9 @@ struct grad_hook final : ag::PostAccumulateGradHook {
 // A gathered_forward call: its parameters, and whether its backward holds them.
 class unit_call {
  public:
-  unit_call(std::weak_ptr<engine_state> st, std::uint64_t generation, std::vector<std::size_t> params)
-      : st_(std::move(st)), generation_(generation), params_(std::move(params)) {}
+  unit_call(std::weak_ptr<engine_state> st, std::uint64_t generation, std::vector<std::size_t> params,
+            std::weak_ptr<unit_call> prev)
+      : st_(std::move(st)), generation_(generation), params_(std::move(params)), prev_(std::move(prev)) {}
   ~unit_call() {
     drop(forward_held_);
     drop(backward_held_);
@@ -443,6 +479,8 @@ class unit_call {
     backward_held_ = true;
     pending_ = inputs_;
     s->backward_units_.push_back(self);  // the epilogue releases it if no input does
+    // The unit that ran before this one in forward is the next one backward reaches.
+    if (auto p = prev_.lock()) s->prefetch(p->params_);
   }
   // An input's gradient is complete: once all are, the submodule's backward is over.
   void on_input_grad() noexcept {
@@ -463,6 +501,7 @@ class unit_call {
   std::weak_ptr<engine_state> st_;
   std::uint64_t generation_;
   std::vector<std::size_t> params_;
+  std::weak_ptr<unit_call> prev_;  // the unit that began before this one in the same forward
   bool forward_held_ = false, backward_held_ = false;
   int inputs_ = 0, pending_ = 0;
 };
@@ -510,53 +549,75 @@ void engine_state::unbind(std::size_t i) {
 }
 
 void engine_state::hold(const std::vector<std::size_t>& idx) {
-  // Parameters not held yet: rebind those whose group is still gathered, gather the
-  // others in contiguous runs (idx is sorted).
-  std::vector<std::size_t> fresh;
+  // Parameters not held yet: rebind those whose group is still gathered, wait for those
+  // a prefetch fetches, gather the others in contiguous runs (idx is sorted).
+  std::vector<std::size_t> fresh, fetched;
   for (std::size_t i : idx) {
     if (holds_[i]++ > 0) continue;
-    if (auto g = live_groups_.find(group_of_[i]); g != live_groups_.end() && g->first.first <= i && i < g->first.second) {
+    if (auto g = live_groups_.find(group_of_[i]); member(i) && g != live_groups_.end()) {
       ++g->second;
       bind(i);
       gathered_numel_ += static_cast<std::uint64_t>(params_[i].numel());
+    } else if (member(i) && prefetched_.count(group_of_[i])) {
+      fetched.push_back(i);
     } else {
       fresh.push_back(i);
     }
   }
-  if (fresh.empty()) return;
+  if (fresh.empty() && fetched.empty()) return;
   core_waits();
-  std::size_t a = 0;
+  auto bind_in = [&](std::size_t i, const std::pair<std::size_t, std::size_t>& group) {
+    group_of_[i] = group;
+    ++live_groups_[group];
+    bind(i);
+    gathered_numel_ += static_cast<std::uint64_t>(params_[i].numel());
+  };
   try {
-    while (a < fresh.size()) {
-      std::size_t b = a + 1;
-      while (b < fresh.size() && fresh[b] == fresh[b - 1] + 1) ++b;
-      const std::pair<std::size_t, std::size_t> group{fresh[a], fresh[b - 1] + 1};
-      core_->gather(group.first, group.second);
-      live_groups_[group] = b - a;
-      for (std::size_t k = a; k < b; ++k) {
-        group_of_[fresh[k]] = group;
-        bind(fresh[k]);
-        gathered_numel_ += static_cast<std::uint64_t>(params_[fresh[k]].numel());
+    for (std::size_t i : fetched) {
+      const auto group = group_of_[i];
+      if (prefetched_.erase(group) > 0) {  // the first of its parameters: wait for it
+        core_->gather(group.first, group.second);
+        live_groups_[group] = 0;
+        ++prefetch_hits_;
       }
-      a = b;
+      bind_in(i, group);
+    }
+    std::size_t k = 0;
+    for (const auto& group : runs_of(fresh)) {
+      core_->gather(group.first, group.second);
+      live_groups_[group] = 0;
+      for (; k < fresh.size() && fresh[k] < group.second; ++k) bind_in(fresh[k], group);
     }
   } catch (...) {
-    // Undo this call: the parameters not gathered lose their count, the others are
-    // unheld as a release would (the caller holds nothing).
-    std::vector<std::size_t> done;
-    std::size_t f = a;
-    for (std::size_t i : idx) {
-      if (f < fresh.size() && fresh[f] == i) {
-        --holds_[i];
-        ++f;
-      } else {
-        done.push_back(i);
-      }
-    }
-    unhold(done);
+    // A failed all-gather leaves the ranks out of step anyway: drop every gather (each
+    // hold taken before does nothing when dropped), so that the counts stay consistent.
+    release_all();
     throw;
   }
-  join_core();  // torch's stream reads what the gather wrote
+  join_core();  // torch's stream reads what the gathers wrote
+}
+
+void engine_state::prefetch(const std::vector<std::size_t>& idx) {
+  const std::uint64_t limit = cfg_.zero.stage3_prefetch_bucket_size;
+  std::vector<std::size_t> fresh;
+  std::uint64_t n = 0;
+  for (std::size_t i : idx) {
+    if (holds_[i] > 0 || (member(i) && (live_groups_.count(group_of_[i]) || prefetched_.count(group_of_[i])))) continue;
+    fresh.push_back(i);
+    n += static_cast<std::uint64_t>(c10::multiply_integers(shapes_[i]));
+  }
+  if (fresh.empty() || n > limit) return;  // limit 0: no prefetch
+  std::size_t k = 0;
+  for (const auto& group : runs_of(fresh)) {
+    core_->prefetch(group.first, group.second);
+    prefetched_.insert(group);
+    for (; k < fresh.size() && fresh[k] < group.second; ++k) group_of_[fresh[k]] = group;
+  }
+}
+
+void engine_state::drop_prefetches() {
+  for (const auto& g : prefetched_) core_->release(g.first, g.second);
+  prefetched_.clear();
 }
 
 void engine_state::unhold(const std::vector<std::size_t>& idx) {
@@ -575,11 +636,11 @@ void engine_state::unhold(const std::vector<std::size_t>& idx) {
 
 void engine_state::release_all() {
   if (!zero3_) return;
-  ++generation_;
+  ++generation_;  // first: the holds dropped below (and any taken before) do nothing
   backward_units_.clear();
   forward_hold_.reset();
-  if (live_groups_.empty()) return;
-  core_waits();
+  if (!live_groups_.empty() || !prefetched_.empty()) core_waits();  // freed after torch's reads
+  drop_prefetches();
   for (const auto& [g, n] : live_groups_) core_->release(g.first, g.second);
   live_groups_.clear();
   for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -631,8 +692,14 @@ std::shared_ptr<unit_call> begin_unit(const ::torch::nn::Module& m) {
   idx.erase(std::unique(idx.begin(), idx.end()), idx.end());
   if (idx.empty()) return nullptr;
   for (std::size_t i : idx) st->claimed_[i] = 1;
-  auto c = std::make_shared<unit_call>(st, st->generation_, std::move(idx));
+  // The order of the units: what began after the last one is what its next call prefetches.
+  if (st->last_module_ != nullptr) st->next_unit_[st->last_module_] = idx;
+  st->last_module_ = &m;
+  auto c = std::make_shared<unit_call>(st, st->generation_, idx, st->last_unit_);
+  st->last_unit_ = c;
   c->hold_forward(*st);
+  // The next unit's all-gather runs while this one computes.
+  if (auto next = st->next_unit_.find(&m); next != st->next_unit_.end()) st->prefetch(next->second);
   return c;
 }
 
@@ -1444,6 +1511,8 @@ engine_base::forward_scope::forward_scope(detail::engine_state& st) : st_(st) {
     h->params = st_.forward_set();
     st_.hold(h->params);
     st_.forward_hold_ = std::move(h);
+    st_.last_module_ = nullptr;  // the units' order starts again
+    st_.last_unit_.reset();
   }
   ++st_.forward_depth_;
   const auto& ac = st_.cfg_.torch_autocast;
@@ -1465,7 +1534,15 @@ engine_base::forward_scope::~forward_scope() {
     at::autocast::set_autocast_dtype(st_.device_.type(), prev_dtype_);
   }
   // Released here unless an output that requires grad keeps it for the backward.
-  if (--st_.forward_depth_ == 0) st_.forward_hold_.reset();
+  if (--st_.forward_depth_ == 0) {
+    st_.forward_hold_.reset();
+    if (st_.zero3_) {
+      try {
+        st_.drop_prefetches();  // a unit that was to follow the last one and did not
+      } catch (...) {
+      }
+    }
+  }
 }
 
 void engine_base::watch(const ::torch::Tensor& out) {
@@ -1537,6 +1614,7 @@ std::vector<std::int64_t> engine_base::parameter_shape(const ::torch::Tensor& pa
   return st_->shapes_[st_->index_of(param, "parameter_shape")];
 }
 std::uint64_t engine_base::gathered_numel() const { return st_->gathered_numel_; }
+std::uint64_t engine_base::prefetched_gathers() const { return st_->prefetch_hits_; }
 std::string engine_base::describe() const { return st_->core_->spec().describe(); }
 
 }  // namespace mpzero::torch

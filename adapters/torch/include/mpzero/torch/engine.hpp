@@ -68,7 +68,9 @@
 // them). gathered_forward(submodule, args...) inside the model's forward gathers a
 // submodule's parameters around its forward only, and again around its backward, which
 // is where ZeRO-3 saves memory: wrap each transformer block. LibTorch C++ has no module
-// hooks, hence the call. docs/torch.md, "ZeRO-3", has the rules.
+// hooks, hence the call. The next unit's all-gather is prefetched (the order is learned
+// from the previous forward; stage3_prefetch_bucket_size bounds it, 0 turns it off).
+// docs/torch.md, "ZeRO-3", has the rules.
 #pragma once
 
 #include <cstdint>
@@ -185,6 +187,10 @@ class engine_base {
   // how many elements of partitioned parameters are gathered on this rank now.
   std::vector<std::int64_t> parameter_shape(const ::torch::Tensor& param) const;
   std::uint64_t gathered_numel() const;
+  // ZeRO-3: how many all-gathers (one per unit, or per run of its parameters that
+  // other partitioned parameters interrupt) were already under way, started by a
+  // prefetch, when their unit needed them.
+  std::uint64_t prefetched_gathers() const;
   // The compiled instantiation, e.g. "param bf16, master fp32, ..., ZeRO stage 2".
   std::string describe() const;
 

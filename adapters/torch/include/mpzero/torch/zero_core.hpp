@@ -64,6 +64,9 @@ class zero_core {
   // mpzero::error below stage 3.
   virtual void gather(std::size_t first, std::size_t end) = 0;
   virtual void release(std::size_t first, std::size_t end) = 0;
+  // ZeRO-3: ZeroOptimizer::prefetch, the all-gather of [first, end) started without
+  // waiting (collective); gather of exactly that range waits for it, release drops it.
+  virtual void prefetch(std::size_t first, std::size_t end) = 0;
   // Sets parameter i (and its master copy) from numel(i) elements of type `t` in host
   // memory. Every rank passes the same values.
   virtual void load_param(std::size_t i, const void* values, dtype t) = 0;
