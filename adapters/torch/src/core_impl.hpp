@@ -90,28 +90,13 @@ class core_impl final : public zero_core {
     }
   }
   void gather(std::size_t first, std::size_t end) override {
-    if constexpr (N < 3) {
-      stage3_only("gather");
-    } else {
-      typename Context::scope s(ctx_);
-      z_->gather(first, end);
-    }
+    stage3("gather", [&](auto& z) { z.gather(first, end); });
   }
   void prefetch(std::size_t first, std::size_t end) override {
-    if constexpr (N < 3) {
-      stage3_only("prefetch");
-    } else {
-      typename Context::scope s(ctx_);
-      z_->prefetch(first, end);
-    }
+    stage3("prefetch", [&](auto& z) { z.prefetch(first, end); });
   }
   void release(std::size_t first, std::size_t end) override {
-    if constexpr (N < 3) {
-      stage3_only("release");
-    } else {
-      typename Context::scope s(ctx_);
-      z_->release(first, end);
-    }
+    stage3("release", [&](auto& z) { z.release(first, end); });
   }
   void load_param(std::size_t i, const void* values, dtype t) override {
     typename Context::scope s(ctx_);
@@ -189,9 +174,17 @@ class core_impl final : public zero_core {
   void join_stream(void* stream) override { ctx_.join_stream(stream); }
 
  private:
-  [[noreturn]] static void stage3_only(const char* what) {
-    throw mpzero::error(std::string("mpzero::torch: zero_core::") + what + " gathers ZeRO-3 parameters; this core is stage " +
-                        std::to_string(N) + ", whose parameters are whole on every rank");
+  // f(optimizer) under the core's scope at stage 3; below it, an error naming `what`
+  // (the optimizer has no gathers: its parameters are whole on every rank).
+  template <class F>
+  void stage3(const char* what, F&& f) {
+    if constexpr (N < 3) {
+      throw mpzero::error(std::string("mpzero::torch: zero_core::") + what + " gathers ZeRO-3 parameters; this core is " +
+                          "stage " + std::to_string(N) + ", whose parameters are whole on every rank");
+    } else {
+      typename Context::scope s(ctx_);
+      f(*z_);
+    }
   }
 
   Context ctx_;

@@ -329,10 +329,9 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   // Releases every group, whatever holds it (before step() and loads, which rewrite the
   // partitions); holds taken before do nothing when dropped.
   void release_all();
-  // The partitioned parameters engine.forward gathers for the whole pass: those no
-  // gathered_forward call has covered yet.
-  std::vector<std::size_t> forward_set() const;
-  std::vector<std::size_t> all_partitioned() const;
+  // The partitioned parameters; with unclaimed_only, those no gathered_forward call has
+  // covered yet, which engine.forward gathers for the whole pass.
+  std::vector<std::size_t> partitioned_params(bool unclaimed_only) const;
   void release_backward_units();
   // Starts the all-gather of those of idx (sorted) that no group holds or fetches yet, if
   // stage3_prefetch_bucket_size allows their size; hold() then waits for it.
@@ -356,10 +355,14 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     }
     return out;
   }
+  // Whether parameter i is in a group gathered now (live) or being fetched (prefetched).
+  // group_of_[i] is the last group it was in, which may be gone.
   bool member(std::size_t i) const {
     const auto& g = group_of_[i];
     return g.first <= i && i < g.second;
   }
+  bool in_live_group(std::size_t i) const { return member(i) && live_groups_.count(group_of_[i]) > 0; }
+  bool in_prefetch(std::size_t i) const { return member(i) && prefetched_.count(group_of_[i]) > 0; }
   // Points parameter i at the core's storage of it (a gathered copy at ZeRO-3), or at
   // nothing (unbind: partitioned).
   void bind(std::size_t i);
@@ -373,9 +376,8 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::map<std::pair<std::size_t, std::size_t>, std::size_t> live_groups_;  // group -> its held parameters
   std::vector<char> claimed_;  // covered by a gathered_forward call
   std::uint64_t generation_ = 0;  // release_all() count
-  std::uint64_t gathered_numel_ = 0;
   ::torch::Tensor placeholder_;  // what a partitioned parameter's tensor holds between gathers
-  std::shared_ptr<forward_hold> forward_hold_;  // engine.forward's hold on forward_set(), while it runs
+  std::shared_ptr<forward_hold> forward_hold_;  // engine.forward's hold on the unclaimed partitioned parameters, while it runs
   std::vector<std::weak_ptr<unit_call>> backward_units_;  // calls gathered for their backward
   std::set<std::pair<std::size_t, std::size_t>> prefetched_;  // groups whose all-gather runs, not gathered yet
   std::uint64_t prefetch_hits_ = 0;                           // gathers a prefetch had started
@@ -446,6 +448,16 @@ struct grad_hook final : ag::PostAccumulateGradHook {
   }
 };
 
+// The live engine whose hook parameter p feeds, or nullptr (initialize refuses a second
+// one, so there is at most one).
+std::shared_ptr<engine_state> managing_engine(const ::torch::Tensor& p) {
+  for (auto* h = dynamic_cast<grad_hook*>(ag::impl::post_acc_grad_hooks(p).get()); h != nullptr;
+       h = dynamic_cast<grad_hook*>(h->prev.get())) {
+    if (auto s = h->st.lock()) return s;
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 // ---- ZeRO-3 -------------------------------------------------------------------------
@@ -506,7 +518,7 @@ class unit_call {
   int inputs_ = 0, pending_ = 0;
 };
 
-// engine.forward's hold on forward_set(): kept alive by the outputs' graph.
+// engine.forward's hold on the unclaimed partitioned parameters: kept alive by the outputs' graph.
 struct forward_hold {
   std::weak_ptr<engine_state> st;
   std::uint64_t generation = 0;
@@ -551,14 +563,17 @@ void engine_state::unbind(std::size_t i) {
 void engine_state::hold(const std::vector<std::size_t>& idx) {
   // Parameters not held yet: rebind those whose group is still gathered, wait for those
   // a prefetch fetches, gather the others in contiguous runs (idx is sorted).
+  auto bind_in = [&](std::size_t i, const std::pair<std::size_t, std::size_t>& group) {
+    group_of_[i] = group;
+    ++live_groups_[group];
+    bind(i);
+  };
   std::vector<std::size_t> fresh, fetched;
   for (std::size_t i : idx) {
     if (holds_[i]++ > 0) continue;
-    if (auto g = live_groups_.find(group_of_[i]); member(i) && g != live_groups_.end()) {
-      ++g->second;
-      bind(i);
-      gathered_numel_ += static_cast<std::uint64_t>(params_[i].numel());
-    } else if (member(i) && prefetched_.count(group_of_[i])) {
+    if (in_live_group(i)) {
+      bind_in(i, group_of_[i]);
+    } else if (in_prefetch(i)) {
       fetched.push_back(i);
     } else {
       fresh.push_back(i);
@@ -566,12 +581,6 @@ void engine_state::hold(const std::vector<std::size_t>& idx) {
   }
   if (fresh.empty() && fetched.empty()) return;
   core_waits();
-  auto bind_in = [&](std::size_t i, const std::pair<std::size_t, std::size_t>& group) {
-    group_of_[i] = group;
-    ++live_groups_[group];
-    bind(i);
-    gathered_numel_ += static_cast<std::uint64_t>(params_[i].numel());
-  };
   try {
     for (std::size_t i : fetched) {
       const auto group = group_of_[i];
@@ -602,7 +611,7 @@ void engine_state::prefetch(const std::vector<std::size_t>& idx) {
   std::vector<std::size_t> fresh;
   std::uint64_t n = 0;
   for (std::size_t i : idx) {
-    if (holds_[i] > 0 || (member(i) && (live_groups_.count(group_of_[i]) || prefetched_.count(group_of_[i])))) continue;
+    if (holds_[i] > 0 || in_live_group(i) || in_prefetch(i)) continue;
     fresh.push_back(i);
     n += static_cast<std::uint64_t>(c10::multiply_integers(shapes_[i]));
   }
@@ -624,7 +633,6 @@ void engine_state::unhold(const std::vector<std::size_t>& idx) {
   bool waited = false;
   for (std::size_t i : idx) {
     if (holds_[i] == 0 || --holds_[i] > 0) continue;
-    gathered_numel_ -= static_cast<std::uint64_t>(params_[i].numel());
     unbind(i);
     auto g = live_groups_.find(group_of_[i]);
     if (g == live_groups_.end() || --g->second > 0) continue;
@@ -647,20 +655,12 @@ void engine_state::release_all() {
     if (holds_[i] > 0 && core_->partitioned(i)) unbind(i);
     holds_[i] = 0;
   }
-  gathered_numel_ = 0;
 }
 
-std::vector<std::size_t> engine_state::forward_set() const {
+std::vector<std::size_t> engine_state::partitioned_params(bool unclaimed_only) const {
   std::vector<std::size_t> out;
   for (std::size_t i = 0; i < params_.size(); ++i)
-    if (!claimed_[i] && core_->partitioned(i)) out.push_back(i);
-  return out;
-}
-
-std::vector<std::size_t> engine_state::all_partitioned() const {
-  std::vector<std::size_t> out;
-  for (std::size_t i = 0; i < params_.size(); ++i)
-    if (core_->partitioned(i)) out.push_back(i);
+    if (core_->partitioned(i) && !(unclaimed_only && claimed_[i])) out.push_back(i);
   return out;
 }
 
@@ -672,15 +672,13 @@ void engine_state::release_backward_units() {
 }
 
 std::shared_ptr<unit_call> begin_unit(const ::torch::nn::Module& m) {
-  // The engine: the first parameter of m that a live ZeRO-3 engine's hook feeds.
+  // The engine: the one managing the first parameter of m that a ZeRO-3 engine manages.
   std::shared_ptr<engine_state> st;
   const auto params = m.parameters(/*recurse=*/true);
   for (const auto& p : params) {
-    for (auto* h = dynamic_cast<grad_hook*>(ag::impl::post_acc_grad_hooks(p).get()); h != nullptr && !st;
-         h = dynamic_cast<grad_hook*>(h->prev.get())) {
-      if (auto s = h->st.lock(); s && s->zero3_) st = std::move(s);
-    }
-    if (st) break;
+    st = managing_engine(p);
+    if (st && st->zero3_) break;
+    st.reset();
   }
   if (!st) return nullptr;
   std::vector<std::size_t> idx;
@@ -755,13 +753,10 @@ std::pair<std::string, std::string> engine_state::prepare() {
     }
     // A parameter another live engine manages is a view of that engine's buffer, and
     // its hook feeds that engine: a second engine would train nothing.
-    for (auto* h = dynamic_cast<grad_hook*>(ag::impl::post_acc_grad_hooks(p).get()); h != nullptr;
-         h = dynamic_cast<grad_hook*>(h->prev.get())) {
-      if (!h->st.expired()) {
-        fail("parameter '" + item.key() +
-             "' is already managed by another mpzero engine; destroy that engine first (let it go out of "
-             "scope, or assign a new engine only after the old one is gone), or pass a fresh model");
-      }
+    if (managing_engine(p)) {
+      fail("parameter '" + item.key() +
+           "' is already managed by another mpzero engine; destroy that engine first (let it go out of "
+           "scope, or assign a new engine only after the old one is gone), or pass a fresh model");
     }
     if (!p.device().is_cpu() && !p.device().is_cuda()) {
       fail("parameter '" + item.key() + "' is on " + p.device().str() +
@@ -1304,7 +1299,7 @@ void engine_state::save_checkpoint(const std::string& save_dir, const std::strin
   // ZeRO-3: model_states.pt holds whole parameters, so every rank gathers them for it
   // (DeepSpeed's stage3_gather_16bit_weights_on_model_save), one at a time.
   std::vector<::torch::Tensor> whole(params_.size());  // rank 0: the partitioned parameters' values
-  for (std::size_t i : all_partitioned()) {
+  for (std::size_t i : partitioned_params(/*unclaimed_only=*/false)) {
     hold({i});
     if (comm_.rank() == 0) whole[i] = params_[i].detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
     unhold({i});
@@ -1508,7 +1503,7 @@ engine_base::forward_scope::forward_scope(detail::engine_state& st) : st_(st) {
     auto h = std::make_shared<detail::forward_hold>();
     h->st = st_.weak_from_this();
     h->generation = st_.generation_;
-    h->params = st_.forward_set();
+    h->params = st_.partitioned_params(/*unclaimed_only=*/true);
     st_.hold(h->params);
     st_.forward_hold_ = std::move(h);
     st_.last_module_ = nullptr;  // the units' order starts again
@@ -1613,7 +1608,12 @@ memory_report engine_base::memory() const { return st_->core_->memory(); }
 std::vector<std::int64_t> engine_base::parameter_shape(const ::torch::Tensor& param) const {
   return st_->shapes_[st_->index_of(param, "parameter_shape")];
 }
-std::uint64_t engine_base::gathered_numel() const { return st_->gathered_numel_; }
+std::uint64_t engine_base::gathered_numel() const {
+  std::uint64_t n = 0;
+  for (std::size_t i = 0; i < st_->params_.size(); ++i)
+    if (st_->holds_[i] > 0 && st_->core_->partitioned(i)) n += static_cast<std::uint64_t>(st_->params_[i].numel());
+  return n;
+}
 std::uint64_t engine_base::prefetched_gathers() const { return st_->prefetch_hits_; }
 std::string engine_base::describe() const { return st_->core_->spec().describe(); }
 

@@ -93,6 +93,19 @@ namespace mpzero::torch {
 
 namespace detail {
 class engine_state;
+
+// f(t) for each tensor t in `out`: a tensor, or tuples and ranges of them, nested. Other
+// types hold none we can see.
+template <class T, class F>
+void for_each_tensor(const T& out, F&& f) {
+  if constexpr (std::is_convertible_v<const T&, const ::torch::Tensor&>) {
+    f(out);
+  } else if constexpr (requires { std::tuple_size<T>::value; }) {
+    std::apply([&](const auto&... e) { (for_each_tensor(e, f), ...); }, out);
+  } else if constexpr (requires { out.begin(); out.end(); }) {
+    for (const auto& e : out) for_each_tensor(e, f);
+  }
+}
 }  // namespace detail
 
 // Engine state shared by every engine<Model>; the template only adds the model's forward.
@@ -217,14 +230,8 @@ class engine_base {
   void watch(const ::torch::Tensor& out);
   template <class T>
   void watch_any(const T& out) {
-    if constexpr (std::is_convertible_v<const T&, const ::torch::Tensor&>) {
-      watch(out);
-    } else if constexpr (requires { std::tuple_size<T>::value; }) {
-      std::apply([&](const auto&... e) { (watch_any(e), ...); }, out);
-    } else if constexpr (requires { out.begin(); out.end(); }) {
-      for (const auto& e : out) watch_any(e);
-    }
-    // Anything else (no tensors we can see): parameter hooks still find the backward.
+    // Outputs with no tensors we can see: parameter hooks still find the backward.
+    detail::for_each_tensor(out, [&](const ::torch::Tensor& t) { watch(t); });
   }
 
   std::shared_ptr<detail::engine_state> st_;
@@ -291,17 +298,11 @@ decltype(auto) unit_arg(const std::shared_ptr<unit_call>& c, A&& a) {
     return std::forward<A>(a);
   }
 }
+// Outputs with no tensors we can see gather nothing for backward; the backward then finds
+// the parameters only if engine.forward still holds them (see gathered_forward).
 template <class T>
 void unit_outputs(const std::shared_ptr<unit_call>& c, const T& out) {
-  if constexpr (std::is_convertible_v<const T&, const ::torch::Tensor&>) {
-    unit_output(c, out);
-  } else if constexpr (requires { std::tuple_size<T>::value; }) {
-    std::apply([&](const auto&... e) { (unit_outputs(c, e), ...); }, out);
-  } else if constexpr (requires { out.begin(); out.end(); }) {
-    for (const auto& e : out) unit_outputs(c, e);
-  }
-  // Anything else: no output gathers for backward; the backward then finds the
-  // parameters only if engine.forward still holds them (see gathered_forward).
+  for_each_tensor(out, [&](const ::torch::Tensor& t) { unit_output(c, t); });
 }
 
 // The start-up broadcast's host window, in fp32 elements: initialize moves rank 0's
