@@ -10,7 +10,9 @@
 #
 # No MPI (the GPU machine has none) and no -march=native (its CPU is another). The pack,
 # .gpu/build-gpu (git-ignored), is build-gpu/ without objects and static libraries: the
-# programs, CMakeCache.txt and the CTest files. Then, with carry [".gpu", ".deps"]:
+# programs, CMakeCache.txt and the CTest files (59 MB in session 21). Then, with carry
+# [".gpu", ".deps/root/usr/lib/x86_64-linux-gnu", ".deps/root/usr/share/games"] (the
+# benchmark's library and the corpus: all of .deps would pass the tool's 64 MiB):
 #   GPU_RUN_PREBUILT=1 scripts/gpu_run.sh test bench gpt states
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"

@@ -10,6 +10,10 @@
 #           GPT_NAME names the run (default gpt; results under <work>/$GPT_NAME)
 #   states  train_gpt again, on a model whose memory is mostly model states (STATES_ARGS,
 #           default below; results under <work>/states): the memory and step-time targets
+#   seeds   train_gpt once per seed of GPU_RUN_SEEDS (default "1 2 3 4 5") with SEEDS_ARGS
+#           (default below; results under <work>/seeds/seed<N>), then
+#           examples/gpt/compare_seeds.py over the seeds done so far (seeds/summary.json):
+#           the stochastic-rounding loss criterion, judged on paired per-seed changes
 # e.g.  scripts/gpu_run.sh build test bench      then      GPT_ARGS="--big --steps 1000" scripts/gpu_run.sh gpt states
 #
 # Each phase builds what it needs first (a no-op when build-gpu/ is up to date), so a
@@ -100,6 +104,8 @@ test_targets=(test_gpu test_zero_gpu test_comm_gpu test_torch_gpu)
 # (not activations) dominate peak memory, as in the DeepSpeed blog's 7B model.
 default_states_args="--big --dim 1024 --layers 12 --heads 16 --seq 128 --batch 4 --steps 200 \
 --configs bf16/z2,bf16-all-ac/z2,bf16-all/z2,fp16-master/z2,torch"
+# The seeds run: the issue's 1000 steps on the --big model, the fp32 baseline first.
+default_seeds_args="--big --steps 1000 --configs fp32/z0,bf16/z2,bf16-all-sr/z2"
 failed=0
 
 # Configures build-gpu/ (again: cheap when it exists, and it refreshes a stale cache).
@@ -233,6 +239,22 @@ phase_gpt() {
 phase_states() {
   GPT_NAME=states GPT_ARGS="${STATES_ARGS:-$default_states_args}" phase_gpt
 }
+phase_seeds() {
+  ensure_built train_gpt || return 1
+  mkdir -p "$work/seeds"
+  local seed done_runs=() rc=0
+  for seed in ${GPU_RUN_SEEDS:-1 2 3 4 5}; do
+    echo "-- seed $seed"
+    GPT_NAME="seeds/seed$seed" GPT_ARGS="${SEEDS_ARGS:-$default_seeds_args} --seed $seed" phase_gpt >/dev/null || rc=1
+    tail -1 "$work/seeds/seed${seed}_progress.log"
+    [ -f "$work/seeds/seed$seed/results.json" ] && done_runs+=("$work/seeds/seed$seed/results.json")
+    # After every seed, so that a run the budget stops still leaves its summary.
+    [ ${#done_runs[@]} -gt 0 ] && python3 "$root/examples/gpt/compare_seeds.py" "${done_runs[@]}" \
+      --json "$work/seeds/summary.json" >"$work/seeds/summary.txt" 2>&1
+  done
+  cat "$work/seeds/summary.txt" 2>/dev/null
+  return "$rc"
+}
 
 # Everything in one archive under $OUT, plus the main results as files of their own
 # (at most 8: the archive, bench_cuda.json, three per training run).
@@ -252,6 +274,8 @@ bring_back() {
       [ -f "$f" ] && cp "$f" "$OUT/${name}_$(basename "$f")"
     done
   done
+  # The tool brings back 8 files at most; the archive holds this summary too.
+  [ -f "$work/seeds/summary.json" ] && [ "$(ls "$OUT" | wc -l)" -lt 8 ] && cp "$work/seeds/summary.json" "$OUT/seeds_summary.json"
   ls "$OUT"
 }
 
@@ -269,8 +293,8 @@ for p in "$@"; do
     build) GPU_RUN_TARGETS+=" ${all_targets[*]}" ;;
     test) GPU_RUN_TARGETS+=" ${test_targets[*]}" ;;
     bench) GPU_RUN_TARGETS+=" mpzero_bench_cuda" ;;
-    gpt | states) GPU_RUN_TARGETS+=" train_gpt" ;;
-    *) echo "gpu_run: unknown phase '$p' (build, test, bench, gpt, states)" >&2; exit 2 ;;
+    gpt | states | seeds) GPU_RUN_TARGETS+=" train_gpt" ;;
+    *) echo "gpu_run: unknown phase '$p' (build, test, bench, gpt, states, seeds)" >&2; exit 2 ;;
   esac
 done
 export GPU_RUN_TARGETS

@@ -220,6 +220,96 @@ def main():
             check(twice["meta"]["rounds"] == 2 and twice["meta"]["configs_done"] == 2,
                   "--rounds 2: meta.rounds 2, configs_done counts configurations (got %r)" % twice["meta"])
 
+    # --cpu-matmul: auto measured LibTorch's 16-bit products here and chose per dtype. fp32
+    # products of the 16-bit values and LibTorch's 16-bit kernels train the same 16-bit
+    # model: fp32 rows equal to the bit, 16-bit rows close (both round each product's
+    # result to 16 bits; they differ in how the kernels accumulate).
+    cm = res["meta"].get("cpu_matmul", {})
+    check(cm.get("mode") == "auto" and cm.get("bf16") in ("fp32", "native") and cm.get("fp16") in ("fp32", "native") and
+          all(isinstance(cm.get(k), (int, float)) and cm[k] > 0 for k in ("bf16_vs_fp32", "fp16_vs_fp32")) and
+          (cm["bf16"] == "fp32") == (cm["bf16_vs_fp32"] > 4) and (cm["fp16"] == "fp32") == (cm["fp16_vs_fp32"] > 4),
+          "meta.cpu_matmul: auto, a choice per dtype that follows its measured ratio (> 4: fp32) (got %r)" % cm)
+    if a.world == 1:
+        modes = {}
+        for mode in ("native", "fp32"):
+            p, r = run_tiny("matmul_" + mode, "fp32/z0,bf16/z0,fp16-master/z2,bf16-all-ac/z2", "--steps", "5",
+                            "--cpu-matmul", mode)
+            check(p.returncode == 0, "train_gpt --cpu-matmul %s exits 0 (rc %d, stderr %r)" % (mode, p.returncode, p.stderr[-300:]))
+            if r is not None:
+                check(r["meta"]["cpu_matmul"]["bf16"] == mode and r["meta"]["cpu_matmul"]["bf16_vs_fp32"] is None and
+                      ("in fp32 from 16-bit values" in p.stdout) == (mode == "fp32"),
+                      "--cpu-matmul %s: meta and the header line say so (got %r)" % (mode, r["meta"]["cpu_matmul"]))
+                modes[mode] = {x["id"]: x for x in r["runs"]}
+        if len(modes) == 2:
+            n, f = modes["native"], modes["fp32"]
+            check(n["fp32/z0"]["train_loss"] == f["fp32/z0"]["train_loss"], "--cpu-matmul leaves fp32 rows as they are")
+            for cid in ("bf16/z0", "fp16-master/z2", "bf16-all-ac/z2"):
+                a_, b_ = n[cid]["train_loss"], f[cid]["train_loss"]
+                check(len(a_) == len(b_) == 5 and all(abs(x - y) <= 0.02 * abs(x) for x, y in zip(a_, b_)),
+                      "%s: LibTorch's 16-bit products and fp32 ones of the 16-bit values train alike (%r vs %r)" %
+                      (cid, a_, b_))
+            # ... but not identically: the fp32 products are in use.
+            check(any(n[c]["train_loss"] != f[c]["train_loss"] for c in ("bf16/z0", "fp16-master/z2", "bf16-all-ac/z2")),
+                  "--cpu-matmul fp32 changes the 16-bit rows' losses (it computes their products another way)")
+
+    # compare_seeds.py (the stochastic-rounding criterion across seeds): two real runs that
+    # differ in --seed, then made-up losses whose verdicts are known.
+    if a.world == 1:
+        compare = os.path.join(os.path.dirname(a.plot), "compare_seeds.py")
+        seeded = []
+        for seed in ("7", "8"):
+            p, r = run_tiny("seed" + seed, "fp32/z0,bf16-all-sr/z2", "--steps", "4", "--seed", seed)
+            check(p.returncode == 0, "train_gpt --seed %s exits 0 (rc %d, stderr %r)" % (seed, p.returncode, p.stderr[-300:]))
+            if r is not None:
+                seeded.append((os.path.join(a.work, "seed" + seed, "results.json"), r))
+        if len(seeded) == 2:
+            summary = os.path.join(a.work, "seeds_summary.json")
+            p = subprocess.run([sys.executable, compare, *[f for f, _ in seeded], "--json", summary],
+                               capture_output=True, text=True)
+            check(p.returncode == 0 and "bf16-all-sr/z2" in p.stdout,
+                  "compare_seeds.py exits 0 and lists bf16-all-sr/z2 (rc %d, %r)" % (p.returncode, p.stdout + p.stderr))
+            if p.returncode == 0:
+                with open(summary) as f:
+                    s = json.load(f)
+                want = []
+                for _, r in seeded:
+                    ev = {x["id"]: x["eval_loss"] for x in r["runs"]}
+                    want.append(ev["bf16-all-sr/z2"] / ev["fp32/z0"] - 1)
+                got = [c for c in s["configs"] if c["id"] == "bf16-all-sr/z2"][0]
+                check(s["seeds"] == [7, 8] and len(got["changes"]) == 2 and
+                      all(abs(g - w) <= 1e-12 for g, w in zip(got["changes"], want)) and
+                      abs(got["change_vs_base"] - sum(want) / 2) <= 1e-12,
+                      "compare_seeds.py: the paired changes %r are each seed's ratio %r, and their mean" %
+                      (got["changes"], want))
+            p = subprocess.run([sys.executable, compare, seeded[0][0], seeded[0][0]], capture_output=True, text=True)
+            check(p.returncode != 0 and "repeats seed 7" in p.stderr,
+                  "compare_seeds.py refuses the same seed twice (%r)" % p.stderr)
+            p = subprocess.run([sys.executable, compare, seeded[0][0], "--base", "fp64/z9"], capture_output=True, text=True)
+            check(p.returncode != 0 and "'fp64/z9' is in none of the runs" in p.stderr,
+                  "compare_seeds.py names a base that no run holds (%r)" % p.stderr)
+        # Made-up losses: a change of +0.1% with little spread is within 0.5%, +2% outside,
+        # and +0.4% with a spread of several percent undecided.
+        made = []
+        for k, (sr, far, noisy) in enumerate([(1.001, 1.020, 1.06), (1.0012, 1.021, 0.95), (1.0008, 1.019, 1.01)]):
+            d = os.path.join(a.work, "made_seed%d" % k)
+            os.makedirs(d, exist_ok=True)
+            base = 2.0 + 0.1 * k
+            fake = {"meta": {"seed": 100 + k}, "runs": [{"id": "fp32/z0", "eval_loss": base},
+                                                       {"id": "sr", "eval_loss": base * sr},
+                                                       {"id": "far", "eval_loss": base * far},
+                                                       {"id": "noisy", "eval_loss": base * noisy}]}
+            made.append(os.path.join(d, "results.json"))
+            with open(made[-1], "w") as f:
+                json.dump(fake, f)
+        summary = os.path.join(a.work, "made_summary.json")
+        p = subprocess.run([sys.executable, compare, *made, "--json", summary], capture_output=True, text=True)
+        check(p.returncode == 0, "compare_seeds.py on made-up losses exits 0 (%r)" % (p.stdout + p.stderr))
+        if p.returncode == 0:
+            with open(summary) as f:
+                verdicts = {c["id"]: c.get("verdict") for c in json.load(f)["configs"]}
+            check(verdicts == {"fp32/z0": None, "sr": "within", "far": "outside", "noisy": "undecided"},
+                  "compare_seeds.py verdicts: +0.1%% within, +2%% outside, noisy undecided (got %r)" % verdicts)
+
     # The GPU's memory plot (a second panel of peak device memory) drawn from these results
     # with made-up peaks: it must exist and be wider than the CPU's single panel.
     shaped = os.path.join(a.work, "gpu_shaped")
@@ -284,6 +374,7 @@ def main():
         for bad in ("0", "-5", "5e7"):
             refused(["--bucket", bad], "--bucket %s: must be a positive whole number of elements" % bad)
         refused(["--rounds", "0"], "--rounds 0: must be at least 1")
+        refused(["--cpu-matmul", "fast"], "--cpu-matmul fast: not a mode; use auto, fp32 or native")
         blocker = os.path.join(a.work, "a_file")
         with open(blocker, "w") as f:
             f.write("not a directory\n")

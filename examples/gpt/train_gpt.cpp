@@ -18,6 +18,10 @@
 //   ./train_gpt --device cuda --big     on a GPU (the default --device auto picks one when
 //                                       LibTorch sees it and the adapter has CUDA cores)
 //
+// On a CPU whose LibTorch multiplies bf16 or fp16 matrices far slower than fp32 ones, the
+// model's 16-bit products compute in fp32 from the 16-bit values, rounded once to 16 bits
+// (--cpu-matmul; see "16-bit matrix products on a CPU" below).
+//
 // On a GPU the table adds the peak device memory: the CUDA caching allocator's peak
 // (activations, gradients until the hooks hand them over, temporaries) plus the device
 // bytes mpzero's core holds (model states and reduction buckets: allocated outside
@@ -42,6 +46,7 @@
 // bf16/z3+off, ...). At stage 3 each transformer block's parameters are gathered around
 // its forward and backward (mpzero::torch::gathered_forward).
 #include <ATen/DeviceAccelerator.h>
+#include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -82,6 +87,61 @@ using json = nlohmann::json;
 
 namespace {
 
+// ---- 16-bit matrix products on a CPU ------------------------------------------------
+//
+// LibTorch's CPU matrix products in bf16 and fp16 can be far slower than in fp32: 45
+// times with LibTorch 2.11 on a CPU without AVX-512 (docs/perf.md), which turned the
+// default comparison's few minutes into a quarter of an hour. Where they are (--cpu-matmul
+// auto measures it at start), a 16-bit product of the model computes in fp32 from the
+// 16-bit values and rounds its result once to 16 bits: what a GPU's tensor cores do
+// (16-bit inputs, fp32 accumulation), so each configuration still trains a 16-bit model.
+// Under autocast the inputs are first rounded to the autocast dtype, as autocast would.
+// Only the products (Linear, attention) change; every other op runs in the model's dtype.
+struct cpu_products {
+  bool upcast_bf16 = false, upcast_fp16 = false;
+  // --cpu-matmul auto: LibTorch's bf16 and fp16 product time over its fp32 one (NaN when
+  // not measured: a GPU, or a mode given by name).
+  double bf16_ratio = std::nan(""), fp16_ratio = std::nan("");
+};
+cpu_products g_cpu_products;  // set once by run(), before any model is made
+
+// The 16-bit dtype a product of x computes in on the CPU when it is to be upcast, else none.
+std::optional<c10::ScalarType> upcast_dtype(const torch::Tensor& x) {
+  if (!x.is_cpu()) return std::nullopt;
+  auto t = x.scalar_type();
+  if (at::autocast::is_autocast_enabled(at::kCPU)) t = at::autocast::get_autocast_dtype(at::kCPU);
+  if ((t == torch::kBFloat16 && g_cpu_products.upcast_bf16) || (t == torch::kHalf && g_cpu_products.upcast_fp16))
+    return t;
+  return std::nullopt;
+}
+
+// Autocast off for one upcast product (its inputs are already in the autocast dtype).
+struct cpu_autocast_off {
+  bool was = at::autocast::is_autocast_enabled(at::kCPU);
+  cpu_autocast_off() { at::autocast::set_autocast_enabled(at::kCPU, false); }
+  ~cpu_autocast_off() { at::autocast::set_autocast_enabled(at::kCPU, was); }
+  cpu_autocast_off(const cpu_autocast_off&) = delete;
+  cpu_autocast_off& operator=(const cpu_autocast_off&) = delete;
+};
+
+torch::Tensor widened(const torch::Tensor& t, c10::ScalarType half) { return t.to(half).to(torch::kFloat); }
+
+torch::Tensor linear(torch::nn::Linear& m, const torch::Tensor& x) {
+  const auto half = upcast_dtype(x);
+  if (!half) return m(x);
+  cpu_autocast_off off;
+  const auto bias = m->bias.defined() ? widened(m->bias, *half) : torch::Tensor();
+  return torch::nn::functional::linear(widened(x, *half), widened(m->weight, *half), bias).to(*half);
+}
+
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  const auto half = upcast_dtype(q);
+  if (!half) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+  cpu_autocast_off off;
+  return at::scaled_dot_product_attention(widened(q, *half), widened(k, *half), widened(v, *half), {}, 0.0, true)
+      .to(*half);
+}
+
 // ---- model --------------------------------------------------------------------------
 
 struct BlockImpl : torch::nn::Module {
@@ -98,10 +158,10 @@ struct BlockImpl : torch::nn::Module {
   }
   torch::Tensor forward(torch::Tensor x) {
     const auto b = x.size(0), t = x.size(1), c = x.size(2);
-    auto qkv_ = qkv(ln1(x)).view({b, t, 3, heads, c / heads}).permute({2, 0, 3, 1, 4});
-    auto y = at::scaled_dot_product_attention(qkv_[0], qkv_[1], qkv_[2], {}, 0.0, /*is_causal=*/true);
-    x = x + proj(y.transpose(1, 2).reshape({b, t, c}));
-    return x + out(torch::gelu(fc(ln2(x))));
+    auto qkv_ = linear(qkv, ln1(x)).view({b, t, 3, heads, c / heads}).permute({2, 0, 3, 1, 4});
+    auto y = causal_attention(qkv_[0], qkv_[1], qkv_[2]);
+    x = x + linear(proj, y.transpose(1, 2).reshape({b, t, c}));
+    return x + linear(out, torch::gelu(linear(fc, ln2(x))));
   }
 };
 TORCH_MODULE(Block);
@@ -132,7 +192,7 @@ struct GPTImpl : torch::nn::Module {
     // ZeRO-3: each block's parameters are gathered around its forward and its backward
     // only (at other stages, and for the plain-LibTorch run, a plain call).
     for (std::size_t k = 0; k < blocks->size(); ++k) x = mt::gathered_forward(blocks->ptr<BlockImpl>(k), x);
-    auto logits = head(ln_f(x)).to(torch::kFloat);
+    auto logits = linear(head, ln_f(x)).to(torch::kFloat);
     return torch::nn::functional::cross_entropy(logits.view({-1, 256}), targets.reshape({-1}));
   }
 };
@@ -271,6 +331,7 @@ struct options {
   std::string device = "auto";  // cpu, cuda, cuda:N or auto
   std::string save;             // --save: a checkpoint and its fp32 export per configuration
   std::uint64_t bucket = mt::zero_config{}.reduce_bucket_size;  // --bucket: zero_optimization.reduce_bucket_size
+  std::string cpu_matmul = "auto";  // --cpu-matmul: auto, fp32 or native (16-bit products on a CPU)
   int rounds = 1;  // --rounds: the configuration list is trained this many times, round by round
   // --persistence: zero_optimization.stage3_param_persistence_threshold (stage 3 keeps
   // parameters of at most this many elements whole on every rank)
@@ -335,7 +396,7 @@ void usage() {
       "usage: train_gpt [--steps N] [--layers N] [--dim N] [--heads N] [--seq N] [--batch N] [--lr X]\n"
       "                 [--eval-batches N] [--seed N] [--configs LIST] [--out DIR] [--corpus DIR] [--big]\n"
       "                 [--device auto|cpu|cuda|cuda:N] [--save DIR] [--bucket N] [--rounds N]\n"
-      "                 [--persistence N]\n"
+      "                 [--persistence N] [--cpu-matmul auto|fp32|native]\n"
       "  --configs: comma-separated ids (bf16/z2, fp16/z1+off), precisions (every variant: fp32, bf16,\n"
       "             bf16-master, bf16-all, bf16-all-sr, fp16, fp16-master; with bf16 autocast: fp32-ac, bf16-all-ac,\n"
       "             bf16-all-sr-ac), 'torch' (plain LibTorch AdamW, no mpzero) or 'all'. The first is\n"
@@ -361,7 +422,12 @@ void usage() {
       "  --persistence: zero_optimization.stage3_param_persistence_threshold in elements (default\n"
       "             DeepSpeed's 100000): at stage 3, parameters of at most this many elements stay whole on\n"
       "             every rank; the larger ones are partitioned and gathered around each block's forward and\n"
-      "             backward (the default model's are all below it: use --big or a smaller threshold)\n",
+      "             backward (the default model's are all below it: use --big or a smaller threshold)\n"
+      "  --cpu-matmul: on a CPU, how the model's bf16 and fp16 matrix products compute: native (LibTorch's\n"
+      "             16-bit kernels), fp32 (fp32 products of the 16-bit values, rounded once to 16 bits, as a\n"
+      "             GPU's tensor cores do) or auto (default: fp32 for a dtype whose product LibTorch runs more\n"
+      "             than 4 times slower than fp32's here, measured at start; LibTorch 2.11 without AVX-512 is\n"
+      "             45 times slower). No effect on a GPU\n",
       default_configs);
 }
 
@@ -427,6 +493,11 @@ options parse_args(int argc, char** argv) {
       if (!(o.lr > 0)) throw std::invalid_argument("--lr " + v + ": must be positive");
     }
     else if (a == "--configs") o.configs = v;
+    else if (a == "--cpu-matmul") {
+      if (v != "auto" && v != "fp32" && v != "native")
+        throw std::invalid_argument("--cpu-matmul " + v + ": not a mode; use auto, fp32 or native");
+      o.cpu_matmul = v;
+    }
     else if (a == "--out") o.out = v;
     else if (a == "--corpus") o.corpus = v;
     else if (a == "--device") o.device = v;
@@ -944,6 +1015,15 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
                {"train_bytes", data.train.size()},                 {"eval_bytes", data.eval.size()},
                {"fortunes", data.fortunes},                        {"device", device},
                {"configs_done", rs.size() + refused.size()},       {"configs_total", total}};
+  if (device.starts_with("cpu")) {
+    const auto& p = g_cpu_products;
+    auto ratio = [](double x) { return std::isnan(x) ? json(nullptr) : json(x); };
+    meta["cpu_matmul"] = {{"mode", o.cpu_matmul},
+                          {"bf16", p.upcast_bf16 ? "fp32" : "native"},
+                          {"fp16", p.upcast_fp16 ? "fp32" : "native"},
+                          {"bf16_vs_fp32", ratio(p.bf16_ratio)},
+                          {"fp16_vs_fp32", ratio(p.fp16_ratio)}};
+  }
   json not_run = json::array();
   for (const auto& [id, msg] : refused) not_run.push_back({{"id", id}, {"reason", msg}});
   write_atomically(fs::path(o.out) / "results.json",
@@ -983,6 +1063,42 @@ void check_writable(const std::string& flag, const fs::path& dir, int rank) {
   }
 }
 
+// Seconds of LibTorch's product of two 256 x 256 matrices in dtype t on the CPU: the best
+// of three after a warm-up (about 0.1 s in all where the 16-bit products are slow).
+double product_seconds(c10::ScalarType t) {
+  torch::NoGradGuard ng;
+  const auto a = torch::linspace(-1.0, 1.0, 256 * 256).view({256, 256}).to(t);  // no RNG draw
+  const auto b = a.t().contiguous();
+  (void)torch::mm(a, b);
+  double best = INFINITY;
+  for (int k = 0; k < 3; ++k) {
+    const auto t0 = std::chrono::steady_clock::now();
+    (void)torch::mm(a, b);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+
+// --cpu-matmul on a CPU: sets g_cpu_products. auto measures this machine's ratios; every
+// rank uses their mean over the ranks, so that all decide alike.
+void choose_cpu_products(const options& o, mt::any_communicator comm) {
+  auto& p = g_cpu_products;
+  if (o.cpu_matmul != "auto") {
+    p.upcast_bf16 = p.upcast_fp16 = o.cpu_matmul == "fp32";
+    return;
+  }
+  const double fp32 = product_seconds(torch::kFloat);
+  std::vector<float> local = {static_cast<float>(product_seconds(torch::kBFloat16) / fp32),
+                              static_cast<float>(product_seconds(torch::kHalf) / fp32)},
+                     sum(2);
+  comm.all_reduce(local.data(), sum.data(), local.size(), mpzero::comm::reduce_op::sum);
+  p.bf16_ratio = sum[0] / comm.size();
+  p.fp16_ratio = sum[1] / comm.size();
+  constexpr double slower = 4.0;  // far from both sides seen: about 1 with AVX-512, 45 without
+  p.upcast_bf16 = p.bf16_ratio > slower;
+  p.upcast_fp16 = p.fp16_ratio > slower;
+}
+
 int run(int argc, char** argv, mt::any_communicator comm) {
   const options o = parse_args(argc, argv);
   if (comm.rank() == 0) check_writable("--out", o.out, 0);
@@ -998,9 +1114,20 @@ int run(int argc, char** argv, mt::any_communicator comm) {
     throw std::invalid_argument("data parallel training on GPUs is not set up in train_gpt (it would need NCCL); run "
                                 "one process, or --device cpu under mpirun");
   }
+  if (device.is_cpu()) choose_cpu_products(o, comm);
   const bool root = comm.rank() == 0;
   if (root) {
     std::printf("device: %s\n", device.str().c_str());
+    if (device.is_cpu()) {
+      const auto& p = g_cpu_products;
+      auto said = [&](const char* name, bool upcast, double ratio) {
+        std::string s = std::string(name) + (upcast ? " in fp32 from 16-bit values" : " in LibTorch's 16-bit kernels");
+        if (!std::isnan(ratio)) s += std::string(" (LibTorch's ") + name + fmt(" product: %.1fx fp32's time here)", ratio);
+        return s;
+      };
+      std::printf("16-bit products (--cpu-matmul %s): %s; %s\n", o.cpu_matmul.c_str(),
+                  said("bf16", p.upcast_bf16, p.bf16_ratio).c_str(), said("fp16", p.upcast_fp16, p.fp16_ratio).c_str());
+    }
     std::printf("GPT: %d layers, dim %d, %d heads, seq %d, batch %d x %d rank(s), %d steps, AdamW lr %g\n", o.layers,
                 o.dim, o.heads, o.seq, o.batch, comm.size(), o.steps, o.lr);
     std::printf("corpus: %zu fortunes from %zu files in %s: %zu training bytes, %zu held-out bytes\n", data.fortunes,

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Compares train_gpt's held-out losses across runs that differ only in --seed: the
+stochastic-rounding criterion of issue 6 (final evaluation loss within 0.5% of the fp32
+baseline) is smaller than one seed's noise, so it is judged on paired differences.
+
+    python3 examples/gpt/compare_seeds.py run1/results.json run2/results.json ... \\
+        [--base fp32/z0] [--tolerance 0.005] [--json summary.json]
+
+For each configuration: its held-out loss per seed, the mean, and its change against the
+base configuration of the same run (same seed, same batches), as the mean of those paired
+changes with its standard error over the seeds. The verdict per configuration:
+  "within"   the whole interval mean +- 2 standard errors lies inside +-tolerance,
+  "outside"  the whole interval lies outside it,
+  "undecided" otherwise (more seeds would tell).
+Runs of one seed count once: a second file with the same seed is refused, since it would
+weigh that seed twice.
+"""
+import argparse
+import json
+import math
+import sys
+
+
+def load(path):
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        sys.exit(f"compare_seeds: cannot read {path}: {e.strerror}")
+    except json.JSONDecodeError as e:
+        sys.exit(f"compare_seeds: {path} is not JSON ({e}); is it a train_gpt results.json?")
+    if not isinstance(data, dict) or "runs" not in data or "meta" not in data:
+        sys.exit(f"compare_seeds: {path} has no 'runs' and 'meta': not a train_gpt results.json")
+    return data
+
+
+def finite(x):
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def mean_se(xs):
+    m = sum(xs) / len(xs)
+    if len(xs) < 2:
+        return m, math.nan
+    var = sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
+    return m, math.sqrt(var / len(xs))
+
+
+def verdict(m, se, tol):
+    if not math.isfinite(se):
+        return "undecided"
+    lo, hi = m - 2 * se, m + 2 * se
+    if -tol <= lo and hi <= tol:
+        return "within"
+    if lo > tol or hi < -tol:
+        return "outside"
+    return "undecided"
+
+
+def summarize(results, base, tol):
+    seeds = []
+    per_seed = []  # (seed, {config id: eval loss or None})
+    for path, data in results:
+        seed = data["meta"].get("seed")
+        if seed in seeds:
+            sys.exit(f"compare_seeds: {path} repeats seed {seed}; give each seed's results once")
+        seeds.append(seed)
+        per_seed.append((seed, {r["id"]: r.get("eval_loss") for r in data["runs"]}))
+    ids = []
+    for _, losses in per_seed:
+        ids += [i for i in losses if i not in ids]
+    if base not in ids:
+        sys.exit(f"compare_seeds: the base configuration '{base}' is in none of the runs "
+                 f"(they hold {', '.join(ids)}); name one with --base")
+    rows = []
+    for cid in ids:
+        losses = [l.get(cid) for _, l in per_seed]
+        changes = [l[cid] / l[base] - 1 for _, l in per_seed
+                   if cid in l and base in l and finite(l[cid]) and finite(l[base])]
+        ok = [x for x in losses if finite(x)]
+        row = {"id": cid, "eval_loss": losses, "mean_eval_loss": sum(ok) / len(ok) if ok else None,
+               "seeds_used": len(changes)}
+        if cid != base and changes:
+            m, se = mean_se(changes)
+            row.update(change_vs_base=m, change_se=None if math.isnan(se) else se,
+                       changes=changes, verdict=verdict(m, se, tol))
+        rows.append(row)
+    return {"base": base, "tolerance": tol, "seeds": seeds, "configs": rows}
+
+
+def fmt_loss(x):
+    return f"{x:.4f}" if finite(x) else "-"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+", help="train_gpt results.json files, one per seed")
+    ap.add_argument("--base", default="fp32/z0", help="the configuration compared against (default fp32/z0)")
+    ap.add_argument("--tolerance", type=float, default=0.005, help="relative tolerance (default 0.005: 0.5%%)")
+    ap.add_argument("--json", help="also write the summary here")
+    a = ap.parse_args()
+    if not (a.tolerance > 0):
+        sys.exit(f"compare_seeds: --tolerance {a.tolerance}: must be positive (0.005 is 0.5%)")
+    s = summarize([(p, load(p)) for p in a.results], a.base, a.tolerance)
+    print(f"held-out loss by seed ({', '.join(str(x) for x in s['seeds'])}); change vs {s['base']}: "
+          f"mean of the paired changes +- 2 standard errors, tolerance {100 * s['tolerance']:.2f}%")
+    for r in s["configs"]:
+        line = f"  {r['id']:<18} " + " ".join(f"{fmt_loss(x):>7}" for x in r["eval_loss"])
+        line += f"   mean {fmt_loss(r['mean_eval_loss'])}"
+        if "change_vs_base" in r:
+            se = r["change_se"]
+            band = f" +- {200 * se:.2f}%" if se is not None else " (one seed)"
+            line += f"   {100 * r['change_vs_base']:+.2f}%{band}  {r['verdict']}"
+        print(line)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(s, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
