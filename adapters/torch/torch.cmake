@@ -111,6 +111,41 @@ message(STATUS "mpzero: LibTorch engine against ${_mpzero_torch_prefix} "
 # so a parallel build compiles them side by side; zero_core.cpp concatenates the parts.
 # engine.cpp, zero_to_fp32.cpp and process_group.cpp are the translation units that include torch.
 set(_mpzero_torch_table_parts 4)  # core_impl.hpp static_asserts the same number
+# MPZERO_TORCH_POLICIES: the precision policies the tables compile. Each one costs a fused
+# step per optimizer, stage and offload choice (and a CUDA kernel with MPZERO_TORCH_CUDA),
+# so a project that trains with one or two can leave the others out of its build; the
+# engine then refuses a config that needs a left-out policy, naming it and this variable.
+# The names, in the order of core_impl.hpp's table_policies (bit i of the mask):
+set(_mpzero_torch_policy_names fp32 bf16_fp32_grads bf16_fp32_master bf16_master_fp32_states bf16_all bf16_all_sr
+    fp16_fp32_master fp16_master_fp32_states)
+set(MPZERO_TORCH_POLICIES "all" CACHE STRING
+    "Precision policies the LibTorch engine compiles: all, or a list (';' or ',') of: fp32 bf16_fp32_grads bf16_fp32_master bf16_master_fp32_states bf16_all bf16_all_sr fp16_fp32_master fp16_master_fp32_states")
+string(REPLACE "," ";" _mpzero_torch_selected "${MPZERO_TORCH_POLICIES}")
+string(STRIP "${_mpzero_torch_selected}" _mpzero_torch_selected)
+if(_mpzero_torch_selected STREQUAL "all")
+  set(_mpzero_torch_selected ${_mpzero_torch_policy_names})
+endif()
+list(REMOVE_DUPLICATES _mpzero_torch_selected)
+set(_mpzero_torch_policy_mask 0)
+foreach(_p IN LISTS _mpzero_torch_selected)
+  string(STRIP "${_p}" _p)
+  list(FIND _mpzero_torch_policy_names "${_p}" _i)
+  if(_i LESS 0)
+    string(JOIN ", " _names ${_mpzero_torch_policy_names})
+    message(FATAL_ERROR "mpzero: MPZERO_TORCH_POLICIES=\"${MPZERO_TORCH_POLICIES}\" names '${_p}', which is not a "
+                        "policy of the engine's tables; use all (the default) or a list of: ${_names} "
+                        "(docs/precision.md describes each)")
+  endif()
+  math(EXPR _mpzero_torch_policy_mask "${_mpzero_torch_policy_mask} | (1 << ${_i})")
+endforeach()
+if(_mpzero_torch_policy_mask EQUAL 0)
+  message(FATAL_ERROR "mpzero: MPZERO_TORCH_POLICIES=\"${MPZERO_TORCH_POLICIES}\" selects no policy; use all (the "
+                      "default) or name at least one, e.g. fp32;bf16_fp32_master")
+endif()
+if(NOT MPZERO_TORCH_POLICIES STREQUAL "all")
+  message(STATUS "mpzero: the LibTorch engine compiles only the policies ${_mpzero_torch_selected} "
+                 "(MPZERO_TORCH_POLICIES)")
+endif()
 math(EXPR _mpzero_torch_last_part "${_mpzero_torch_table_parts} - 1")
 set(_mpzero_torch_table_units "")
 set(_mpzero_torch_tables host)
@@ -141,7 +176,8 @@ add_library(mpzero::torch ALIAS mpzero_torch)
 target_link_libraries(mpzero_torch PUBLIC mpzero::torch_config ${_mpzero_torch_libs})
 target_compile_features(mpzero_torch PUBLIC cxx_std_20)
 target_compile_options(mpzero_torch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
-target_compile_definitions(mpzero_torch PRIVATE MPZERO_TORCH_TABLE_PARTS=${_mpzero_torch_table_parts})
+target_compile_definitions(mpzero_torch PRIVATE MPZERO_TORCH_TABLE_PARTS=${_mpzero_torch_table_parts}
+                                                 MPZERO_TORCH_POLICY_MASK=${_mpzero_torch_policy_mask})
 set_target_properties(mpzero_torch PROPERTIES POSITION_INDEPENDENT_CODE ON)
 if(MPZERO_TORCH_CUDA)
   # nvcc sees only the CUDA table's generated units (torch-free: cuda_backend rows).

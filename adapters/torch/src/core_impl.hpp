@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <span>
@@ -205,24 +206,73 @@ struct core_row {
   core_agreement max_over_ranks;
 };
 
+// ---- the policies a build compiles (CMake's MPZERO_TORCH_POLICIES) ----------------------
+// Bit i of MPZERO_TORCH_POLICY_MASK selects table_policies[i]; torch.cmake derives it from
+// MPZERO_TORCH_POLICIES ("all", the default, or a list of these names), so that a project
+// that uses one or two policies need not compile the others.
+#ifndef MPZERO_TORCH_POLICY_MASK
+#error "MPZERO_TORCH_POLICY_MASK (the policies the tables compile) is defined by adapters/torch/torch.cmake"
+#endif
+inline constexpr unsigned table_policy_mask = MPZERO_TORCH_POLICY_MASK;
+
+struct table_policy {
+  const char* name;  // as MPZERO_TORCH_POLICIES names it: the policies:: type's name
+  core_spec (*spec)();  // its dtypes and rounding (the other fields are left at their defaults)
+};
+template <class Policy>
+core_spec policy_spec() {
+  return spec_of<Policy, optim::adamw, 0, offload_none>(core_device::cpu);
+}
+inline constexpr table_policy table_policies[] = {
+    {"fp32", policy_spec<policies::fp32>},
+    {"bf16_fp32_grads", policy_spec<policies::bf16_fp32_grads>},
+    {"bf16_fp32_master", policy_spec<policies::bf16_fp32_master>},
+    {"bf16_master_fp32_states", policy_spec<policies::bf16_master_fp32_states>},
+    {"bf16_all", policy_spec<policies::bf16_all>},
+    {"bf16_all_sr", policy_spec<policies::bf16_all_sr>},
+    {"fp16_fp32_master", policy_spec<policies::fp16_fp32_master>},
+    {"fp16_master_fp32_states", policy_spec<policies::fp16_master_fp32_states>},
+};
+static_assert(table_policy_mask != 0 && table_policy_mask < (1u << std::size(table_policies)),
+              "MPZERO_TORCH_POLICY_MASK selects no policy, or one past table_policies: see torch.cmake");
+
+template <class Policy>
+constexpr bool policy_selected() {
+  constexpr int i = std::is_same_v<Policy, policies::fp32>                      ? 0
+                    : std::is_same_v<Policy, policies::bf16_fp32_grads>         ? 1
+                    : std::is_same_v<Policy, policies::bf16_fp32_master>        ? 2
+                    : std::is_same_v<Policy, policies::bf16_master_fp32_states> ? 3
+                    : std::is_same_v<Policy, policies::bf16_all>                ? 4
+                    : std::is_same_v<Policy, policies::bf16_all_sr>             ? 5
+                    : std::is_same_v<Policy, policies::fp16_fp32_master>        ? 6
+                    : std::is_same_v<Policy, policies::fp16_master_fp32_states> ? 7
+                                                                                : -1;
+  static_assert(i >= 0, "add_table_part names a policy that table_policies does not list: add it there and to "
+                        "torch.cmake's MPZERO_TORCH_POLICIES names");
+  return ((table_policy_mask >> i) & 1u) != 0;
+}
+
 // A table's rows for one precision policy: Adam (L2 decay) and AdamW at stages 0-3, and,
-// when WithOffload, CPU offload at stages 1-3 (offload needs a partition).
+// when WithOffload, CPU offload at stages 1-3 (offload needs a partition); none when the
+// build leaves the policy out (MPZERO_TORCH_POLICIES).
 // Row<Policy, Opt, Stage, Offload>::make() makes one row.
 template <class Policy, template <class, class, int, class> class Row, bool WithOffload>
 void add_policy(std::vector<core_row>& t) {
-  auto add = [&]<class Opt>() {
-    t.push_back(Row<Policy, Opt, 0, offload_none>::make());
-    t.push_back(Row<Policy, Opt, 1, offload_none>::make());
-    t.push_back(Row<Policy, Opt, 2, offload_none>::make());
-    t.push_back(Row<Policy, Opt, 3, offload_none>::make());
-    if constexpr (WithOffload) {
-      t.push_back(Row<Policy, Opt, 1, offload_cpu>::make());
-      t.push_back(Row<Policy, Opt, 2, offload_cpu>::make());
-      t.push_back(Row<Policy, Opt, 3, offload_cpu>::make());
-    }
-  };
-  add.template operator()<optim::adam>();
-  add.template operator()<optim::adamw>();
+  if constexpr (policy_selected<Policy>()) {  // not `return` when left out: nothing of it is instantiated
+    auto add = [&]<class Opt>() {
+      t.push_back(Row<Policy, Opt, 0, offload_none>::make());
+      t.push_back(Row<Policy, Opt, 1, offload_none>::make());
+      t.push_back(Row<Policy, Opt, 2, offload_none>::make());
+      t.push_back(Row<Policy, Opt, 3, offload_none>::make());
+      if constexpr (WithOffload) {
+        t.push_back(Row<Policy, Opt, 1, offload_cpu>::make());
+        t.push_back(Row<Policy, Opt, 2, offload_cpu>::make());
+        t.push_back(Row<Policy, Opt, 3, offload_cpu>::make());
+      }
+    };
+    add.template operator()<optim::adam>();
+    add.template operator()<optim::adamw>();
+  }
 }
 
 // ---- the compiled set -------------------------------------------------------------------

@@ -4,6 +4,7 @@
 // combinations); this file only concatenates the parts. Torch-free (plain g++).
 #include <mpzero/torch/zero_core.hpp>
 
+#include <iterator>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -95,8 +96,26 @@ std::unique_ptr<zero_core> make_zero_core(const core_spec& spec, any_communicato
   std::string msg = "mpzero::torch: the configuration selects (" + spec.describe() +
                     "), which is not compiled into this build of the LibTorch adapter. Compiled:";
   for (const detail::core_row& r : table) msg += "\n  " + r.spec.describe();
-  msg += "\nChange the config to one of these, or add the combination to add_table_part in "
-         "adapters/torch/src/core_impl.hpp (both tables compile its list)";
+  // A policy this build left out (CMake's MPZERO_TORCH_POLICIES): say which, and how to add it.
+  std::string selected;
+  const char* wanted = nullptr;
+  for (std::size_t i = 0; i < std::size(detail::table_policies); ++i) {
+    const auto& p = detail::table_policies[i];
+    const core_spec ps = p.spec();
+    const bool on = ((detail::table_policy_mask >> i) & 1u) != 0;
+    if (on) selected += std::string(selected.empty() ? "" : ";") + p.name;
+    if (!on && ps.param == spec.param && ps.master == spec.master && ps.grad == spec.grad && ps.state == spec.state &&
+        ps.stochastic_rounding == spec.stochastic_rounding)
+      wanted = p.name;
+  }
+  if (wanted) {
+    msg += "\nIts precision policy, " + std::string(wanted) + ", was left out of this build: it was configured with " +
+           "MPZERO_TORCH_POLICIES=\"" + selected + "\". Reconfigure with " + wanted + " added to that list (or " +
+           "MPZERO_TORCH_POLICIES=all, the default), or change the config to one of the compiled combinations";
+  } else {
+    msg += "\nChange the config to one of these, or add the combination to add_table_part in "
+           "adapters/torch/src/core_impl.hpp (both tables compile its list)";
+  }
   throw config_error(msg);
 }
 
