@@ -10,9 +10,10 @@
 #
 # No MPI (the GPU machine has none) and no -march=native (its CPU is another). The pack,
 # .gpu/build-gpu (git-ignored), is build-gpu/ without objects and static libraries: the
-# programs, CMakeCache.txt and the CTest files (59 MB in session 21). Then, with carry
-# [".gpu", ".deps/root/usr/lib/x86_64-linux-gnu", ".deps/root/usr/share/games"] (the
-# benchmark's library and the corpus: all of .deps would pass the tool's 64 MiB):
+# programs, CMakeCache.txt and the CTest files (59 MB in session 21), and the same packed as
+# .gpu/build-gpu.tar.xz (7 MB: the device tool carries at most 64 MiB a call, and the folder
+# with .deps was over it). Then, with carry [".gpu/build-gpu.tar.xz", ".deps"] (gpu_run.sh
+# unpacks it there):
 #   GPU_RUN_PREBUILT=1 scripts/gpu_run.sh test bench gpt states
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -30,4 +31,7 @@ tar -C "$src" --exclude='*.o' --exclude='*.a' --exclude='.ninja*' --exclude='bui
 # Executables without their symbol tables (nothing here is debugged there).
 find "$dst" -type f -perm -u+x -exec sh -c 'file -b "$1" | grep -q ELF && strip --strip-unneeded "$1"' _ {} \;
 du -sh "$dst"
+tar -C "$root/.gpu" -cf - build-gpu | xz -T0 -6 >"$dst.tar.xz.tmp"
+mv "$dst.tar.xz.tmp" "$dst.tar.xz"
+du -sh "$dst.tar.xz"
 find "$dst" -type f -perm -u+x -size +1M -exec ls -la {} \; | awk '{print $5, $9}'

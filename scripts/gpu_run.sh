@@ -30,7 +30,8 @@
 # rewrites after each configuration) is still packed.
 #
 # Prebuilt (GPU_RUN_PREBUILT=1): the GPU targets were built elsewhere for sm_90 and
-# packed by scripts/gpu_pack.sh into .gpu/build-gpu (carry ".gpu" and ".deps"), so a
+# packed by scripts/gpu_pack.sh into .gpu/build-gpu and .gpu/build-gpu.tar.xz (carry
+# ".gpu/build-gpu.tar.xz" and ".deps"; this script unpacks it), so a
 # lent machine spends its minutes running them, not compiling them: no configure and no
 # build here; a phase whose program is not in the pack fails. The pack's CTest files name
 # the paths of the machine that built it: they are linked to this checkout when absent.
@@ -48,6 +49,14 @@ if [ ! -d "$prefix" ]; then
   exit 1
 fi
 if [ "$prebuilt" = 1 ]; then
+  # The pack as scripts/gpu_pack.sh compresses it (what a call carries): unpacked with
+  # python3's tarfile, as the GPU machine's image may have no xz.
+  if [ ! -d "$root/.gpu/build-gpu" ] && [ -f "$root/.gpu/build-gpu.tar.xz" ]; then
+    python3 -c 'import sys, tarfile
+with tarfile.open(sys.argv[1]) as t:
+    t.extractall(sys.argv[2], **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))' \
+      "$root/.gpu/build-gpu.tar.xz" "$root/.gpu" || { echo "gpu_run: cannot unpack .gpu/build-gpu.tar.xz" >&2; exit 1; }
+  fi
   if [ ! -e "$build" ] && [ -d "$root/.gpu/build-gpu" ]; then ln -s "$root/.gpu/build-gpu" "$build"; fi
   if [ ! -f "$build/CMakeCache.txt" ]; then
     echo "gpu_run: GPU_RUN_PREBUILT=1 but $build has no build: run scripts/gpu_pack.sh where it was built and carry .gpu" >&2
