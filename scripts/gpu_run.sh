@@ -50,12 +50,18 @@ if [ ! -d "$prefix" ]; then
 fi
 if [ "$prebuilt" = 1 ]; then
   # The pack as scripts/gpu_pack.sh compresses it (what a call carries): unpacked with
-  # python3's tarfile, as the GPU machine's image may have no xz.
-  if [ ! -d "$root/.gpu/build-gpu" ] && [ -f "$root/.gpu/build-gpu.tar.xz" ]; then
-    python3 -c 'import sys, tarfile
+  # python3's tarfile, as the GPU machine's image may have no xz. Again whenever the
+  # archive is newer than what a warm machine kept from an earlier call; into a fresh
+  # folder first, so that an interrupted unpack never passes for a whole one.
+  pack="$root/.gpu/build-gpu.tar.xz"
+  if [ -f "$pack" ] && { [ ! -f "$root/.gpu/build-gpu/CMakeCache.txt" ] || [ "$pack" -nt "$root/.gpu/build-gpu/CMakeCache.txt" ]; }; then
+    rm -rf "$root/.gpu/unpack" && mkdir -p "$root/.gpu/unpack" &&
+      python3 -c 'import sys, tarfile
 with tarfile.open(sys.argv[1]) as t:
-    t.extractall(sys.argv[2], **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))' \
-      "$root/.gpu/build-gpu.tar.xz" "$root/.gpu" || { echo "gpu_run: cannot unpack .gpu/build-gpu.tar.xz" >&2; exit 1; }
+    t.extractall(sys.argv[2], **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))' "$pack" "$root/.gpu/unpack" &&
+      touch "$root/.gpu/unpack/build-gpu/CMakeCache.txt" && rm -rf "$root/.gpu/build-gpu" &&
+      mv "$root/.gpu/unpack/build-gpu" "$root/.gpu/build-gpu" && rm -rf "$root/.gpu/unpack" ||
+      { echo "gpu_run: cannot unpack $pack" >&2; exit 1; }
   fi
   if [ ! -e "$build" ] && [ -d "$root/.gpu/build-gpu" ]; then ln -s "$root/.gpu/build-gpu" "$build"; fi
   if [ ! -f "$build/CMakeCache.txt" ]; then
@@ -250,13 +256,18 @@ phase_states() {
 }
 phase_seeds() {
   ensure_built train_gpt || return 1
+  # This call's seeds only: a warm machine keeps an earlier call's results and summary.
+  rm -rf "$work/seeds"
   mkdir -p "$work/seeds"
   local seed done_runs=() rc=0
   for seed in ${GPU_RUN_SEEDS:-1 2 3 4 5}; do
     echo "-- seed $seed"
-    GPT_NAME="seeds/seed$seed" GPT_ARGS="${SEEDS_ARGS:-$default_seeds_args} --seed $seed" phase_gpt >/dev/null || rc=1
+    if GPT_NAME="seeds/seed$seed" GPT_ARGS="${SEEDS_ARGS:-$default_seeds_args} --seed $seed" phase_gpt >/dev/null; then
+      done_runs+=("$work/seeds/seed$seed/results.json")  # only runs that finished
+    else
+      rc=1
+    fi
     tail -1 "$work/seeds/seed${seed}_progress.log"
-    [ -f "$work/seeds/seed$seed/results.json" ] && done_runs+=("$work/seeds/seed$seed/results.json")
     # After every seed, so that a run the budget stops still leaves its summary.
     [ ${#done_runs[@]} -gt 0 ] && python3 "$root/examples/gpt/compare_seeds.py" "${done_runs[@]}" \
       --json "$work/seeds/summary.json" >"$work/seeds/summary.txt" 2>&1

@@ -120,15 +120,16 @@ set(_mpzero_torch_policy_names fp32 bf16_fp32_grads bf16_fp32_master bf16_master
     fp16_fp32_master fp16_master_fp32_states)
 set(MPZERO_TORCH_POLICIES "all" CACHE STRING
     "Precision policies the LibTorch engine compiles: all, or a list (';' or ',') of: fp32 bf16_fp32_grads bf16_fp32_master bf16_master_fp32_states bf16_all bf16_all_sr fp16_fp32_master fp16_master_fp32_states")
-string(REPLACE "," ";" _mpzero_torch_selected "${MPZERO_TORCH_POLICIES}")
-string(STRIP "${_mpzero_torch_selected}" _mpzero_torch_selected)
+# Names separated by ';', ',' or spaces, in any case; empty items (a trailing comma) ignored.
+string(TOLOWER "${MPZERO_TORCH_POLICIES}" _mpzero_torch_selected)
+string(REGEX REPLACE "[,; \t\n]+" ";" _mpzero_torch_selected "${_mpzero_torch_selected}")
+list(REMOVE_ITEM _mpzero_torch_selected "")
 if(_mpzero_torch_selected STREQUAL "all")
   set(_mpzero_torch_selected ${_mpzero_torch_policy_names})
 endif()
 list(REMOVE_DUPLICATES _mpzero_torch_selected)
 set(_mpzero_torch_policy_mask 0)
 foreach(_p IN LISTS _mpzero_torch_selected)
-  string(STRIP "${_p}" _p)
   list(FIND _mpzero_torch_policy_names "${_p}" _i)
   if(_i LESS 0)
     string(JOIN ", " _names ${_mpzero_torch_policy_names})
@@ -142,7 +143,7 @@ if(_mpzero_torch_policy_mask EQUAL 0)
   message(FATAL_ERROR "mpzero: MPZERO_TORCH_POLICIES=\"${MPZERO_TORCH_POLICIES}\" selects no policy; use all (the "
                       "default) or name at least one, e.g. fp32;bf16_fp32_master")
 endif()
-if(NOT MPZERO_TORCH_POLICIES STREQUAL "all")
+if(NOT _mpzero_torch_policy_mask EQUAL 255)
   message(STATUS "mpzero: the LibTorch engine compiles only the policies ${_mpzero_torch_selected} "
                  "(MPZERO_TORCH_POLICIES)")
 endif()

@@ -11,7 +11,9 @@ base configuration of the same run (same seed, same batches), as the mean of tho
 changes with its standard error over the seeds. The verdict per configuration:
   "within"   the whole interval mean +- 2 standard errors lies inside +-tolerance,
   "outside"  the whole interval lies outside it,
-  "undecided" otherwise (more seeds would tell).
+  "undecided" otherwise (more seeds would tell),
+  "diverged" when the configuration's loss is not finite (train_gpt writes null) on a seed
+             whose base loss is: a seed must not drop out of the comparison unseen.
 Runs of one seed count once: a second file with the same seed is refused, since it would
 weigh that seed twice.
 """
@@ -77,13 +79,14 @@ def summarize(results, base, tol):
         losses = [l.get(cid) for _, l in per_seed]
         changes = [l[cid] / l[base] - 1 for _, l in per_seed
                    if cid in l and base in l and finite(l[cid]) and finite(l[base])]
+        diverged = [seed for seed, l in per_seed if cid in l and finite(l.get(base)) and not finite(l[cid])]
         ok = [x for x in losses if finite(x)]
         row = {"id": cid, "eval_loss": losses, "mean_eval_loss": sum(ok) / len(ok) if ok else None,
-               "seeds_used": len(changes)}
-        if cid != base and changes:
-            m, se = mean_se(changes)
-            row.update(change_vs_base=m, change_se=None if math.isnan(se) else se,
-                       changes=changes, verdict=verdict(m, se, tol))
+               "seeds_used": len(changes), "diverged_seeds": diverged}
+        if cid != base and (changes or diverged):
+            m, se = mean_se(changes) if changes else (math.nan, math.nan)
+            row.update(change_vs_base=None if math.isnan(m) else m, change_se=None if math.isnan(se) else se,
+                       changes=changes, verdict="diverged" if diverged else verdict(m, se, tol))
         rows.append(row)
     return {"base": base, "tolerance": tol, "seeds": seeds, "configs": rows}
 
@@ -107,10 +110,14 @@ def main():
     for r in s["configs"]:
         line = f"  {r['id']:<18} " + " ".join(f"{fmt_loss(x):>7}" for x in r["eval_loss"])
         line += f"   mean {fmt_loss(r['mean_eval_loss'])}"
-        if "change_vs_base" in r:
-            se = r["change_se"]
-            band = f" +- {200 * se:.2f}%" if se is not None else " (one seed)"
-            line += f"   {100 * r['change_vs_base']:+.2f}%{band}  {r['verdict']}"
+        if "verdict" in r:
+            if r["change_vs_base"] is not None:
+                se = r["change_se"]
+                band = f" +- {200 * se:.2f}%" if se is not None else " (one seed)"
+                line += f"   {100 * r['change_vs_base']:+.2f}%{band}"
+            line += f"  {r['verdict']}"
+            if r["diverged_seeds"]:
+                line += f" (seeds {', '.join(str(x) for x in r['diverged_seeds'])})"
         print(line)
     if a.json:
         with open(a.json, "w") as f:

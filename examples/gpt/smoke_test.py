@@ -290,14 +290,16 @@ def main():
         # Made-up losses: a change of +0.1% with little spread is within 0.5%, +2% outside,
         # and +0.4% with a spread of several percent undecided.
         made = []
-        for k, (sr, far, noisy) in enumerate([(1.001, 1.020, 1.06), (1.0012, 1.021, 0.95), (1.0008, 1.019, 1.01)]):
+        for k, (sr, far, noisy, nan) in enumerate([(1.001, 1.020, 1.06, 1.0), (1.0012, 1.021, 0.95, None),
+                                                     (1.0008, 1.019, 1.01, 1.0)]):
             d = os.path.join(a.work, "made_seed%d" % k)
             os.makedirs(d, exist_ok=True)
             base = 2.0 + 0.1 * k
             fake = {"meta": {"seed": 100 + k}, "runs": [{"id": "fp32/z0", "eval_loss": base},
                                                        {"id": "sr", "eval_loss": base * sr},
                                                        {"id": "far", "eval_loss": base * far},
-                                                       {"id": "noisy", "eval_loss": base * noisy}]}
+                                                       {"id": "noisy", "eval_loss": base * noisy},
+                                                       {"id": "nan", "eval_loss": None if nan is None else base * nan}]}
             made.append(os.path.join(d, "results.json"))
             with open(made[-1], "w") as f:
                 json.dump(fake, f)
@@ -307,8 +309,10 @@ def main():
         if p.returncode == 0:
             with open(summary) as f:
                 verdicts = {c["id"]: c.get("verdict") for c in json.load(f)["configs"]}
-            check(verdicts == {"fp32/z0": None, "sr": "within", "far": "outside", "noisy": "undecided"},
-                  "compare_seeds.py verdicts: +0.1%% within, +2%% outside, noisy undecided (got %r)" % verdicts)
+            check(verdicts == {"fp32/z0": None, "sr": "within", "far": "outside", "noisy": "undecided", "nan": "diverged"},
+                  "compare_seeds.py verdicts: +0.1%% within, +2%% outside, noisy undecided, a null loss on one "
+                  "seed diverged (got %r)" % verdicts)
+            check("diverged (seeds 101)" in p.stdout, "compare_seeds.py names the seed a run diverged on (%r)" % p.stdout)
 
     # The GPU's memory plot (a second panel of peak device memory) drawn from these results
     # with made-up peaks: it must exist and be wider than the CPU's single panel.

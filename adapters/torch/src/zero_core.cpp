@@ -103,15 +103,19 @@ std::unique_ptr<zero_core> make_zero_core(const core_spec& spec, any_communicato
     const auto& p = detail::table_policies[i];
     const core_spec ps = p.spec();
     const bool on = ((detail::table_policy_mask >> i) & 1u) != 0;
-    if (on) selected += std::string(selected.empty() ? "" : ";") + p.name;
+    if (on) selected += std::string(selected.empty() ? "" : ",") + p.name;
     if (!on && ps.param == spec.param && ps.master == spec.master && ps.grad == spec.grad && ps.state == spec.state &&
         ps.stochastic_rounding == spec.stochastic_rounding)
       wanted = p.name;
   }
-  if (wanted) {
+  // Every row of a policy is Adam or AdamW (add_policy); another optimizer is missing from
+  // the full build too.
+  const bool adam = spec.optimizer == optimizer_type::adam || spec.optimizer == optimizer_type::adamw;
+  if (wanted && adam) {
     msg += "\nIts precision policy, " + std::string(wanted) + ", was left out of this build: it was configured with " +
            "MPZERO_TORCH_POLICIES=\"" + selected + "\". Reconfigure with " + wanted + " added to that list (or " +
-           "MPZERO_TORCH_POLICIES=all, the default), or change the config to one of the compiled combinations";
+           "MPZERO_TORCH_POLICIES=all, the default; add_table_part in adapters/torch/src/core_impl.hpp lists what " +
+           "the full build compiles), or change the config to one of the compiled combinations";
   } else {
     msg += "\nChange the config to one of these, or add the combination to add_table_part in "
            "adapters/torch/src/core_impl.hpp (both tables compile its list)";
