@@ -236,19 +236,17 @@ inline constexpr table_policy table_policies[] = {
 static_assert(table_policy_mask != 0 && table_policy_mask < (1u << std::size(table_policies)),
               "MPZERO_TORCH_POLICY_MASK selects no policy, or one past table_policies: see torch.cmake");
 
+// Whether the build compiles Policy: its bit, found by its entry in table_policies (one
+// list of the policies and their order, which torch.cmake's names follow).
 template <class Policy>
 constexpr bool policy_selected() {
-  constexpr int i = std::is_same_v<Policy, policies::fp32>                      ? 0
-                    : std::is_same_v<Policy, policies::bf16_fp32_grads>         ? 1
-                    : std::is_same_v<Policy, policies::bf16_fp32_master>        ? 2
-                    : std::is_same_v<Policy, policies::bf16_master_fp32_states> ? 3
-                    : std::is_same_v<Policy, policies::bf16_all>                ? 4
-                    : std::is_same_v<Policy, policies::bf16_all_sr>             ? 5
-                    : std::is_same_v<Policy, policies::fp16_fp32_master>        ? 6
-                    : std::is_same_v<Policy, policies::fp16_master_fp32_states> ? 7
-                                                                                : -1;
-  static_assert(i >= 0, "add_table_part names a policy that table_policies does not list: add it there and to "
-                        "torch.cmake's MPZERO_TORCH_POLICIES names");
+  constexpr std::size_t i = [] {
+    std::size_t k = 0;
+    while (k < std::size(table_policies) && table_policies[k].spec != &policy_spec<Policy>) ++k;
+    return k;
+  }();
+  static_assert(i < std::size(table_policies), "add_table_part names a policy that table_policies does not list: add "
+                                               "it there and to torch.cmake's MPZERO_TORCH_POLICIES names");
   return ((table_policy_mask >> i) & 1u) != 0;
 }
 
