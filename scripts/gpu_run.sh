@@ -13,7 +13,9 @@
 #   seeds   train_gpt once per seed of GPU_RUN_SEEDS (default "1 2 3 4 5") with SEEDS_ARGS
 #           (default below; results under <work>/seeds/seed<N>), then
 #           examples/gpt/compare_seeds.py over the seeds done so far (seeds/summary.json):
-#           the stochastic-rounding loss criterion, judged on paired per-seed changes
+#           the stochastic-rounding loss criterion, judged on paired per-seed changes;
+#           GPU_RUN_SEEDS_JOBS of them at a time (default 1); no seed starts that the
+#           budget would stop before it ends (judged by the longest seed so far)
 # e.g.  scripts/gpu_run.sh build test bench      then      GPT_ARGS="--big --steps 1000" scripts/gpu_run.sh gpt states
 #
 # Each phase builds what it needs first (a no-op when build-gpu/ is up to date), so a
@@ -248,32 +250,72 @@ phase_gpt() {
     2>"$work/${name}_progress.log" | tee "$work/$name.txt"
   local rc=${PIPESTATUS[0]}
   tail -3 "$work/${name}_progress.log"
-  [ -f "$work/$name/results.json" ] && python3 "$root/examples/gpt/plot.py" "$work/$name/results.json" 2>&1 | tail -2
+  [ "${GPT_PLOT:-1}" = 1 ] && [ -f "$work/$name/results.json" ] && python3 "$root/examples/gpt/plot.py" "$work/$name/results.json" 2>&1 | tail -2
   return "$rc"
 }
 phase_states() {
   GPT_NAME=states GPT_ARGS="${STATES_ARGS:-$default_states_args}" phase_gpt
+}
+# One seed's training run (seeds/seed<N>), its exit status left in seeds/seed<N>.rc.
+run_seed() {
+  local rc=0
+  date +%s >"$work/seeds/seed$1.start"
+  GPT_PLOT=0 GPT_NAME="seeds/seed$1" GPT_ARGS="${SEEDS_ARGS:-$default_seeds_args} --seed $1" phase_gpt >/dev/null || rc=$?
+  echo "$rc" >"$work/seeds/seed$1.rc"
+}
+# The seeds that finished, each reported once, and the summary over them, rewritten after
+# each, so that a run the budget stops still leaves its summary.
+seeds_reported=" "
+seeds_longest=0  # seconds, the longest finished seed so far
+seeds_summarize() {
+  local seed rc runs=() took
+  for seed in ${GPU_RUN_SEEDS:-1 2 3 4 5}; do
+    rc="$(cat "$work/seeds/seed$seed.rc" 2>/dev/null)" || continue
+    took=$(( $(stat -c %Y "$work/seeds/seed$seed.rc") - $(cat "$work/seeds/seed$seed.start") ))
+    [ "$rc" = 0 ] && [ "$took" -gt "$seeds_longest" ] && seeds_longest=$took
+    [ "$rc" = 0 ] && runs+=("$work/seeds/seed$seed/results.json")  # only runs that finished
+    case "$seeds_reported" in *" $seed "*) continue ;; esac
+    seeds_reported+="$seed "
+    echo "-- seed $seed: $([ "$rc" = 0 ] && echo "done in $took s" || echo "FAILED ($rc)"): $(tail -c 400 "$work/seeds/seed${seed}_progress.log" 2>/dev/null | tr '\r' '\n' | grep -v '^ *$' | tail -1)"
+  done
+  [ ${#runs[@]} -gt 0 ] && python3 "$root/examples/gpt/compare_seeds.py" "${runs[@]}" \
+    --json "$work/seeds/summary.json" >"$work/seeds/summary.txt" 2>&1
+  return 0
 }
 phase_seeds() {
   ensure_built train_gpt || return 1
   # This call's seeds only: a warm machine keeps an earlier call's results and summary.
   rm -rf "$work/seeds"
   mkdir -p "$work/seeds"
-  local seed done_runs=() rc=0
+  # GPU_RUN_SEEDS_JOBS seeds train side by side on the one GPU (default 1): a run of the
+  # --big model is bound by its kernel launches, not by the GPU, so several share it
+  # well. Their steps/s then mean nothing; their losses are the same as alone.
+  local jobs_max="${GPU_RUN_SEEDS_JOBS:-1}" seed
+  local threads=$(( $(nproc) / jobs_max ))
+  [ "$threads" -ge 1 ] || threads=1
+  # No seed starts that would not finish before the budget's end (GPU_RUN_PHASE_END, set
+  # by the loop below), judged by the longest seed so far: a seed stopped halfway is
+  # device time spent for nothing.
+  local started=0 skipped=""
   for seed in ${GPU_RUN_SEEDS:-1 2 3 4 5}; do
-    echo "-- seed $seed"
-    if GPT_NAME="seeds/seed$seed" GPT_ARGS="${SEEDS_ARGS:-$default_seeds_args} --seed $seed" phase_gpt >/dev/null; then
-      done_runs+=("$work/seeds/seed$seed/results.json")  # only runs that finished
-    else
-      rc=1
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; seeds_summarize; done
+    if [ -n "$skipped" ] || { [ -n "${GPU_RUN_PHASE_END:-}" ] && [ "$seeds_longest" -gt 0 ] &&
+      [ $(( $(date +%s) + seeds_longest )) -gt "$GPU_RUN_PHASE_END" ]; }; then
+      skipped+=" $seed"
+      continue
     fi
-    tail -1 "$work/seeds/seed${seed}_progress.log"
-    # After every seed, so that a run the budget stops still leaves its summary.
-    [ ${#done_runs[@]} -gt 0 ] && python3 "$root/examples/gpt/compare_seeds.py" "${done_runs[@]}" \
-      --json "$work/seeds/summary.json" >"$work/seeds/summary.txt" 2>&1
+    OMP_NUM_THREADS="$threads" run_seed "$seed" &
+    started=$((started + 1))
   done
+  while [ "$(jobs -rp | wc -l)" -gt 0 ]; do wait -n; seeds_summarize; done
+  seeds_summarize
+  [ -n "$skipped" ] && echo "-- seeds not started (a seed takes up to $seeds_longest s, more than the budget had left):$skipped"
   cat "$work/seeds/summary.txt" 2>/dev/null
-  return "$rc"
+  for seed in ${GPU_RUN_SEEDS:-1 2 3 4 5}; do
+    case " $skipped " in *" $seed "*) continue ;; esac
+    [ "$(cat "$work/seeds/seed$seed.rc" 2>/dev/null)" = 0 ] || return 1
+  done
+  return 0
 }
 
 # Everything in one archive under $OUT, plus the main results as files of their own
@@ -333,7 +375,7 @@ for p in "$@"; do
     continue
   fi
   echo "== gpu_run: $p ($(date -u +%H:%M:%S), $left s of the budget left)"
-  timeout -k 10 "$left" "$BASH" "$root/scripts/gpu_run.sh" --one "$p" &
+  GPU_RUN_PHASE_END=$(( $(date +%s) + left )) timeout -k 10 "$left" "$BASH" "$root/scripts/gpu_run.sh" --one "$p" &
   tpid=$!
   wait "$tpid"
   rc=$?
