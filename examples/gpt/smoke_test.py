@@ -13,7 +13,9 @@ model for a few configurations, draws the plots, and checks what it promises:
 - the DeepSpeed blog's comparison in results.json covers every all-bf16 row against
   bf16/z2 and agrees with the rows it summarises;
 - the engine in fp32 trains like LibTorch's own torch::optim::AdamW (the "torch" row:
-  same model, batches and hyperparameters, no mpzero) to within rounding;
+  same model, batches and hyperparameters, no mpzero) to within rounding, with the
+  constant rate and with --lr-schedule cosine (the engine's WarmupCosineLR, which the
+  reference follows through the same formula);
 - a diverged run's null losses still plot; bad flags (a number with trailing junk, an
   --out or --save that cannot be written) are refused before anything trains; a run that
   stops during training is listed as not finished and the next configuration still runs;
@@ -220,6 +222,31 @@ def main():
             check(twice["meta"]["rounds"] == 2 and twice["meta"]["configs_done"] == 2,
                   "--rounds 2: meta.rounds 2, configs_done counts configurations (got %r)" % twice["meta"])
 
+    # --lr-schedule cosine: the engine's WarmupCosineLR over the run, which the LibTorch
+    # reference follows too (fp32/z0 and torch still agree step for step); the losses move
+    # away from the constant rate's from the first update on (a cosine schedule's first
+    # update has rate 0, DeepSpeed's WarmupCosineLR).
+    if a.world == 1:
+        sched = {}
+        for mode in ("constant", "cosine"):
+            p, r = run_tiny("lr_" + mode, "fp32/z0,torch", "--steps", "6", "--lr-schedule", mode)
+            check(p.returncode == 0, "train_gpt --lr-schedule %s exits 0 (rc %d, stderr %r)" % (mode, p.returncode, p.stderr[-300:]))
+            if r is not None:
+                sched[mode] = {x["id"]: x for x in r["runs"]}
+                want = None if mode == "constant" else {
+                    "type": "WarmupCosineLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2,
+                                                         "warmup_type": "linear", "cos_min_ratio": 0.1}}
+                check(r["meta"].get("lr_schedule", "absent") == want and
+                      (", cosine schedule (WarmupCosineLR" in p.stdout) == (mode == "cosine"),
+                      "--lr-schedule %s: meta.lr_schedule %r and the header line say so" % (mode, r["meta"].get("lr_schedule")))
+        if len(sched) == 2:
+            c, k = sched["cosine"], sched["constant"]
+            gap = max(abs(x - y) for x, y in zip(c["fp32/z0"]["train_loss"], c["torch"]["train_loss"]))
+            check(gap < 1e-4, "--lr-schedule cosine: fp32/z0 and torch follow the same rates (largest loss gap %.2g)" % gap)
+            check(c["fp32/z0"]["train_loss"][0] == k["fp32/z0"]["train_loss"][0] and
+                  c["fp32/z0"]["train_loss"][2:] != k["fp32/z0"]["train_loss"][2:],
+                  "--lr-schedule cosine: the same first loss, then other losses than the constant rate's")
+
     # --cpu-matmul: auto measured LibTorch's 16-bit products here and chose per dtype. fp32
     # products of the 16-bit values and LibTorch's 16-bit kernels train the same 16-bit
     # model: fp32 rows equal to the bit, 16-bit rows close (both round each product's
@@ -379,6 +406,7 @@ def main():
             refused(["--bucket", bad], "--bucket %s: must be a positive whole number of elements" % bad)
         refused(["--rounds", "0"], "--rounds 0: must be at least 1")
         refused(["--cpu-matmul", "fast"], "--cpu-matmul fast: not a mode; use auto, fp32 or native")
+        refused(["--lr-schedule", "linear"], "--lr-schedule linear: not a schedule; use constant or cosine")
         blocker = os.path.join(a.work, "a_file")
         with open(blocker, "w") as f:
             f.write("not a directory\n")

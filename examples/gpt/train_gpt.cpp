@@ -70,6 +70,7 @@
 
 #include <mpzero/policy/memory_model.hpp>
 #include <mpzero/torch/engine.hpp>
+#include <mpzero/torch/lr_schedule.hpp>
 #include <mpzero/torch/zero_core.hpp>  // cuda_cores_compiled()
 #include <mpzero/torch/zero_to_fp32.hpp>
 
@@ -332,6 +333,7 @@ struct options {
   std::string save;             // --save: a checkpoint and its fp32 export per configuration
   std::uint64_t bucket = mt::zero_config{}.reduce_bucket_size;  // --bucket: zero_optimization.reduce_bucket_size
   std::string cpu_matmul = "auto";  // --cpu-matmul: auto, fp32 or native (16-bit products on a CPU)
+  std::string lr_schedule = "constant";  // --lr-schedule: constant or cosine (lr_schedule_json)
   int rounds = 1;  // --rounds: the configuration list is trained this many times, round by round
   // --persistence: zero_optimization.stage3_param_persistence_threshold (stage 3 keeps
   // parameters of at most this many elements whole on every rank)
@@ -364,6 +366,19 @@ torch::Device resolve_device(const std::string& d) {
   return dev;
 }
 
+// --lr-schedule cosine: DeepSpeed's WarmupCosineLR over the run, a linear warmup over
+// the first 5% of the steps (at least 2) and a cosine down to 10% of --lr at the last
+// step. Null for the constant rate.
+json lr_schedule_json(const options& o) {
+  if (o.lr_schedule != "cosine") return nullptr;
+  return {{"type", "WarmupCosineLR"},
+          {"params",
+           {{"total_num_steps", o.steps},
+            {"warmup_num_steps", std::max(2, o.steps / 20)},
+            {"warmup_type", "linear"},
+            {"cos_min_ratio", 0.1}}}};
+}
+
 json make_config(const run_spec& s, const options& o) {
   json zero = {{"stage", s.stage}};
   zero["reduce_bucket_size"] = o.bucket;
@@ -375,6 +390,7 @@ json make_config(const run_spec& s, const options& o) {
             {"gradient_clipping", 1.0},
             {"seed", o.seed},
             {"zero_optimization", zero}};
+  if (const json sched = lr_schedule_json(o); !sched.is_null()) j["scheduler"] = sched;
   mpzero_gpt::set_precision(j, s.precision, {{"enabled", true}, {"loss_scale", 0}});
   return j;
 }
@@ -396,7 +412,7 @@ void usage() {
       "usage: train_gpt [--steps N] [--layers N] [--dim N] [--heads N] [--seq N] [--batch N] [--lr X]\n"
       "                 [--eval-batches N] [--seed N] [--configs LIST] [--out DIR] [--corpus DIR] [--big]\n"
       "                 [--device auto|cpu|cuda|cuda:N] [--save DIR] [--bucket N] [--rounds N]\n"
-      "                 [--persistence N] [--cpu-matmul auto|fp32|native]\n"
+      "                 [--persistence N] [--cpu-matmul auto|fp32|native] [--lr-schedule constant|cosine]\n"
       "  --configs: comma-separated ids (bf16/z2, fp16/z1+off), precisions (every variant: fp32, bf16,\n"
       "             bf16-master, bf16-all, bf16-all-sr, fp16, fp16-master; with bf16 autocast: fp32-ac, bf16-all-ac,\n"
       "             bf16-all-sr-ac), 'torch' (plain LibTorch AdamW, no mpzero) or 'all'. The first is\n"
@@ -427,7 +443,10 @@ void usage() {
       "             16-bit kernels), fp32 (fp32 products of the 16-bit values, rounded once to 16 bits, as a\n"
       "             GPU's tensor cores do) or auto (default: fp32 for a dtype whose product LibTorch runs more\n"
       "             than 4 times slower than fp32's here, measured at start; LibTorch 2.11 without AVX-512 is\n"
-      "             45 times slower). No effect on a GPU\n",
+      "             45 times slower). No effect on a GPU\n"
+      "  --lr-schedule: constant (default: --lr throughout) or cosine (DeepSpeed's WarmupCosineLR: linear\n"
+      "             warmup over the first 5%% of the steps, then a cosine down to 10%% of --lr at the last step;\n"
+      "             the 'torch' reference follows the same rates)\n",
       default_configs);
 }
 
@@ -497,6 +516,11 @@ options parse_args(int argc, char** argv) {
       if (v != "auto" && v != "fp32" && v != "native")
         throw std::invalid_argument("--cpu-matmul " + v + ": not a mode; use auto, fp32 or native");
       o.cpu_matmul = v;
+    }
+    else if (a == "--lr-schedule") {
+      if (v != "constant" && v != "cosine")
+        throw std::invalid_argument("--lr-schedule " + v + ": not a schedule; use constant or cosine");
+      o.lr_schedule = v;
     }
     else if (a == "--out") o.out = v;
     else if (a == "--corpus") o.corpus = v;
@@ -656,6 +680,15 @@ result train_torch(const run_spec& spec, const options& o, const corpus& data, m
   const auto params = model->parameters();
   torch::optim::AdamW opt(params, torch::optim::AdamWOptions(o.lr).betas({0.9, 0.95}).eps(1e-8).weight_decay(0.01));
   const int world = comm.size();
+  // --lr-schedule: the engine's own formula (mt::lr_at, from the same JSON), so that this
+  // reference follows the rate every mpzero configuration follows: update k uses the rate
+  // after k - 1 scheduler steps.
+  const json sched = lr_schedule_json(o);
+  const mt::scheduler_config schedule =
+      sched.is_null() ? mt::scheduler_config{}
+                      : mt::parse_config({{"train_micro_batch_size_per_gpu", o.batch}, {"scheduler", sched}}, world)
+                            .scheduler;
+  std::uint64_t updates = 0;
   result r;
   r.spec = spec;
   r.describe = "LibTorch torch::optim::AdamW, fp32, no mpzero";
@@ -678,6 +711,7 @@ result train_torch(const run_spec& spec, const options& o, const corpus& data, m
       }
     }
     torch::nn::utils::clip_grad_norm_(params, 1.0);
+    static_cast<torch::optim::AdamWOptions&>(opt.param_groups()[0].options()).lr(mt::lr_at(schedule, o.lr, updates++));
     opt.step();
     return loss.detach();
   };
@@ -1010,6 +1044,7 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
   json meta = {{"steps", o.steps},   {"layers", o.layers},         {"dim", o.dim},
                {"heads", o.heads},   {"seq", o.seq},               {"batch", o.batch},
                {"lr", o.lr},         {"seed", o.seed},             {"world_size", world},
+               {"lr_schedule", lr_schedule_json(o)},
                {"reduce_bucket_size", o.bucket},                   {"rounds", o.rounds},
                {"threads", torch::get_num_threads()},              {"corpus", o.corpus},
                {"train_bytes", data.train.size()},                 {"eval_bytes", data.eval.size()},
@@ -1128,8 +1163,13 @@ int run(int argc, char** argv, mt::any_communicator comm) {
       std::printf("16-bit products (--cpu-matmul %s): %s; %s\n", o.cpu_matmul.c_str(),
                   said("bf16", p.upcast_bf16, p.bf16_ratio).c_str(), said("fp16", p.upcast_fp16, p.fp16_ratio).c_str());
     }
-    std::printf("GPT: %d layers, dim %d, %d heads, seq %d, batch %d x %d rank(s), %d steps, AdamW lr %g\n", o.layers,
-                o.dim, o.heads, o.seq, o.batch, comm.size(), o.steps, o.lr);
+    std::printf("GPT: %d layers, dim %d, %d heads, seq %d, batch %d x %d rank(s), %d steps, AdamW lr %g%s\n", o.layers,
+                o.dim, o.heads, o.seq, o.batch, comm.size(), o.steps, o.lr,
+                o.lr_schedule == "cosine"
+                    ? (", cosine schedule (WarmupCosineLR: linear warmup over " + std::to_string(std::max(2, o.steps / 20)) +
+                       " steps, then down to 10% at step " + std::to_string(o.steps) + ")")
+                          .c_str()
+                    : ", constant");
     std::printf("corpus: %zu fortunes from %zu files in %s: %zu training bytes, %zu held-out bytes\n", data.fortunes,
                 data.files, o.corpus.c_str(), data.train.size(), data.eval.size());
     std::printf("%zu configurations, %d torch threads\n", specs.size(), torch::get_num_threads());
