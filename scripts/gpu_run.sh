@@ -287,9 +287,9 @@ phase_seeds() {
   # This call's seeds only: a warm machine keeps an earlier call's results and summary.
   rm -rf "$work/seeds"
   mkdir -p "$work/seeds"
-  # GPU_RUN_SEEDS_JOBS seeds train side by side on the one GPU (default 1): a run of the
-  # --big model is bound by its kernel launches, not by the GPU, so several share it
-  # well. Their steps/s then mean nothing; their losses are the same as alone.
+  # GPU_RUN_SEEDS_JOBS seeds train side by side on the one GPU (default 1), for a model
+  # too small to fill the GPU alone (the --big model fills an H100: no gain, session 22's
+  # docs/perf.md). Their steps/s then mean nothing; their losses are the same as alone.
   local jobs_max="${GPU_RUN_SEEDS_JOBS:-1}" seed
   local threads=$(( $(nproc) / jobs_max ))
   [ "$threads" -ge 1 ] || threads=1
