@@ -9,7 +9,9 @@ faster of the two copies of the same volume (BM_cuda_memcpy and BM_cuda_copy_ker
 the same N and bytes per element), both counting reads and writes. With
 --benchmark_repetitions=K, every repetition of the step is divided by the copy's median
 over its repetitions, and the share is printed as the median with the lowest and highest
-repetition; one repetition prints one number.
+repetition; one repetition prints one number. A file written with
+--benchmark_report_aggregates_only=true has no repetitions, only their median, which is
+then used for the step and the copy alike (the range is not known: "median of K").
 """
 import argparse
 import json
@@ -43,19 +45,35 @@ def main():
     args = ap.parse_args()
     data = load(args.json)
 
-    steps = defaultdict(list)  # (args, n, bytes per element) -> bytes/s of each repetition
-    copies = defaultdict(list)  # (kind, n, bytes per element) -> bytes/s of each repetition
+    # (args, n, bytes per element) or (kind, n, bytes per element) -> bytes/s of each
+    # repetition; the medians that Google Benchmark wrote beside them, with their counts,
+    # stand in for a benchmark whose repetitions the file does not hold.
+    steps, copies = defaultdict(list), defaultdict(list)
+    step_medians, copy_medians = {}, {}
     for b in data["benchmarks"]:
-        if b.get("run_type") != "iteration" or "bytes_per_second" not in b:
-            continue  # aggregates (mean, median, stddev) are recomputed here from the repetitions
+        kind = b.get("run_type", "iteration")
+        if "bytes_per_second" not in b or (kind == "aggregate" and b.get("aggregate_name") != "median"):
+            continue  # the other aggregates (mean, stddev, cv) are not used
         name = b.get("run_name", b["name"])
         bpe = b.get("B/elem")
         if m := STEP.match(name):
             if bpe is None:
                 sys.exit(f"copy_share: {name} has no 'B/elem' counter: an mpzero_bench_cuda older than this script?")
-            steps[(m["args"], int(m["n"]), int(round(bpe)))].append(b["bytes_per_second"])
+            key, rates, medians = (m["args"], int(m["n"]), int(round(bpe))), steps, step_medians
         elif m := COPY.match(name):
-            copies[(m["kind"], int(m["n"]), int(m["bpe"]))].append(b["bytes_per_second"])
+            key, rates, medians = (m["kind"], int(m["n"]), int(m["bpe"])), copies, copy_medians
+        else:
+            continue
+        if kind == "aggregate":
+            medians[key] = (b["bytes_per_second"], b.get("repetitions", 0))
+        else:
+            rates[key].append(b["bytes_per_second"])
+    aggregated = set()
+    for rates, medians in ((steps, step_medians), (copies, copy_medians)):
+        for key, (rate, reps) in medians.items():
+            if key not in rates:
+                rates[key] = [rate]
+                aggregated.add(key)
     if not steps:
         sys.exit(f"copy_share: {args.json} holds no BM_cuda_step results (was --benchmark_filter too narrow?)")
 
@@ -69,7 +87,8 @@ def main():
             continue
         copy = max(base)
         shares = sorted(r / copy for r in rates)
-        rows.append((what, n, bpe, len(rates), statistics.median(shares), shares[0], shares[-1], copy))
+        reps = f"median of {step_medians[(what, n, bpe)][1]}" if (what, n, bpe) in aggregated else len(rates)
+        rows.append((what, n, bpe, reps, statistics.median(shares), shares[0], shares[-1], copy))
     if missing:
         print("copy_share: no copy of the same volume for " + ", ".join(missing) +
               "; run BM_cuda_memcpy or BM_cuda_copy_kernel too (e.g. --benchmark_filter='policy|memcpy')",
@@ -79,7 +98,7 @@ def main():
 
     def share(r):
         med, lo, hi = r[4:7]
-        return f"{100 * med:.1f}%" if r[3] == 1 else f"{100 * med:.1f}% ({100 * lo:.1f}-{100 * hi:.1f})"
+        return f"{100 * med:.1f}%" if lo == hi else f"{100 * med:.1f}% ({100 * lo:.1f}-{100 * hi:.1f})"
 
     header = ("step", "elements", "B/elem", "reps", "share of copy (median, range)", "copy TB/s")
     cells = [(r[0], str(r[1]), str(r[2]), str(r[3]), share(r), f"{r[7] / 1e12:.2f}") for r in rows]

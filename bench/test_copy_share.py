@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks bench/copy_share.py on a made-up mpzero_bench_cuda JSON (CTest bench.copy_share):
 the share against the faster copy's median, the range over repetitions, aggregates left
-out, the size filter, and the errors for a step without its copy and for a bad file."""
+out beside repetitions and used without them (--benchmark_report_aggregates_only), the
+size filter, and the errors for a step without its copy and for a bad file."""
 import json
 import os
 import subprocess
@@ -23,8 +24,12 @@ def check(cond, what):
         failures.append(what)
 
 
-def it(name, rate, bpe=None, run_type="iteration"):
-    b = {"name": name, "run_name": name, "run_type": run_type, "bytes_per_second": rate}
+def it(name, rate, bpe=None, aggregate=None):
+    """One entry as Google Benchmark writes it: a repetition, or an aggregate of them."""
+    b = {"name": name + ("_" + aggregate if aggregate else ""), "run_name": name,
+         "run_type": "aggregate" if aggregate else "iteration", "bytes_per_second": rate}
+    if aggregate:
+        b["aggregate_name"], b["repetitions"] = aggregate, 5
     if bpe is not None:
         b["B/elem"] = float(bpe)
     return b
@@ -41,7 +46,10 @@ bench = [
     it(step, 1.7e12, 14),
     it(step, 1.6e12, 14),
     it(step, 1.8e12, 14),
-    it(step + "_mean", 9.9e12, 14, run_type="aggregate"),  # ignored
+    # aggregates beside the repetitions: ignored, the repetitions are there
+    it(step, 9.9e12, 14, aggregate="mean"),
+    it(step, 9.9e12, 14, aggregate="median"),
+    it(f"BM_cuda_memcpy/n:{n}/B/elem:14/manual_time", 9.9e12, aggregate="median"),
     # a small size with its copy at 14 B/elem only
     it("BM_cuda_step<policies::bf16_all_sr, optim::adamw>/65536/manual_time", 0.5e12, 14),
     it("BM_cuda_memcpy/n:65536/B/elem:14/manual_time", 1.0e12),
@@ -70,6 +78,18 @@ with tempfile.TemporaryDirectory() as tmp:
         f.write("{not json")
     rc, out, err = run(path)
     check(rc != 0 and "is not JSON" in err, f"bad JSON: rc {rc}, {err!r}")
+    # --benchmark_report_aggregates_only=true: only medians (and means, ignored)
+    only = [it(f"BM_cuda_memcpy/n:{n}/B/elem:14/manual_time", 2.0e12, aggregate="median"),
+            it(f"BM_cuda_memcpy/n:{n}/B/elem:14/manual_time", 1.0e12, aggregate="mean"),
+            it(step, 1.8e12, 14, aggregate="median"),
+            it(step, 0.1e12, 14, aggregate="mean")]
+    with open(path, "w") as f:
+        json.dump({"context": {}, "benchmarks": only}, f)
+    rc, out, err = run(path)
+    line = next((l for l in out.splitlines() if l.startswith("policies::bf16_all_sr")), "")
+    check(rc == 0 and "median of 5" in line and "90.0%" in line and "(" not in line.split("%")[1],
+          f"aggregates only: the medians are used (rc {rc}): {line!r} {err!r}")
+
     rc, out, err = run(os.path.join(tmp, "absent.json"))
     check(rc != 0 and "cannot read" in err and "absent.json" in err, f"absent file: rc {rc}, {err!r}")
 
