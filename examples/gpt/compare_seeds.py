@@ -15,7 +15,15 @@ changes with its standard error over the seeds. The verdict per configuration:
   "diverged" when the configuration's loss is not finite (train_gpt writes null) on a seed
              whose base loss is: a seed must not drop out of the comparison unseen.
 Runs of one seed count once: a second file with the same seed is refused, since it would
-weigh that seed twice.
+weigh that seed twice. Runs must differ in nothing but the seed: their recipes (results.json's
+meta without the seed, the thread count, the corpus path, the configuration counts, --rounds
+and the measured CPU product ratios) must be equal, and a run trained another way (other
+steps, model, rate, --lr-schedule, device) is refused, naming what differs.
+
+A summary written by --json can stand in for its runs: it holds each seed's losses and the
+recipe, so a series grows across sessions without keeping every results.json, e.g.
+
+    python3 examples/gpt/compare_seeds.py docs/data/seeds_big_constant.json new/seed*/results.json
 """
 import argparse
 import json
@@ -31,9 +39,44 @@ def load(path):
         sys.exit(f"compare_seeds: cannot read {path}: {e.strerror}")
     except json.JSONDecodeError as e:
         sys.exit(f"compare_seeds: {path} is not JSON ({e}); is it a train_gpt results.json?")
-    if not isinstance(data, dict) or "runs" not in data or "meta" not in data:
-        sys.exit(f"compare_seeds: {path} has no 'runs' and 'meta': not a train_gpt results.json")
+    if not isinstance(data, dict):
+        sys.exit(f"compare_seeds: {path} is not a train_gpt results.json (nor a compare_seeds summary)")
     return data
+
+
+# meta keys that do not change what a run computes (or, for cpu_matmul, only its choices do).
+NOT_RECIPE = {"seed", "threads", "corpus", "configs_done", "configs_total", "rounds", "cpu_matmul"}
+
+
+def recipe(meta):
+    """What a run was trained with, but its seed: runs are compared only when these agree."""
+    r = {k: v for k, v in meta.items() if k not in NOT_RECIPE}
+    r.setdefault("lr_schedule", None)  # train_gpt before --lr-schedule: the constant rate
+    if isinstance(r.get("device"), str):
+        r["device"] = r["device"].split(":")[0]  # cuda:0 and cuda:1 compute alike
+    cm = meta.get("cpu_matmul")
+    if isinstance(cm, dict):
+        r["cpu_matmul"] = {k: cm.get(k) for k in ("bf16", "fp16")}
+    return r
+
+
+def runs_of(path, data):
+    """(path, seed, recipe, {config id: eval loss}) for each seed of a results.json or of a
+    summary that --json wrote."""
+    if "runs" in data and "meta" in data:
+        meta = data["meta"]
+        return [(path, meta.get("seed"), recipe(meta), {r["id"]: r.get("eval_loss") for r in data["runs"]})]
+    if isinstance(data, dict) and "seeds" in data and "configs" in data:
+        if "recipe" not in data:
+            sys.exit(f"compare_seeds: {path} is a summary without its runs' recipe (an older compare_seeds "
+                     "wrote it); summarize its results.json files again")
+        out = []
+        for i, seed in enumerate(data["seeds"]):
+            losses = {c["id"]: c["eval_loss"][i] for c in data["configs"]}
+            out.append((f"{path} (seed {seed})", seed, data["recipe"], losses))
+        return out
+    sys.exit(f"compare_seeds: {path} has no 'runs' and 'meta': not a train_gpt results.json "
+             "(nor a summary written by compare_seeds --json)")
 
 
 def finite(x):
@@ -62,12 +105,19 @@ def verdict(m, se, tol):
 def summarize(results, base, tol):
     seeds = []
     per_seed = []  # (seed, {config id: eval loss or None})
-    for path, data in results:
-        seed = data["meta"].get("seed")
+    first = None  # (where, recipe) of the first run
+    for where, seed, rec, losses in (run for path, data in results for run in runs_of(path, data)):
         if seed in seeds:
-            sys.exit(f"compare_seeds: {path} repeats seed {seed}; give each seed's results once")
+            sys.exit(f"compare_seeds: {where} repeats seed {seed}; give each seed's results once")
+        if first is None:
+            first = (where, rec)
+        elif rec != first[1]:
+            diff = sorted(k for k in set(rec) | set(first[1]) if rec.get(k) != first[1].get(k))
+            said = "; ".join(f"{k} {first[1].get(k)!r} there, {rec.get(k)!r} here" for k in diff)
+            sys.exit(f"compare_seeds: {where} was trained otherwise than {first[0]}: {said}. "
+                     "Compare runs that differ only in --seed")
         seeds.append(seed)
-        per_seed.append((seed, {r["id"]: r.get("eval_loss") for r in data["runs"]}))
+        per_seed.append((seed, losses))
     ids = []
     for _, losses in per_seed:
         ids += [i for i in losses if i not in ids]
@@ -88,7 +138,7 @@ def summarize(results, base, tol):
             row.update(change_vs_base=None if math.isnan(m) else m, change_se=None if math.isnan(se) else se,
                        changes=changes, verdict="diverged" if diverged else verdict(m, se, tol))
         rows.append(row)
-    return {"base": base, "tolerance": tol, "seeds": seeds, "configs": rows}
+    return {"base": base, "tolerance": tol, "seeds": seeds, "recipe": first[1], "configs": rows}
 
 
 def fmt_loss(x):
@@ -97,7 +147,8 @@ def fmt_loss(x):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", nargs="+", help="train_gpt results.json files, one per seed")
+    ap.add_argument("results", nargs="+",
+                    help="train_gpt results.json files, one per seed, or summaries written by --json")
     ap.add_argument("--base", default="fp32/z0", help="the configuration compared against (default fp32/z0)")
     ap.add_argument("--tolerance", type=float, default=0.005, help="relative tolerance (default 0.005: 0.5%%)")
     ap.add_argument("--json", help="also write the summary here")

@@ -16,6 +16,9 @@ model for a few configurations, draws the plots, and checks what it promises:
   same model, batches and hyperparameters, no mpzero) to within rounding, with the
   constant rate and with --lr-schedule cosine (the engine's WarmupCosineLR, which the
   reference follows through the same formula);
+- compare_seeds.py: the paired changes and their verdicts, a summary read back in place of
+  its runs, a seed given twice refused, and runs that differ in more than the seed refused,
+  naming what differs;
 - a diverged run's null losses still plot; bad flags (a number with trailing junk, an
   --out or --save that cannot be written) are refused before anything trains; a run that
   stops during training is listed as not finished and the next configuration still runs;
@@ -311,6 +314,28 @@ def main():
             p = subprocess.run([sys.executable, compare, seeded[0][0], seeded[0][0]], capture_output=True, text=True)
             check(p.returncode != 0 and "repeats seed 7" in p.stderr,
                   "compare_seeds.py refuses the same seed twice (%r)" % p.stderr)
+            # The summary stands in for its runs (a series kept across sessions): the same
+            # seeds and changes again; with one of its runs beside it, that seed twice.
+            if os.path.isfile(summary):
+                again = os.path.join(a.work, "seeds_summary_again.json")
+                p = subprocess.run([sys.executable, compare, summary, "--json", again], capture_output=True, text=True)
+                check(p.returncode == 0, "compare_seeds.py reads its own summary (%r)" % (p.stdout + p.stderr))
+                if p.returncode == 0:
+                    with open(summary) as f, open(again) as g:
+                        s1, s2 = json.load(f), json.load(g)
+                    check(s1["seeds"] == s2["seeds"] and s1["recipe"] == s2["recipe"] and s1["configs"] == s2["configs"] and
+                          s1["recipe"]["steps"] == 4 and s1["recipe"]["lr_schedule"] is None,
+                          "compare_seeds.py: a summary summarized again gives the same seeds, recipe and changes")
+                p = subprocess.run([sys.executable, compare, summary, seeded[1][0]], capture_output=True, text=True)
+                check(p.returncode != 0 and "repeats seed 8" in p.stderr,
+                      "compare_seeds.py refuses a seed that a summary already holds (%r)" % p.stderr)
+            # Runs trained otherwise (here 6 steps under a cosine rate) are not compared.
+            other = os.path.join(a.work, "lr_cosine", "results.json")
+            if os.path.isfile(other):
+                p = subprocess.run([sys.executable, compare, seeded[0][0], other], capture_output=True, text=True)
+                check(p.returncode != 0 and "was trained otherwise than" in p.stderr and "steps 4 there, 6 here" in p.stderr
+                      and "lr_schedule None there" in p.stderr,
+                      "compare_seeds.py refuses runs that differ in more than the seed, naming what (%r)" % p.stderr)
             p = subprocess.run([sys.executable, compare, seeded[0][0], "--base", "fp64/z9"], capture_output=True, text=True)
             check(p.returncode != 0 and "'fp64/z9' is in none of the runs" in p.stderr,
                   "compare_seeds.py names a base that no run holds (%r)" % p.stderr)
