@@ -15,7 +15,9 @@
 #           examples/gpt/compare_seeds.py over the seeds done so far (seeds/summary.json):
 #           the stochastic-rounding loss criterion, judged on paired per-seed changes;
 #           GPU_RUN_SEEDS_JOBS of them at a time (default 1); no seed starts that the
-#           budget would stop before it ends (judged by the longest seed so far)
+#           budget would stop before it ends (judged by the longest seed so far);
+#           GPU_RUN_SEEDS_PRIOR=FILE (a summary, relative to the checkout) also adds this
+#           call's seeds to an earlier series (seeds/merged.{txt,json})
 # e.g.  scripts/gpu_run.sh build test bench      then      GPT_ARGS="--big --steps 1000" scripts/gpu_run.sh gpt states
 #
 # Each phase builds what it needs first (a no-op when build-gpu/ is up to date), so a
@@ -280,6 +282,10 @@ seeds_summarize() {
   done
   [ ${#runs[@]} -gt 0 ] && python3 "$root/examples/gpt/compare_seeds.py" "${runs[@]}" \
     --json "$work/seeds/summary.json" >"$work/seeds/summary.txt" 2>&1
+  # With an earlier series (GPU_RUN_SEEDS_PRIOR: a compare_seeds summary, e.g.
+  # docs/data/seeds_big_constant.json), also this call's seeds added to it.
+  [ ${#runs[@]} -gt 0 ] && [ -n "${GPU_RUN_SEEDS_PRIOR:-}" ] && python3 "$root/examples/gpt/compare_seeds.py" \
+    "$root/$GPU_RUN_SEEDS_PRIOR" "${runs[@]}" --json "$work/seeds/merged.json" >"$work/seeds/merged.txt" 2>&1
   return 0
 }
 phase_seeds() {
@@ -311,6 +317,7 @@ phase_seeds() {
   seeds_summarize
   [ -n "$skipped" ] && echo "-- seeds not started (a seed takes up to $seeds_longest s, more than the budget had left):$skipped"
   cat "$work/seeds/summary.txt" 2>/dev/null
+  [ -n "${GPU_RUN_SEEDS_PRIOR:-}" ] && { echo "-- with $GPU_RUN_SEEDS_PRIOR:"; cat "$work/seeds/merged.txt" 2>/dev/null; }
   for seed in ${GPU_RUN_SEEDS:-1 2 3 4 5}; do
     case " $skipped " in *" $seed "*) continue ;; esac
     [ "$(cat "$work/seeds/seed$seed.rc" 2>/dev/null)" = 0 ] || return 1
