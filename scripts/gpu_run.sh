@@ -16,7 +16,7 @@
 #           the stochastic-rounding loss criterion, judged on paired per-seed changes;
 #           GPU_RUN_SEEDS_JOBS of them at a time (default 1); no seed starts that the
 #           budget would stop before it ends (judged by the longest seed so far);
-#           GPU_RUN_SEEDS_PRIOR=FILE (a summary, relative to the checkout) also adds this
+#           GPU_RUN_SEEDS_PRIOR=FILE (a summary; a relative path is from the checkout) adds this
 #           call's seeds to an earlier series (seeds/merged.{txt,json})
 # e.g.  scripts/gpu_run.sh build test bench      then      GPT_ARGS="--big --steps 1000" scripts/gpu_run.sh gpt states
 #
@@ -284,8 +284,10 @@ seeds_summarize() {
     --json "$work/seeds/summary.json" >"$work/seeds/summary.txt" 2>&1
   # With an earlier series (GPU_RUN_SEEDS_PRIOR: a compare_seeds summary, e.g.
   # docs/data/seeds_big_constant.json), also this call's seeds added to it.
-  [ ${#runs[@]} -gt 0 ] && [ -n "${GPU_RUN_SEEDS_PRIOR:-}" ] && python3 "$root/examples/gpt/compare_seeds.py" \
-    "$root/$GPU_RUN_SEEDS_PRIOR" "${runs[@]}" --json "$work/seeds/merged.json" >"$work/seeds/merged.txt" 2>&1
+  local prior="${GPU_RUN_SEEDS_PRIOR:-}"
+  [ -n "$prior" ] && [ "${prior#/}" = "$prior" ] && prior="$root/$prior"  # relative to the checkout
+  [ ${#runs[@]} -gt 0 ] && [ -n "$prior" ] && python3 "$root/examples/gpt/compare_seeds.py" \
+    "$prior" "${runs[@]}" --json "$work/seeds/merged.json" >"$work/seeds/merged.txt" 2>&1
   return 0
 }
 phase_seeds() {
@@ -302,7 +304,7 @@ phase_seeds() {
   # No seed starts that would not finish before the budget's end (GPU_RUN_PHASE_END, set
   # by the loop below), judged by the longest seed so far: a seed stopped halfway is
   # device time spent for nothing.
-  local started=0 skipped=""
+  local skipped=""
   for seed in ${GPU_RUN_SEEDS:-1 2 3 4 5}; do
     while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; seeds_summarize; done
     if [ -n "$skipped" ] || { [ -n "${GPU_RUN_PHASE_END:-}" ] && [ "$seeds_longest" -gt 0 ] &&
@@ -311,7 +313,6 @@ phase_seeds() {
       continue
     fi
     OMP_NUM_THREADS="$threads" run_seed "$seed" &
-    started=$((started + 1))
   done
   while [ "$(jobs -rp | wc -l)" -gt 0 ]; do wait -n; seeds_summarize; done
   seeds_summarize
