@@ -143,7 +143,9 @@ if(_mpzero_torch_policy_mask EQUAL 0)
   message(FATAL_ERROR "mpzero: MPZERO_TORCH_POLICIES=\"${MPZERO_TORCH_POLICIES}\" selects no policy; use all (the "
                       "default) or name at least one, e.g. fp32;bf16_fp32_master")
 endif()
-if(NOT _mpzero_torch_policy_mask EQUAL 255)
+list(LENGTH _mpzero_torch_policy_names _n)
+math(EXPR _mpzero_torch_all_mask "(1 << ${_n}) - 1")
+if(NOT _mpzero_torch_policy_mask EQUAL _mpzero_torch_all_mask)
   message(STATUS "mpzero: the LibTorch engine compiles only the policies ${_mpzero_torch_selected} "
                  "(MPZERO_TORCH_POLICIES)")
 endif()

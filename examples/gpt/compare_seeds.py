@@ -66,7 +66,7 @@ def runs_of(path, data):
     if "runs" in data and "meta" in data:
         meta = data["meta"]
         return [(path, meta.get("seed"), recipe(meta), {r["id"]: r.get("eval_loss") for r in data["runs"]})]
-    if isinstance(data, dict) and "seeds" in data and "configs" in data:
+    if "seeds" in data and "configs" in data:
         if "recipe" not in data:
             sys.exit(f"compare_seeds: {path} is a summary without its runs' recipe (an older compare_seeds "
                      "wrote it); summarize its results.json files again")

@@ -316,6 +316,7 @@ def main():
                   "compare_seeds.py refuses the same seed twice (%r)" % p.stderr)
             # The summary stands in for its runs (a series kept across sessions): the same
             # seeds and changes again; with one of its runs beside it, that seed twice.
+            check(os.path.isfile(summary), "compare_seeds.py --json wrote %s" % summary)
             if os.path.isfile(summary):
                 again = os.path.join(a.work, "seeds_summary_again.json")
                 p = subprocess.run([sys.executable, compare, summary, "--json", again], capture_output=True, text=True)
@@ -331,6 +332,7 @@ def main():
                       "compare_seeds.py refuses a seed that a summary already holds (%r)" % p.stderr)
             # Runs trained otherwise (here 6 steps under a cosine rate) are not compared.
             other = os.path.join(a.work, "lr_cosine", "results.json")
+            check(os.path.isfile(other), "the --lr-schedule cosine run above left %s" % other)
             if os.path.isfile(other):
                 p = subprocess.run([sys.executable, compare, seeded[0][0], other], capture_output=True, text=True)
                 check(p.returncode != 0 and "was trained otherwise than" in p.stderr and "steps 4 there, 6 here" in p.stderr

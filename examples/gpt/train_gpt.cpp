@@ -1163,13 +1163,17 @@ int run(int argc, char** argv, mt::any_communicator comm) {
       std::printf("16-bit products (--cpu-matmul %s): %s; %s\n", o.cpu_matmul.c_str(),
                   said("bf16", p.upcast_bf16, p.bf16_ratio).c_str(), said("fp16", p.upcast_fp16, p.fp16_ratio).c_str());
     }
+    // The schedule as the engine is given it (lr_schedule_json), not restated here.
+    std::string rate = ", constant";
+    if (const json sched = lr_schedule_json(o); !sched.is_null()) {
+      const json& sp = sched["params"];
+      rate = ", cosine schedule (" + sched["type"].get<std::string>() + ": " + sp["warmup_type"].get<std::string>() +
+             " warmup over " + std::to_string(sp["warmup_num_steps"].get<int>()) + " steps, then down to " +
+             fmt("%g", 100 * sp["cos_min_ratio"].get<double>()) + "% at step " +
+             std::to_string(sp["total_num_steps"].get<int>()) + ")";
+    }
     std::printf("GPT: %d layers, dim %d, %d heads, seq %d, batch %d x %d rank(s), %d steps, AdamW lr %g%s\n", o.layers,
-                o.dim, o.heads, o.seq, o.batch, comm.size(), o.steps, o.lr,
-                o.lr_schedule == "cosine"
-                    ? (", cosine schedule (WarmupCosineLR: linear warmup over " + std::to_string(std::max(2, o.steps / 20)) +
-                       " steps, then down to 10% at step " + std::to_string(o.steps) + ")")
-                          .c_str()
-                    : ", constant");
+                o.dim, o.heads, o.seq, o.batch, comm.size(), o.steps, o.lr, rate.c_str());
     std::printf("corpus: %zu fortunes from %zu files in %s: %zu training bytes, %zu held-out bytes\n", data.fortunes,
                 data.files, o.corpus.c_str(), data.train.size(), data.eval.size());
     std::printf("%zu configurations, %d torch threads\n", specs.size(), torch::get_num_threads());
