@@ -25,10 +25,12 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <stdexcept>
 #include <system_error>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include <mpzero/torch/lr_schedule.hpp>
 #include <mpzero/torch/zero_core.hpp>
@@ -339,6 +341,11 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   // Releases the groups prefetched and not gathered since (the end of a forward or of a
   // backward: the unit they were for did not come).
   void drop_prefetches();
+  // An error where nothing can throw (forward_scope's destructor), kept for the engine's
+  // next call: defer_error (in a catch block) keeps the first, prefixed with `where`;
+  // rethrow_deferred throws it once.
+  void defer_error(const std::string& where);
+  void rethrow_deferred();
   // `sorted` in ranges of one all-gather each: neighbours join when only parameters that
   // are never gathered (persistent, empty) lie between them, as a block's biases between
   // its weights.
@@ -381,6 +388,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::vector<std::weak_ptr<unit_call>> backward_units_;  // calls gathered for their backward
   std::set<std::pair<std::size_t, std::size_t>> prefetched_;  // groups whose all-gather runs, not gathered yet
   std::uint64_t prefetch_hits_ = 0;                           // gathers a prefetch had started
+  std::exception_ptr deferred_error_;  // see defer_error
   // The order of the units (gathered_forward calls) in the last forward: the parameters of
   // the unit that began after a module's, which its next call prefetches.
   std::unordered_map<const ::torch::nn::Module*, std::vector<std::size_t>> next_unit_;
@@ -600,7 +608,11 @@ void engine_state::hold(const std::vector<std::size_t>& idx) {
   } catch (...) {
     // A failed all-gather leaves the ranks out of step anyway: drop every gather (each
     // hold taken before does nothing when dropped), so that the counts stay consistent.
-    release_all();
+    // The gather's error is the one to report: a release failing after it says less.
+    try {
+      release_all();
+    } catch (...) {
+    }
     throw;
   }
   join_core();  // torch's stream reads what the gathers wrote
@@ -625,8 +637,40 @@ void engine_state::prefetch(const std::vector<std::size_t>& idx) {
 }
 
 void engine_state::drop_prefetches() {
-  for (const auto& g : prefetched_) core_->release(g.first, g.second);
-  prefetched_.clear();
+  // Each group leaves the list before its release: one whose release throws (its
+  // all-gather failed) must not leave those released before it listed, which the next
+  // release_all would release a second time. The rest are still released; the first
+  // error is rethrown.
+  std::exception_ptr first;
+  while (!prefetched_.empty()) {
+    const auto g = *prefetched_.begin();
+    prefetched_.erase(prefetched_.begin());
+    try {
+      core_->release(g.first, g.second);
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+void engine_state::defer_error(const std::string& where) {
+  if (deferred_error_) return;  // the first one says most
+  try {
+    throw;
+  } catch (const comm::comm_error& e) {
+    deferred_error_ = std::make_exception_ptr(comm::comm_error(where + ": " + e.what()));
+  } catch (const std::exception& e) {
+    deferred_error_ = std::make_exception_ptr(std::runtime_error(where + ": " + e.what()));
+  } catch (...) {
+    deferred_error_ = std::current_exception();
+  }
+}
+
+void engine_state::rethrow_deferred() {
+  if (!deferred_error_) return;
+  std::exception_ptr e = std::exchange(deferred_error_, nullptr);  // reported once
+  std::rethrow_exception(e);
 }
 
 void engine_state::unhold(const std::vector<std::size_t>& idx) {
@@ -648,13 +692,28 @@ void engine_state::release_all() {
   backward_units_.clear();
   forward_hold_.reset();
   if (!live_groups_.empty() || !prefetched_.empty()) core_waits();  // freed after torch's reads
-  drop_prefetches();
-  for (const auto& [g, n] : live_groups_) core_->release(g.first, g.second);
-  live_groups_.clear();
+  // Everything is released and forgotten even if a release throws (a failed all-gather,
+  // see drop_prefetches); the first error is rethrown at the end.
+  std::exception_ptr first;
+  try {
+    drop_prefetches();
+  } catch (...) {
+    first = std::current_exception();
+  }
+  while (!live_groups_.empty()) {
+    const auto g = live_groups_.begin()->first;
+    live_groups_.erase(live_groups_.begin());
+    try {
+      core_->release(g.first, g.second);
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
   for (std::size_t i = 0; i < params_.size(); ++i) {
     if (holds_[i] > 0 && core_->partitioned(i)) unbind(i);
     holds_[i] = 0;
   }
+  if (first) std::rethrow_exception(first);
 }
 
 std::vector<std::size_t> engine_state::partitioned_params(bool unclaimed_only) const {
@@ -1033,6 +1092,7 @@ void engine_state::start() {
 }
 
 pass* engine_state::acquire(event e) {
+  rethrow_deferred();
   const int task = ag::get_current_graph_task_id();
   if (task == cache_task_ && cache_ != nullptr) {
     if (e == event::scale_root) cache_->scaled = true;
@@ -1143,6 +1203,7 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
 }
 
 ::torch::Tensor engine_state::backward(const ::torch::Tensor& loss, bool retain_graph, bool scale_wrt_gas) {
+  rethrow_deferred();
   if (!loss.defined() || loss.numel() != 1) {
     fail("engine.backward: the loss has shape " + (loss.defined() ? shape_of(loss.sizes()) : std::string("(undefined)")) +
          "; it takes a scalar (one-element) loss. For a non-scalar output call out.backward(grad) directly (bf16, fp32), "
@@ -1199,6 +1260,7 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
 }
 
 void engine_state::step() {
+  rethrow_deferred();
   if (is_boundary()) {
     drop_stale_passes();
     release_all();  // ZeRO-3: the step rewrites the partitions the gathered copies came from
@@ -1497,6 +1559,7 @@ mpzero::torch::config config_from_string(const std::string& s, int world_size) {
 // ---- engine_base: forwards to the state ------------------------------------------------
 
 engine_base::forward_scope::forward_scope(detail::engine_state& st) : st_(st) {
+  if (st_.forward_depth_ == 0) st_.rethrow_deferred();
   if (st_.zero3_ && st_.forward_depth_ == 0) {
     // ZeRO-3: the partitioned parameters no gathered_forward call covers, for this
     // forward and its backward (the outputs' graph keeps the hold; see watch()).
@@ -1535,6 +1598,11 @@ engine_base::forward_scope::~forward_scope() {
       try {
         st_.drop_prefetches();  // a unit that was to follow the last one and did not
       } catch (...) {
+        // A destructor must not throw: the engine's next call reports it (forward,
+        // backward, step, the hooks), unless an exception is already on its way out.
+        if (std::uncaught_exceptions() == 0) {
+          st_.defer_error("mpzero: the end of an earlier engine forward could not release a prefetched all-gather");
+        }
       }
     }
   }

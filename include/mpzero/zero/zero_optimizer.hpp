@@ -586,9 +586,10 @@ class ZeroOptimizer {
 
   void gather(std::size_t first, std::size_t end) requires(zero_stage == 3) {
     prefetch(first, end);
-    gathered_group& g = groups_.at(std::make_pair(first, end));
+    const auto it = groups_.find(std::make_pair(first, end));
+    gathered_group& g = it->second;
     if (g.request) {
-      g.request->wait();
+      wait_or_abandon(it);
       g.request.reset();
     }
     for (std::size_t i = first; i < end; ++i) {
@@ -600,18 +601,20 @@ class ZeroOptimizer {
     }
   }
 
-  // Frees the gathered copy of [first, end).
+  // Frees the gathered copy of [first, end) (after its all-gather, if prefetched).
+  //
+  // A group whose all-gather fails (its wait throws, in gather() or here) is forgotten all
+  // the same before the error leaves: a later gather() of the range posts a new all-gather
+  // instead of handing out a copy that may be garbage, or stale after a step(). Its memory
+  // is kept until the optimizer goes, since an abandoned collective may still write into it.
   void release(std::size_t first, std::size_t end) requires(zero_stage == 3) {
     auto it = groups_.find(std::make_pair(first, end));
     if (it == groups_.end()) {
       detail::throw_invalid("ZeroOptimizer::release(" + std::to_string(first) + ", " + std::to_string(end) +
                             "): that group is not gathered; release exactly the ranges you gathered");
     }
-    if (it->second.request) it->second.request->wait();
-    for (std::size_t i = first; i < end; ++i) {
-      const std::size_t s = slot(i);
-      if (layout_.offset(s) < persistent_begin_) gathered_[s] = nullptr;
-    }
+    if (it->second.request) wait_or_abandon(it);
+    unbind_group(first, end);
     groups_.erase(it);
   }
 
@@ -1337,6 +1340,25 @@ class ZeroOptimizer {
     }
   }
 
+  using group_iterator = typename std::map<std::pair<std::size_t, std::size_t>, gathered_group>::iterator;
+  // Waits for a group's all-gather; if that throws, forgets the group (see release()).
+  void wait_or_abandon(group_iterator it) {
+    try {
+      it->second.request->wait();
+    } catch (...) {
+      unbind_group(it->first.first, it->first.second);
+      abandoned_groups_.push_back(std::move(it->second));
+      groups_.erase(it);
+      throw;
+    }
+  }
+  void unbind_group(std::size_t first, std::size_t end) {
+    for (std::size_t i = first; i < end; ++i) {
+      const std::size_t s = slot(i);
+      if (layout_.offset(s) < persistent_begin_) gathered_[s] = nullptr;
+    }
+  }
+
   flat_range gather_range(std::size_t first, std::size_t end) const {
     if (first > end || end > num_params()) {
       detail::throw_invalid("ZeroOptimizer::gather(" + std::to_string(first) + ", " + std::to_string(end) +
@@ -1644,6 +1666,7 @@ class ZeroOptimizer {
   // stage 3
   std::vector<param_type*> gathered_;
   std::map<std::pair<std::size_t, std::size_t>, gathered_group> groups_;
+  std::vector<gathered_group> abandoned_groups_;  // whose all-gather failed (see release())
 };
 
 }  // namespace mpzero
