@@ -169,8 +169,31 @@ foreach(MPZERO_TABLE IN LISTS _mpzero_torch_tables)
     list(APPEND _mpzero_torch_table_units "${_unit}")
   endforeach()
 endforeach()
+# MPZERO_TORCH_TABLES_O1: the table units at -O1 in optimized builds. They instantiate
+# ZeroOptimizer once per row: bookkeeping, whose optimization bought nothing measurable,
+# and most of the adapter's build time (docs/perf.md, "Session 23 ... the engine's build"). The loops
+# that run per element (the fused host step, gradient statistics, conversions) are
+# compiled once at the build's own level in src/host_kernels.cpp, which the host units
+# (and nvcc's host pass, where it compiles the same variant) declare extern
+# (src/host_kernels.hpp); the CUDA kernels' device code keeps nvcc's full optimization
+# (nvcc's -O is for host code).
+option(MPZERO_TORCH_TABLES_O1 "Compile the LibTorch engine's table units at -O1 (the per-element loops stay optimized)"
+       ON)
+if(MPZERO_TORCH_TABLES_O1)
+  foreach(_unit IN LISTS _mpzero_torch_table_units)
+    if(_unit MATCHES "/host_part[0-9]+\\.cpp$")
+      set_source_files_properties("${_unit}" PROPERTIES COMPILE_OPTIONS "$<$<NOT:$<CONFIG:Debug>>:-O1>")
+    endif()
+  endforeach()
+  # The adapter's only CUDA sources are the table units; nvcc warns at a second -O, so the
+  # build type's own is replaced (these variables are this directory's).
+  foreach(_config RELEASE RELWITHDEBINFO)
+    string(REGEX REPLACE "(^| )-O[0-9]( |$)" "\\1-O1\\2" CMAKE_CUDA_FLAGS_${_config} "${CMAKE_CUDA_FLAGS_${_config}}")
+  endforeach()
+endif()
 add_library(mpzero_torch STATIC
   ${CMAKE_CURRENT_SOURCE_DIR}/src/zero_core.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/src/host_kernels.cpp
   ${_mpzero_torch_table_units}
   ${CMAKE_CURRENT_SOURCE_DIR}/src/engine.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/src/zero_to_fp32.cpp

@@ -19,6 +19,11 @@
 
 #include "core_impl.hpp"
 
+#include <mpzero/backend/host.hpp>
+#if defined(MPZERO_RUNTIME_SIMD)  // the host loops g++ compiles in host_kernels.cpp (else this unit's own)
+#include "host_kernels.hpp"
+#endif
+
 namespace mpzero::torch::detail {
 
 // The core's device and stream; an event for ordering against other streams.

@@ -12,6 +12,7 @@
 #include <mpzero/backend/host_backend.hpp>
 
 #include "core_impl.hpp"
+#include "host_kernels.hpp"
 
 namespace mpzero::torch::detail {
 

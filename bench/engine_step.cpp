@@ -1,0 +1,93 @@
+// The LibTorch engine's training step on CPU parameters, per precision configuration:
+// engine.forward, engine.backward(loss) (the hooks reduce each gradient into the engine's flat
+// buffer) and engine.step() (gradient statistics, the fused step, the parameters'
+// refresh), on a model whose own arithmetic is one product and one sum per element, so
+// that what is timed is mostly the engine. It runs the code the engine's tables compile
+// (adapters/torch/src: the rows, and the host loops of host_kernels.cpp), which
+// mpzero_bench_host does not: that one calls the core's fused step directly.
+//
+//   mpzero_bench_engine [--benchmark_filter=...] [Google Benchmark flags]
+//
+// Names: <precision>/z<stage>[+off]/<elements>, the precisions as the main job names
+// them (examples/gpt/precision_config.hpp); world size 1, AdamW, 4 parameters.
+#include <mpzero/torch/engine.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "../examples/gpt/precision_config.hpp"
+
+namespace {
+
+// sum_k (w_k * c_k).sum(): the gradient of w_k is c_k, a fresh tensor every backward, as
+// a real model's are.
+struct ProductsImpl : torch::nn::Module {
+  explicit ProductsImpl(std::int64_t n) {
+    torch::manual_seed(7);
+    for (int k = 0; k < 4; ++k) {
+      std::string name = "w";  // (not "w" + to_string(k): GCC 12 warns of a memcpy overlap there)
+      name += std::to_string(k);
+      w.push_back(register_parameter(name, torch::randn({n / 4}) * 0.02));
+      c.push_back(torch::randn({n / 4}) * 1e-3);
+    }
+  }
+  torch::Tensor forward() {
+    torch::Tensor loss = torch::zeros({}, torch::kFloat);
+    for (std::size_t k = 0; k < w.size(); ++k) loss = loss + (w[k] * c[k].to(w[k].scalar_type())).sum().to(torch::kFloat);
+    return loss;
+  }
+  std::vector<torch::Tensor> w, c;
+};
+TORCH_MODULE(Products);
+
+void BM_engine_step(benchmark::State& state, std::string precision, int stage, bool offload, std::int64_t n) {
+  nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 1},
+                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}, {"weight_decay", 0.01}}}}},
+                        {"zero_optimization", {{"stage", stage}}}};
+  if (offload) cfg["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
+  mpzero_gpt::set_precision(cfg, precision, {{"enabled", true}, {"initial_scale_power", 8}});
+  auto engine = mpzero::torch::initialize(Products(n), cfg);
+  auto one = [&] {
+    engine.backward(engine());  // fp16 needs the loss scale (engine.backward applies it); the others as loss.backward()
+    engine.step();
+  };
+  one();  // warm-up: the first step allocates the states
+  for (auto _ : state) one();
+  state.SetItemsProcessed(state.iterations() * n);
+  state.counters["skipped"] = static_cast<double>(engine.skipped_steps());
+  state.SetLabel(engine.describe());
+}
+
+void register_benchmarks() {
+  struct row {
+    const char* precision;
+    int stage;
+    bool offload;
+  };
+  const std::vector<row> rows = {{"fp32", 0, false},        {"bf16", 2, false},       {"bf16", 2, true},
+                                 {"bf16-all", 2, false},    {"bf16-all-sr", 2, false}, {"fp16", 0, false},
+                                 {"fp16-master", 2, false}};
+  for (const std::int64_t n : {std::int64_t{1} << 20, std::int64_t{1} << 24}) {
+    for (const row& r : rows) {
+      const std::string name = std::string(r.precision) + "/z" + std::to_string(r.stage) + (r.offload ? "+off" : "") +
+                               "/" + std::to_string(n);
+      benchmark::RegisterBenchmark(name.c_str(), BM_engine_step, std::string(r.precision), r.stage, r.offload, n)
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  register_benchmarks();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
