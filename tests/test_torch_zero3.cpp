@@ -15,6 +15,8 @@
 #include <fstream>
 #include <iterator>
 #include <functional>
+#include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
