@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "../examples/gpt/precision_config.hpp"
+#include "bench_common.hpp"
 
 namespace {
 
@@ -85,6 +86,7 @@ void register_benchmarks() {
 
 int main(int argc, char** argv) {
   register_benchmarks();
+  mpzero_bench::add_host_context();  // threads, host SIMD, the flags this program was built with
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();

@@ -20,7 +20,10 @@
 #include "core_impl.hpp"
 
 #include <mpzero/backend/host.hpp>
-#if defined(MPZERO_RUNTIME_SIMD)  // the host loops g++ compiles in host_kernels.cpp (else this unit's own)
+// The host loops host_kernels.cpp compiles, where nvcc's host pass compiles the same
+// variant as g++ there: off x86 both take the portable loops; on x86 only nvcc 13+ takes
+// the run-time dispatch g++ takes (backend/host.hpp), older ones keep this unit's own.
+#if defined(MPZERO_RUNTIME_SIMD) || !(defined(__x86_64__) || defined(__i386__))
 #include "host_kernels.hpp"
 #endif
 

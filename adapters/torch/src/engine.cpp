@@ -341,6 +341,9 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   // Releases the groups prefetched and not gathered since (the end of a forward or of a
   // backward: the unit they were for did not come).
   void drop_prefetches();
+  // core_->release(group), its error kept in `first` unless one is there already (the
+  // rest of a release loop still runs).
+  void release_keeping_first_error(std::pair<std::size_t, std::size_t> group, std::exception_ptr& first);
   // An error where nothing can throw (forward_scope's destructor), kept for the engine's
   // next call: defer_error (in a catch block) keeps the first, prefixed with `where`;
   // rethrow_deferred throws it once.
@@ -645,13 +648,17 @@ void engine_state::drop_prefetches() {
   while (!prefetched_.empty()) {
     const auto g = *prefetched_.begin();
     prefetched_.erase(prefetched_.begin());
-    try {
-      core_->release(g.first, g.second);
-    } catch (...) {
-      if (!first) first = std::current_exception();
-    }
+    release_keeping_first_error(g, first);
   }
   if (first) std::rethrow_exception(first);
+}
+
+void engine_state::release_keeping_first_error(std::pair<std::size_t, std::size_t> group, std::exception_ptr& first) {
+  try {
+    core_->release(group.first, group.second);
+  } catch (...) {
+    if (!first) first = std::current_exception();
+  }
 }
 
 void engine_state::defer_error(const std::string& where) {
@@ -703,11 +710,7 @@ void engine_state::release_all() {
   while (!live_groups_.empty()) {
     const auto g = live_groups_.begin()->first;
     live_groups_.erase(live_groups_.begin());
-    try {
-      core_->release(g.first, g.second);
-    } catch (...) {
-      if (!first) first = std::current_exception();
-    }
+    release_keeping_first_error(g, first);
   }
   for (std::size_t i = 0; i < params_.size(); ++i) {
     if (holds_[i] > 0 && core_->partitioned(i)) unbind(i);
@@ -1092,12 +1095,12 @@ void engine_state::start() {
 }
 
 pass* engine_state::acquire(event e) {
-  rethrow_deferred();
   const int task = ag::get_current_graph_task_id();
   if (task == cache_task_ && cache_ != nullptr) {
     if (e == event::scale_root) cache_->scaled = true;
     return cache_;
   }
+  rethrow_deferred();  // a backward's first event (a new graph task) reports it, not every hook
   ++lookups_;
   if (auto it = passes_.find(task); it != passes_.end()) {
     cache_task_ = task;
