@@ -10,6 +10,7 @@
 #include "support/torch_mpi.hpp"  // LibTorch, then Catch and MPI
 #include "support/torch_reference.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -60,7 +61,7 @@ struct reference {
   // 16-bit gradients the two orders round differently, so the reference follows the stage.
   bool reduce_each_pass;
   std::vector<Tensor> global;  // reduce_each_pass: the sum over ranks, accumulated in `dt`
-  std::unique_ptr<torch::optim::Adam> opt;
+  std::unique_ptr<torch::optim::Optimizer> opt;  // torch::optim::Adam, no weight decay, unless replaced
 
   reference(M m, at::ScalarType dt_, int stage = 0, double lr = 1e-3)
       : model(std::move(m)), dt(dt_), reduce_each_pass(stage == 2) {
@@ -112,6 +113,11 @@ struct reference {
     return out;
   }
   void set_lr(double lr) { set_learning_rate(*opt, lr); }
+  // Another torch optimizer over the masters: make(master) builds it.
+  template <class Make>
+  void use_optimizer(Make&& make) {
+    opt = make(master);
+  }
   // Adam on the master weights with `grads` (default: reduced()), then the model
   // parameters are the masters rounded to `dt`.
   void step(std::vector<Tensor> grads = {}) {
@@ -209,6 +215,53 @@ TEST_CASE("torch: loss.backward() on the model's loss and on a loss computed out
   }
   CHECK(engine.global_steps() == 3);
   CHECK(engine.epilogues() == 3);
+}
+
+// DeepSpeed's "Adam" with adam_w_mode false is torch.optim.Adam (weight decay added to the
+// gradient); with adam_w_mode true (its default), and "AdamW", torch.optim.AdamW. The
+// other tests run without weight decay, where the two are the same update; here it is
+// large enough for them to part, and the check that the two references differ by far
+// more than the tolerance shows the comparison can tell which one the engine ran.
+TEST_CASE("torch: Adam with L2 weight decay and AdamW match torch.optim.Adam and torch.optim.AdamW", "[torch]") {
+  const int stage = GENERATE(0, 2);
+  const bool decoupled = GENERATE(false, true);
+  const std::string prec = GENERATE(std::string("fp32"), std::string("bf16"));
+  const at::ScalarType dt = dtype_of(prec);
+  INFO(label(stage, prec) << (decoupled ? ", AdamW" : ", Adam (L2)"));
+  const double lr = 1e-2, wd = 0.5;
+  const json opt = {
+      {"optimizer", {{"type", "Adam"}, {"params", {{"lr", lr}, {"weight_decay", wd}, {"adam_w_mode", decoupled}}}}}};
+  auto engine = make_engine(Net(42), make_config(stage, prec, 1, opt));
+  REQUIRE_THAT(engine.describe(), Catch::Matchers::Contains(decoupled ? ", AdamW," : ", Adam,"));
+  reference<Net> ref(Net(42), dt, stage);
+  ref.use_optimizer([&](const std::vector<Tensor>& master) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (decoupled) {
+      return std::make_unique<torch::optim::AdamW>(master, torch::optim::AdamWOptions(lr).weight_decay(wd));
+    }
+    return std::make_unique<torch::optim::Adam>(master, torch::optim::AdamOptions(lr).weight_decay(wd));
+  });
+  // The other kind of weight decay, to show the comparison can tell them apart.
+  reference<Net> other(Net(42), dt, stage);
+  other.use_optimizer([&](const std::vector<Tensor>& master) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (!decoupled) {
+      return std::make_unique<torch::optim::AdamW>(master, torch::optim::AdamWOptions(lr).weight_decay(wd));
+    }
+    return std::make_unique<torch::optim::Adam>(master, torch::optim::AdamOptions(lr).weight_decay(wd));
+  });
+  for (int it = 0; it < 3; ++it) {
+    engine(data(it, R()).x.to(dt), data(it, R()).y).backward();
+    for (auto* r : {&ref, &other})
+      r->accumulate([&](Net& m, int rank) { auto d = data(it, rank); return m->forward(d.x.to(dt), d.y); }, 1.0);
+    engine.step();
+    ref.step();
+    other.step();
+    check_weights(engine, ref.weights(), "iteration " + std::to_string(it));
+  }
+  // The two references parted by more than the comparison's tolerance.
+  double apart = 0;
+  const auto theirs = other.weights();
+  for (const auto& [name, w] : ref.weights()) apart = std::max(apart, (w - theirs.at(name)).abs().max().item<double>());
+  CHECK(apart > 1e-3);
 }
 
 // =================================================================================
