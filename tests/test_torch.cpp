@@ -233,23 +233,20 @@ TEST_CASE("torch: Adam with L2 weight decay and AdamW match torch.optim.Adam and
       {"optimizer", {{"type", "Adam"}, {"params", {{"lr", lr}, {"weight_decay", wd}, {"adam_w_mode", decoupled}}}}}};
   auto engine = make_engine(Net(42), make_config(stage, prec, 1, opt));
   REQUIRE_THAT(engine.describe(), Catch::Matchers::Contains(decoupled ? ", AdamW," : ", Adam,"));
+  // torch's Adam (L2) or AdamW over the reference's masters.
+  const auto torch_adam = [&](bool adamw) {
+    return [=](const std::vector<Tensor>& master) -> std::unique_ptr<torch::optim::Optimizer> {
+      if (adamw) return std::make_unique<torch::optim::AdamW>(master, torch::optim::AdamWOptions(lr).weight_decay(wd));
+      return std::make_unique<torch::optim::Adam>(master, torch::optim::AdamOptions(lr).weight_decay(wd));
+    };
+  };
   reference<Net> ref(Net(42), dt, stage);
-  ref.use_optimizer([&](const std::vector<Tensor>& master) -> std::unique_ptr<torch::optim::Optimizer> {
-    if (decoupled) {
-      return std::make_unique<torch::optim::AdamW>(master, torch::optim::AdamWOptions(lr).weight_decay(wd));
-    }
-    return std::make_unique<torch::optim::Adam>(master, torch::optim::AdamOptions(lr).weight_decay(wd));
-  });
-  // The other kind of weight decay, to show the comparison can tell them apart.
-  reference<Net> other(Net(42), dt, stage);
-  other.use_optimizer([&](const std::vector<Tensor>& master) -> std::unique_ptr<torch::optim::Optimizer> {
-    if (!decoupled) {
-      return std::make_unique<torch::optim::AdamW>(master, torch::optim::AdamWOptions(lr).weight_decay(wd));
-    }
-    return std::make_unique<torch::optim::Adam>(master, torch::optim::AdamOptions(lr).weight_decay(wd));
-  });
+  ref.use_optimizer(torch_adam(decoupled));
+  reference<Net> other(Net(42), dt, stage);  // the other kind of decay: the comparison must tell them apart
+  other.use_optimizer(torch_adam(!decoupled));
   for (int it = 0; it < 3; ++it) {
-    engine(data(it, R()).x.to(dt), data(it, R()).y).backward();
+    const batch b = data(it, R());
+    engine(b.x.to(dt), b.y).backward();
     for (auto* r : {&ref, &other})
       r->accumulate([&](Net& m, int rank) { auto d = data(it, rank); return m->forward(d.x.to(dt), d.y); }, 1.0);
     engine.step();
