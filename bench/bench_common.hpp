@@ -56,7 +56,8 @@ static_assert(step_bytes_per_element<mpzero::policies::bf16_all, mpzero::optim::
 template <mpzero::optim::rule Optimizer>
 typename Optimizer::options bench_options() {
   typename Optimizer::options o{};
-  if constexpr (std::same_as<Optimizer, mpzero::optim::adamw> || std::same_as<Optimizer, mpzero::optim::adam>) {
+  if constexpr (std::same_as<Optimizer, mpzero::optim::adamw> || std::same_as<Optimizer, mpzero::optim::adam> ||
+                std::same_as<Optimizer, mpzero::optim::adam_runtime>) {  // adam_runtime: AdamW by default
     o.lr = 1e-3;
     o.weight_decay = 0.01;
   } else if constexpr (std::same_as<Optimizer, mpzero::optim::sgd>) {

@@ -235,6 +235,13 @@ BENCHMARK_TEMPLATE(BM_step, policies::bf16_all_sr, optim::adamw)->Apply(step_siz
 BENCHMARK_TEMPLATE(BM_step, policies::fp16_fp32_master, optim::adamw)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_step, policies::fp16_master_fp32_states, optim::adamw)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_step, policies::bf16_fp32_grads, optim::adamw)->Apply(step_sizes);
+// The engine's tables run Adam and AdamW through one rule, adam_runtime (in AdamW mode
+// here): its step must keep adamw's speed.
+BENCHMARK_TEMPLATE(BM_step, policies::fp32, optim::adam_runtime)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_step, policies::bf16_fp32_master, optim::adam_runtime)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_step, policies::bf16_all, optim::adam_runtime)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_step, policies::bf16_all_sr, optim::adam_runtime)->Apply(step_sizes);
+BENCHMARK_TEMPLATE(BM_step, policies::fp16_fp32_master, optim::adam_runtime)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_step, policies::fp32, optim::sgd)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_step, policies::fp32, optim::lion)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_grad_stats, float)->Apply(step_sizes);

@@ -327,6 +327,60 @@ TEST_CASE("Checkpoint: loads at another world size, stage and precision policy",
   }
 }
 
+// The engine's tables run Adam and AdamW through one rule, optim::adam_runtime: the same
+// bits as the static rule its options choose (with and without CPU offload), checkpoints
+// named after that choice, and loads across the three.
+template <class Offload>
+void check_adam_runtime(bool decoupled) {
+  auto& c = world();
+  INFO((decoupled ? "AdamW" : "Adam") << ", offload " << (Offload::value == offload_kind::cpu) << ", " << c.size()
+                                      << " rank(s)");
+  const zero_options zo = options_for(false);
+  optim::adam_runtime_options rt;
+  rt.weight_decay = 0.1;  // Adam and AdamW differ
+  rt.decoupled_weight_decay = decoupled;
+  const optim::adam_options plain = rt;
+  std::vector<double> norms, ref_norms, other_norms;
+  zopt<policies::bf16_fp32_master, optim::adam_runtime, 2, Offload> z(c, model_numels, rt, zo);
+  init(z);
+  train(z, c, 1, 3, norms);
+  const snapshot got = take(z, c);
+  auto reference = [&]<class Opt>(std::vector<double>& n) {
+    zopt<policies::bf16_fp32_master, Opt, 2, Offload> r(c, model_numels, plain, zo);
+    init(r);
+    train(r, c, 1, 3, n);
+    return take(r, c);
+  };
+  const snapshot same = decoupled ? reference.template operator()<optim::adamw>(ref_norms)
+                                  : reference.template operator()<optim::adam>(ref_norms);
+  const snapshot other = decoupled ? reference.template operator()<optim::adam>(other_norms)
+                                   : reference.template operator()<optim::adamw>(other_norms);
+  require_same(got, same);
+  REQUIRE(norms == ref_norms);
+  REQUIRE_FALSE(same_bits(got.master, other.master));
+
+  shared_dir dir;
+  z.save_checkpoint(dir.path);
+  MPI_Barrier(MPI_COMM_WORLD);
+  REQUIRE(checkpoint::read_fp32_weights(dir.path).header.optimizer == (decoupled ? "AdamW" : "Adam"));
+  zopt<policies::bf16_fp32_master, optim::adamw, 1> w(c, model_numels, {}, zo);
+  w.load_checkpoint(dir.path);
+  REQUIRE(same_bits(take(w, c).master, got.master));
+  zopt<policies::bf16_fp32_master, optim::sgd, 1> y(c, model_numels, {}, zo);
+  REQUIRE_THAT(load_error(y, dir.path), Catch::Contains(std::string("holds ") + (decoupled ? "AdamW" : "Adam") +
+                                                        " states (2 per element); this optimizer is SGD"));
+  // And adam_runtime loads the others' checkpoints.
+  zopt<policies::bf16_fp32_master, optim::adam_runtime, 2, Offload> back(c, model_numels, rt, zo);
+  back.load_checkpoint(dir.path);
+  require_same(take(back, c), got);
+}
+
+TEST_CASE("Checkpoint: adam_runtime is Adam or AdamW as its options say, saved under that name", "[checkpoint]") {
+  check_adam_runtime<offload_none>(false);
+  check_adam_runtime<offload_none>(true);
+  check_adam_runtime<offload_cpu>(false);
+}
+
 TEST_CASE("Checkpoint: bad input is refused on every rank, with a message, and changes nothing", "[checkpoint]") {
   auto& c = world();
   const zero_options zo = options_for(false);

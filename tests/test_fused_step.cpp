@@ -241,6 +241,99 @@ TEST_CASE("stochastic rounding: the same bits as one tensor or split at odd indi
   check_split_invariance<bf16_fp32_states_sr, sgd>({.lr = 0.1, .momentum = 0.9});
 }
 
+// adam_runtime (the engine's tables run Adam and AdamW through it) against the static
+// rules: the same stored bits, step after step, whichever mode each step's options pick,
+// with chunks and threads that split tensors mid-way (the host step picks a chunk's loop
+// by mode). Weight decay 0.1 makes Adam and AdamW differ, which is checked first.
+template <mpzero::precision_policy P>
+void check_adam_runtime() {
+  using namespace mpzero::optim;
+  INFO(optim_test::policy_name<P>());
+  const std::vector<std::uint64_t> sizes = {1, 7, 65537, 3000};
+  const adam_options base{.lr = 1e-2, .weight_decay = 0.1};
+  const mpzero::plan_options plan{.chunk_size = 4096};
+  const mpzero::host::options host{.threads = 2};
+  const auto adam_bits = run_steps<P, adam>(sizes, base, plan, host);
+  const auto adamw_bits = run_steps<P, adamw>(sizes, base, plan, host);
+  REQUIRE(count_different(adam_bits, adamw_bits) > adam_bits.size() / 4);
+  adam_runtime_options rt{base};
+  rt.decoupled_weight_decay = false;
+  CHECK(count_different(run_steps<P, adam_runtime>(sizes, rt, plan, host), adam_bits) == 0);
+  rt.decoupled_weight_decay = true;
+  CHECK(count_different(run_steps<P, adam_runtime>(sizes, rt, plan, host), adamw_bits) == 0);
+
+  // The mode may change from one step to the next (Adam and AdamW share their states):
+  // steps 1 and 3 as AdamW, step 2 as Adam.
+  problem<P, adam_runtime> mixed(sizes, 7);
+  problem<P, adamw> mixed_ref(sizes, 7);
+  const mpzero::fused_step<P, adam_runtime> fused(mixed.tensors(), plan);
+  for (std::uint64_t step = 1; step <= 3; ++step) {
+    rt.decoupled_weight_decay = step != 2;
+    mpzero::host::run(fused, mpzero::make_step_args<adam_runtime>(rt, step, 0.5f, 99), host);
+    auto ts = mixed_ref.tensors();
+    if (step == 2) {
+      // Adam over the same arrays: its tensors describe the same memory.
+      std::vector<mpzero::step_tensor<P, adam>> at(ts.size());
+      for (std::size_t i = 0; i < ts.size(); ++i) {
+        at[i].param = ts[i].param, at[i].master = ts[i].master, at[i].grad = ts[i].grad, at[i].numel = ts[i].numel;
+        at[i].global_offset = ts[i].global_offset;
+        for (int k = 0; k < 2; ++k) at[i].states[k] = ts[i].states[k];
+      }
+      mpzero::host::run(mpzero::fused_step<P, adam>(at, plan), mpzero::make_step_args<adam>(base, step, 0.5f, 99),
+                        host);
+    } else {
+      mpzero::host::run(mpzero::fused_step<P, adamw>(ts, plan), mpzero::make_step_args<adamw>(base, step, 0.5f, 99),
+                        host);
+    }
+  }
+  REQUIRE(count_different(mixed.bits(), adamw_bits) > 0);  // not three AdamW steps
+  CHECK(count_different(mixed.bits(), mixed_ref.bits()) == 0);
+}
+
+TEST_CASE("adam_runtime is Adam's or AdamW's step, bit for bit, as its options choose", "[optim][multi_tensor]") {
+  using namespace mpzero::optim;
+  check_adam_runtime<mpzero::policies::fp32>();
+  check_adam_runtime<mpzero::policies::bf16_fp32_master>();
+  check_adam_runtime<mpzero::policies::bf16_all>();
+  check_adam_runtime<bf16_all_sr>();
+  check_adam_runtime<mpzero::policies::fp16_fp32_master>();
+  check_adam_runtime<mpzero::policies::fp16_master_fp32_states>();
+
+  // The per-element update (the CUDA kernel's, which chooses per element) too.
+  for (const bool decoupled : {false, true}) {
+    adam_runtime_options rt{{.lr = 1e-2, .weight_decay = 0.1}};
+    rt.decoupled_weight_decay = decoupled;
+    const auto a = mpzero::make_step_args<adam_runtime>(rt, 3, 0.5f, 99);
+    int differs_from_other = 0;
+    for (int i = 0; i < 64; ++i) {
+      const float w0 = 0.25f + 0.01f * static_cast<float>(i), g = 0.5f - 0.02f * static_cast<float>(i);
+      float w[3] = {w0, w0, w0}, s[3][2] = {{1e-3f, 1e-4f}, {1e-3f, 1e-4f}, {1e-3f, 1e-4f}}, p[3] = {};
+      mpzero::update_element<mpzero::policies::fp32, adam_runtime>(a, i, w[0], g, s[0], p[0]);
+      mpzero::update_element<mpzero::policies::fp32, adam>(mpzero::make_step_args<adam>(rt, 3, 0.5f, 99), i, w[1], g,
+                                                           s[1], p[1]);
+      mpzero::update_element<mpzero::policies::fp32, adamw>(mpzero::make_step_args<adamw>(rt, 3, 0.5f, 99), i, w[2],
+                                                            g, s[2], p[2]);
+      const int same = decoupled ? 2 : 1, other = decoupled ? 1 : 2;
+      CHECK(std::bit_cast<std::uint32_t>(w[0]) == std::bit_cast<std::uint32_t>(w[same]));
+      CHECK(std::bit_cast<std::uint32_t>(s[0][0]) == std::bit_cast<std::uint32_t>(s[same][0]));
+      CHECK(std::bit_cast<std::uint32_t>(s[0][1]) == std::bit_cast<std::uint32_t>(s[same][1]));
+      differs_from_other += w[0] != w[other];
+    }
+    CHECK(differs_from_other > 32);
+  }
+
+  // Its name is the optimizer the options choose; its errors say so too.
+  adam_runtime_options o;
+  CHECK(name_of<adam_runtime>(o) == "AdamW");
+  CHECK(name_of<adamw>({}) == "AdamW");
+  o.decoupled_weight_decay = false;
+  CHECK(name_of<adam_runtime>(o) == "Adam");
+  o.beta1 = 1.5;
+  REQUIRE_THROWS_WITH(adam_runtime::prepare(o, 1), Contains("Adam: beta1 = 1.5"));
+  o.decoupled_weight_decay = true;
+  REQUIRE_THROWS_WITH(adam_runtime::prepare(o, 1), Contains("AdamW: beta1 = 1.5"));
+}
+
 TEST_CASE("fused_step refuses bad tensor descriptions with a useful message", "[optim]") {
   using mpzero::optim::adam;
   using mpzero::policies::bf16_all;

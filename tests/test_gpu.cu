@@ -357,7 +357,8 @@ const plan_options kPlans[2] = {plan_options{}, plan_options{12345, 3, 2}};
 
 template <class Optimizer>
 inline constexpr bool has_second_moment =
-    std::is_same_v<Optimizer, optim::adam> || std::is_same_v<Optimizer, optim::adamw>;
+    std::is_same_v<Optimizer, optim::adam> || std::is_same_v<Optimizer, optim::adamw> ||
+    std::is_same_v<Optimizer, optim::adam_runtime>;
 
 template <class Policy>
 std::string policy_name() {
@@ -599,6 +600,20 @@ TEMPLATE_TEST_CASE("CUDA fused step equals the host backend bit for bit: Adam an
     adamw.weight_decay = 0.1;
     adamw.bias_correction = plan == 0;
     check_fused_step<TestType, optim::adamw>(adamw, plan);
+  }
+}
+
+// adam_runtime, the rule the engine's tables run: the kernel chooses Adam or AdamW per
+// element (a branch on a kernel argument), the host step once per chunk.
+TEMPLATE_TEST_CASE("CUDA fused step equals the host backend bit for bit: adam_runtime in both modes", "[gpu][optim]",
+                   policies::bf16_all_sr, policies::fp16_fp32_master) {
+  require_device();
+  for (std::size_t plan = 0; plan < 2; ++plan) {
+    optim::adam_runtime_options o;
+    o.lr = 1e-2;
+    o.weight_decay = 0.1;
+    o.decoupled_weight_decay = plan == 0;
+    check_fused_step<TestType, optim::adam_runtime>(o, plan);
   }
 }
 

@@ -75,8 +75,9 @@ step_args<Optimizer> make_step_args(const typename Optimizer::options& o, std::u
 // Loops draw once per pair of elements and pass each its share. The host loop calls
 // this directly where it converts whole blocks of 16-bit values with vector
 // instructions (backend/host.hpp); everything else goes through
-// update_element_with_bits.
-template <precision_policy Policy, optim::rule Optimizer>
+// update_element_with_bits. `Mode` is the optimizer's mode when the caller chose it
+// for a whole loop (optim::update_in_mode); -1 lets the rule choose per element.
+template <precision_policy Policy, optim::rule Optimizer, int Mode = -1>
 MPZERO_HOST_DEVICE MPZERO_FORCEINLINE float update_element_float(const step_args<Optimizer>& a, element_bits bits,
                                                                  float wf, float g,
                                                                  typename Policy::state_type (&s)[Optimizer::n_states],
@@ -88,7 +89,7 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE float update_element_float(const step_args
   const float gf = fp::mul(g, a.grad_scale);
   float sf[n];
   for (int k = 0; k < n; ++k) sf[k] = to_float(s[k]);
-  Optimizer::update(a.opt, wf, gf, sf);
+  optim::update_in_mode<Optimizer, Mode>(a.opt, wf, gf, sf);
   w = round_as<typename Policy::master_type, R>(wf, bits.half(0));
   for (int k = 0; k < n; ++k) s[k] = round_as<typename Policy::state_type, R>(sf[k], bits.half(1 + k));
   return wf;

@@ -34,6 +34,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -229,7 +230,7 @@ class ZeroOptimizer {
     }
     if (world_ == 1) return {};
     std::uint64_t elements = 0;
-    std::string id = std::string(Optimizer::name) + " " + std::to_string(zero_stage) + " " +
+    std::string id = std::string(optim::name_of<Optimizer>(opt_)) + " " + std::to_string(zero_stage) + " " +
                      std::to_string(static_cast<int>(Policy::param_dtype)) +
                      std::to_string(static_cast<int>(Policy::master_dtype)) +
                      std::to_string(static_cast<int>(Policy::grad_dtype)) +
@@ -661,7 +662,7 @@ class ZeroOptimizer {
   void read_state_shard(int which, Out&& out) const {
     if (which < 0 || which >= n_states) {
       detail::throw_invalid("ZeroOptimizer::read_state_shard: state " + std::to_string(which) + " does not exist; " +
-                            std::string(Optimizer::name) + " has " + std::to_string(n_states));
+                            std::string(optim::name_of<Optimizer>(opt_)) + " has " + std::to_string(n_states));
     }
     for (const auto& t : shard_tensors_) read_values(t.states[which], t.numel, t.global_offset, out);
   }
@@ -985,7 +986,7 @@ class ZeroOptimizer {
     h.state = dtype_of_v<state_type>;
     h.has_master = !Policy::master_is_param;
     h.n_states = static_cast<std::uint32_t>(n_states);
-    h.optimizer = std::string(Optimizer::name);
+    h.optimizer = std::string(optim::name_of<Optimizer>(opt_));
     h.steps = steps_;
     if (scaler_) {
       const loss_scaler::state st = scaler_->save();
@@ -1029,10 +1030,11 @@ class ZeroOptimizer {
       }
     }
     const auto adam_family = [](std::string_view n) { return n == "Adam" || n == "AdamW"; };
-    const bool same = h.optimizer == Optimizer::name || (adam_family(h.optimizer) && adam_family(Optimizer::name));
+    const std::string_view mine = optim::name_of<Optimizer>(opt_);
+    const bool same = h.optimizer == mine || (adam_family(h.optimizer) && adam_family(mine));
     if (!same || h.n_states != static_cast<std::uint32_t>(n_states)) {
       detail::throw_invalid(where + " holds " + h.optimizer + " states (" + std::to_string(h.n_states) +
-                            " per element); this optimizer is " + std::string(Optimizer::name) +
+                            " per element); this optimizer is " + std::string(mine) +
                             ". Load it with the optimizer it was saved with (Adam and AdamW share their states)");
     }
   }
