@@ -25,20 +25,34 @@
 
 namespace mpzero::torch::detail {
 
+// The optimizer a core of rule Opt runs under config c: its type, which for
+// optim::adam_runtime (the Adam and AdamW rows share it) is the config's.
 template <class Opt>
-constexpr optimizer_type optimizer_of() {
-  if constexpr (std::is_same_v<Opt, optim::adam>) return optimizer_type::adam;
-  else if constexpr (std::is_same_v<Opt, optim::adamw>) return optimizer_type::adamw;
-  else if constexpr (std::is_same_v<Opt, optim::sgd>) return optimizer_type::sgd;
-  else return optimizer_type::lion;
+optimizer_type optimizer_of(const optimizer_config& c) {
+  if constexpr (std::is_same_v<Opt, optim::adam_runtime>) {
+    if (c.type != optimizer_type::adam && c.type != optimizer_type::adamw) {
+      throw config_error("mpzero::torch: internal error: an Adam/AdamW core was made for another optimizer type");
+    }
+    return c.type;
+  } else if constexpr (std::is_same_v<Opt, optim::adam>) {
+    return optimizer_type::adam;
+  } else if constexpr (std::is_same_v<Opt, optim::adamw>) {
+    return optimizer_type::adamw;
+  } else if constexpr (std::is_same_v<Opt, optim::sgd>) {
+    return optimizer_type::sgd;
+  } else {
+    return optimizer_type::lion;
+  }
 }
 
 template <class Opt>
 typename Opt::options options_of(const optimizer_config& c) {
   typename Opt::options o;
-  if constexpr (std::is_same_v<Opt, optim::adam> || std::is_same_v<Opt, optim::adamw>) {
+  if constexpr (std::is_same_v<Opt, optim::adam> || std::is_same_v<Opt, optim::adamw> ||
+                std::is_same_v<Opt, optim::adam_runtime>) {
     o.lr = c.lr, o.beta1 = c.beta1, o.beta2 = c.beta2, o.eps = c.eps, o.weight_decay = c.weight_decay;
     o.bias_correction = c.bias_correction;
+    if constexpr (std::is_same_v<Opt, optim::adam_runtime>) o.decoupled_weight_decay = c.type == optimizer_type::adamw;
   } else if constexpr (std::is_same_v<Opt, optim::sgd>) {
     o.lr = c.lr, o.momentum = c.momentum, o.dampening = c.dampening, o.weight_decay = c.weight_decay;
     o.nesterov = c.nesterov;
@@ -48,10 +62,10 @@ typename Opt::options options_of(const optimizer_config& c) {
   return o;
 }
 
-template <class Policy, class Opt, int N, class Offload>
-core_spec spec_of(core_device device) {
+template <class Policy, int N, class Offload>
+core_spec spec_of(optimizer_type optimizer, core_device device) {
   return core_spec{Policy::param_dtype,         Policy::master_dtype, Policy::grad_dtype, Policy::state_dtype,
-                   Policy::stochastic_rounding, optimizer_of<Opt>(),  N,
+                   Policy::stochastic_rounding, optimizer,            N,
                    Offload::value == offload_kind::cpu, device};
 }
 
@@ -70,7 +84,7 @@ class core_impl final : public zero_core {
  public:
   core_impl(core_device device, Context ctx, any_communicator comm, std::span<const std::uint64_t> numels,
             const optimizer_config& opt, const zero_options& zo)
-      : ctx_(std::move(ctx)), comm_(std::move(comm)), spec_(spec_of<Policy, Opt, N, Offload>(device)) {
+      : ctx_(std::move(ctx)), comm_(std::move(comm)), spec_(spec_of<Policy, N, Offload>(optimizer_of<Opt>(opt), device)) {
     typename Context::scope s(ctx_);
     backend_ = ctx_.backend();
     z_.emplace(comm_, numels, options_of<Opt>(opt), zo, backend_);
@@ -221,7 +235,7 @@ struct table_policy {
 };
 template <class Policy>
 core_spec policy_spec() {
-  return spec_of<Policy, optim::adamw, 0, offload_none>(core_device::cpu);
+  return spec_of<Policy, 0, offload_none>(optimizer_type::adamw, core_device::cpu);
 }
 inline constexpr table_policy table_policies[] = {
     {"fp32", policy_spec<policies::fp32>},
@@ -252,24 +266,26 @@ constexpr bool policy_selected() {
 
 // A table's rows for one precision policy: Adam (L2 decay) and AdamW at stages 0-3, and,
 // when WithOffload, CPU offload at stages 1-3 (offload needs a partition); none when the
-// build leaves the policy out (MPZERO_TORCH_POLICIES).
-// Row<Policy, Opt, Stage, Offload>::make() makes one row.
+// build leaves the policy out (MPZERO_TORCH_POLICIES). The Adam and AdamW rows of a
+// (stage, offload) share one core, optim::adam_runtime, which takes the kind of decay
+// from the config: one ZeroOptimizer instantiation for both, which is most of a table
+// unit's compile time (docs/perf.md, session 25).
+// Row<Policy, Opt, Stage, Offload>::make(type) makes the row that serves optimizer `type`.
 template <class Policy, template <class, class, int, class> class Row, bool WithOffload>
 void add_policy(std::vector<core_row>& t) {
   if constexpr (policy_selected<Policy>()) {  // not `return` when left out: nothing of it is instantiated
-    auto add = [&]<class Opt>() {
-      t.push_back(Row<Policy, Opt, 0, offload_none>::make());
-      t.push_back(Row<Policy, Opt, 1, offload_none>::make());
-      t.push_back(Row<Policy, Opt, 2, offload_none>::make());
-      t.push_back(Row<Policy, Opt, 3, offload_none>::make());
+    using Opt = optim::adam_runtime;
+    for (const optimizer_type type : {optimizer_type::adam, optimizer_type::adamw}) {
+      t.push_back(Row<Policy, Opt, 0, offload_none>::make(type));
+      t.push_back(Row<Policy, Opt, 1, offload_none>::make(type));
+      t.push_back(Row<Policy, Opt, 2, offload_none>::make(type));
+      t.push_back(Row<Policy, Opt, 3, offload_none>::make(type));
       if constexpr (WithOffload) {
-        t.push_back(Row<Policy, Opt, 1, offload_cpu>::make());
-        t.push_back(Row<Policy, Opt, 2, offload_cpu>::make());
-        t.push_back(Row<Policy, Opt, 3, offload_cpu>::make());
+        t.push_back(Row<Policy, Opt, 1, offload_cpu>::make(type));
+        t.push_back(Row<Policy, Opt, 2, offload_cpu>::make(type));
+        t.push_back(Row<Policy, Opt, 3, offload_cpu>::make(type));
       }
-    };
-    add.template operator()<optim::adam>();
-    add.template operator()<optim::adamw>();
+    }
   }
 }
 
@@ -277,9 +293,9 @@ void add_policy(std::vector<core_row>& t) {
 // Both tables compile the same combinations (CPU and CUDA parameters get the same
 // choices): what DeepSpeed's bf16/fp16 sections, data_types.grad_accum_dtype and
 // adam_w_mode can select, with Adam (L2) and AdamW, ZeRO stages 0-3, and CPU offload at
-// stages 1-3 where it applies. Build time is the constraint: every policy costs one fused
-// step per optimizer (a CUDA kernel on the CUDA side) and, with offload, a vectorized host
-// step. So each table is split into parts, one generated translation unit per part and
+// stages 1-3 where it applies. Build time is the constraint: every policy costs a
+// ZeroOptimizer per (stage, offload), one fused step (a CUDA kernel on the CUDA side) and,
+// with offload, a vectorized host step. So each table is split into parts, one generated translation unit per part and
 // table (torch.cmake writes them from src/table_part.in), which a parallel build
 // compiles side by side. To add a combination, add it to a part here.
 #ifndef MPZERO_TORCH_TABLE_PARTS

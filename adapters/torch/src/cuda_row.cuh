@@ -116,8 +116,8 @@ inline void cuda_max_over_ranks(const core_place& place, any_communicator& c, st
 
 template <class Policy, class Opt, int N, class Offload>
 struct cuda_row {
-  static core_row make() {
-    return core_row{spec_of<Policy, Opt, N, Offload>(core_device::cuda),
+  static core_row make(optimizer_type type) {
+    return core_row{spec_of<Policy, N, Offload>(type, core_device::cuda),
                     [](const core_place& place, any_communicator c, std::span<const std::uint64_t> numels,
                        const optimizer_config& o, const zero_options& zo) -> std::unique_ptr<zero_core> {
                       cuda_context ctx;

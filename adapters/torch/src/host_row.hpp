@@ -44,8 +44,8 @@ inline void host_max_over_ranks(const core_place&, any_communicator& c, std::spa
 
 template <class Policy, class Opt, int N, class Offload>
 struct host_row {
-  static core_row make() {
-    return core_row{spec_of<Policy, Opt, N, Offload>(core_device::cpu),
+  static core_row make(optimizer_type type) {
+    return core_row{spec_of<Policy, N, Offload>(type, core_device::cpu),
                     [](const core_place&, any_communicator c, std::span<const std::uint64_t> numels,
                        const optimizer_config& o, const zero_options& zo) -> std::unique_ptr<zero_core> {
                       return std::make_unique<core_impl<Policy, Opt, N, Offload, host_context>>(
