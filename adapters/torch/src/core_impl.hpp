@@ -295,9 +295,10 @@ void add_policy(std::vector<core_row>& t) {
 // adam_w_mode can select, with Adam (L2) and AdamW, ZeRO stages 0-3, and CPU offload at
 // stages 1-3 where it applies. Build time is the constraint: every policy costs a
 // ZeroOptimizer per (stage, offload), one fused step (a CUDA kernel on the CUDA side) and,
-// with offload, a vectorized host step. So each table is split into parts, one generated translation unit per part and
-// table (torch.cmake writes them from src/table_part.in), which a parallel build
-// compiles side by side. To add a combination, add it to a part here.
+// with offload, a vectorized host step. So each table is split into parts, one generated
+// translation unit per part and table (torch.cmake writes them from src/table_part.in),
+// which a parallel build compiles side by side. To add a combination, add it to a part
+// here.
 #ifndef MPZERO_TORCH_TABLE_PARTS
 #error "MPZERO_TORCH_TABLE_PARTS (the number of generated table units) is defined by adapters/torch/torch.cmake"
 #endif
