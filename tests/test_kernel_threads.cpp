@@ -185,7 +185,7 @@ TEMPLATE_LIST_TEST_CASE("CUDA kernel threads, run on the host, give the element-
   check_grid<TestType, mpzero::optim::adamw>({.lr = 1e-2, .weight_decay = 0.1});
 }
 
-TEST_CASE("CUDA kernel threads, run on the host, give the element-wise step's bits: Adam, SGD, Lion",
+TEST_CASE("CUDA kernel threads, run on the host, give the element-wise step's bits: Adam, SGD, Lion, adam_runtime",
           "[multi_tensor]") {
   using namespace mpzero::optim;
   using mpzero::policies::bf16_all_sr;
@@ -196,6 +196,13 @@ TEST_CASE("CUDA kernel threads, run on the host, give the element-wise step's bi
   check_grid<bf16_all_sr, sgd>({.lr = 0.1, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01});
   check_grid<mpzero::policies::fp16_fp32_master, lion>({.lr = 1e-3, .weight_decay = 0.1});
   check_grid<bf16_all_sr, lion>({.lr = 1e-3, .weight_decay = 0.1});
+  // adam_runtime, the engine's rule: the kernel branches per element on the mode.
+  for (const bool decoupled : {false, true}) {
+    adam_runtime_options o{{.lr = 1e-2, .weight_decay = 0.1}};
+    o.decoupled_weight_decay = decoupled;
+    check_grid<bf16_all_sr, adam_runtime>(o);
+    check_grid<mpzero::policies::fp16_fp32_master, adam_runtime>(o);
+  }
 }
 
 namespace {
