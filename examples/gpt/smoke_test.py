@@ -250,15 +250,21 @@ def main():
                   c["fp32/z0"]["train_loss"][2:] != k["fp32/z0"]["train_loss"][2:],
                   "--lr-schedule cosine: the same first loss, then other losses than the constant rate's")
 
-    # --cpu-matmul: auto measured LibTorch's 16-bit products here and chose per dtype. fp32
-    # products of the 16-bit values and LibTorch's 16-bit kernels train the same 16-bit
-    # model: fp32 rows equal to the bit, 16-bit rows close (both round each product's
-    # result to 16 bits; they differ in how the kernels accumulate).
+    # --cpu-matmul: auto measured LibTorch's 16-bit kernels here against the fp32 path and
+    # chose per dtype and kind of op (products, attention). fp32 products of the 16-bit
+    # values and LibTorch's 16-bit kernels train the same 16-bit model: fp32 rows equal to
+    # the bit, 16-bit rows close (both round each product's result to 16 bits; they differ
+    # in how the kernels accumulate).
     cm = res["meta"].get("cpu_matmul", {})
-    check(cm.get("mode") == "auto" and cm.get("bf16") in ("fp32", "native") and cm.get("fp16") in ("fp32", "native") and
-          all(isinstance(cm.get(k), (int, float)) and cm[k] > 0 for k in ("bf16_vs_fp32", "fp16_vs_fp32")) and
-          (cm["bf16"] == "fp32") == (cm["bf16_vs_fp32"] > 4) and (cm["fp16"] == "fp32") == (cm["fp16_vs_fp32"] > 4),
-          "meta.cpu_matmul: auto, a choice per dtype that follows its measured ratio (> 4: fp32) (got %r)" % cm)
+    ops = ("products", "attention")
+
+    def follows_ratio(h):
+        c, r = cm.get(h), cm.get(h + "_vs_fp32")
+        return (isinstance(c, dict) and isinstance(r, dict) and
+                all(c.get(op) in ("fp32", "native") and isinstance(r.get(op), (int, float)) and r[op] > 0 and
+                    (c[op] == "fp32") == (r[op] > 2) for op in ops))
+    check(cm.get("mode") == "auto" and follows_ratio("bf16") and follows_ratio("fp16"),
+          "meta.cpu_matmul: auto, a choice per dtype and op that follows its measured ratio (> 2: fp32) (got %r)" % cm)
     if a.world == 1:
         modes = {}
         for mode in ("native", "fp32"):
@@ -266,8 +272,10 @@ def main():
                             "--cpu-matmul", mode)
             check(p.returncode == 0, "train_gpt --cpu-matmul %s exits 0 (rc %d, stderr %r)" % (mode, p.returncode, p.stderr[-300:]))
             if r is not None:
-                check(r["meta"]["cpu_matmul"]["bf16"] == mode and r["meta"]["cpu_matmul"]["bf16_vs_fp32"] is None and
-                      ("in fp32 from 16-bit values" in p.stdout) == (mode == "fp32"),
+                rc = r["meta"]["cpu_matmul"]
+                check(all(rc[h][op] == mode and rc[h + "_vs_fp32"][op] is None for h in ("bf16", "fp16") for op in ops) and
+                      ("in fp32 from 16-bit values" in p.stdout) == (mode == "fp32") and
+                      ("in LibTorch's 16-bit kernels" in p.stdout) == (mode == "native"),
                       "--cpu-matmul %s: meta and the header line say so (got %r)" % (mode, r["meta"]["cpu_matmul"]))
                 modes[mode] = {x["id"]: x for x in r["runs"]}
         if len(modes) == 2:

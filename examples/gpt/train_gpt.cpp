@@ -92,26 +92,38 @@ namespace {
 //
 // LibTorch's CPU matrix products in bf16 and fp16 can be far slower than in fp32: 45
 // times with LibTorch 2.11 on a CPU without AVX-512 (docs/perf.md), which turned the
-// default comparison's few minutes into a quarter of an hour. Where they are (--cpu-matmul
-// auto measures it at start), a 16-bit product of the model computes in fp32 from the
-// 16-bit values and rounds its result once to 16 bits: what a GPU's tensor cores do
-// (16-bit inputs, fp32 accumulation), so each configuration still trains a 16-bit model.
-// Under autocast the inputs are first rounded to the autocast dtype, as autocast would.
-// Only the products (Linear, attention) change; every other op runs in the model's dtype.
+// default comparison's few minutes into a quarter of an hour; on a CPU with AVX-512 its
+// bf16 products are faster than fp32's but its bf16 attention twice as slow. Where the
+// 16-bit kernels are slower (--cpu-matmul auto measures each kind of op at start), the
+// model's 16-bit products of that kind compute in fp32 from the 16-bit values and round
+// their result once to 16 bits: what a GPU's tensor cores do (16-bit inputs, fp32
+// accumulation), so each configuration still trains a 16-bit model. Under autocast the
+// inputs are first rounded to the autocast dtype, as autocast would. Only the products
+// change (the Linear layers and the output layer: "products"; the attention); every
+// other op runs in the model's dtype.
+enum class cpu_op { products, attention };
+enum class half_kind { bf16, fp16 };
 struct cpu_products {
-  bool upcast_bf16 = false, upcast_fp16 = false;
-  // --cpu-matmul auto: LibTorch's bf16 and fp16 product time over its fp32 one (NaN when
-  // not measured: a GPU, or a mode given by name).
-  double bf16_ratio = std::nan(""), fp16_ratio = std::nan("");
+  bool upcast[2][2] = {};  // [cpu_op][half_kind]
+  // --cpu-matmul auto: the time of LibTorch's 16-bit kernels over the fp32 path's, for the
+  // op's forward and backward at the model's shapes (NaN when not measured: a GPU, or a
+  // mode given by name).
+  double ratio[2][2] = {{std::nan(""), std::nan("")}, {std::nan(""), std::nan("")}};
+  bool& up(cpu_op op, half_kind h) { return upcast[static_cast<int>(op)][static_cast<int>(h)]; }
+  bool up(cpu_op op, half_kind h) const { return upcast[static_cast<int>(op)][static_cast<int>(h)]; }
+  double& r(cpu_op op, half_kind h) { return ratio[static_cast<int>(op)][static_cast<int>(h)]; }
+  double r(cpu_op op, half_kind h) const { return ratio[static_cast<int>(op)][static_cast<int>(h)]; }
 };
 cpu_products g_cpu_products;  // set once by run(), before any model is made
 
-// The 16-bit dtype a product of x computes in on the CPU when it is to be upcast, else none.
-std::optional<c10::ScalarType> upcast_dtype(const torch::Tensor& x) {
+// The 16-bit dtype an op of kind `op` on x computes in on the CPU when it is to be
+// upcast, else none.
+std::optional<c10::ScalarType> upcast_dtype(const torch::Tensor& x, cpu_op op) {
   if (!x.is_cpu()) return std::nullopt;
   auto t = x.scalar_type();
   if (at::autocast::is_autocast_enabled(at::kCPU)) t = at::autocast::get_autocast_dtype(at::kCPU);
-  if ((t == torch::kBFloat16 && g_cpu_products.upcast_bf16) || (t == torch::kHalf && g_cpu_products.upcast_fp16))
+  if ((t == torch::kBFloat16 && g_cpu_products.up(op, half_kind::bf16)) ||
+      (t == torch::kHalf && g_cpu_products.up(op, half_kind::fp16)))
     return t;
   return std::nullopt;
 }
@@ -128,7 +140,7 @@ struct cpu_autocast_off {
 torch::Tensor widened(const torch::Tensor& t, c10::ScalarType half) { return t.to(half).to(torch::kFloat); }
 
 torch::Tensor linear(torch::nn::Linear& m, const torch::Tensor& x) {
-  const auto half = upcast_dtype(x);
+  const auto half = upcast_dtype(x, cpu_op::products);
   if (!half) return m(x);
   cpu_autocast_off off;
   const auto bias = m->bias.defined() ? widened(m->bias, *half) : torch::Tensor();
@@ -136,7 +148,7 @@ torch::Tensor linear(torch::nn::Linear& m, const torch::Tensor& x) {
 }
 
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  const auto half = upcast_dtype(q);
+  const auto half = upcast_dtype(q, cpu_op::attention);
   if (!half) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
   cpu_autocast_off off;
   return at::scaled_dot_product_attention(widened(q, *half), widened(k, *half), widened(v, *half), {}, 0.0, true)
@@ -1053,11 +1065,16 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
   if (device.starts_with("cpu")) {
     const auto& p = g_cpu_products;
     auto ratio = [](double x) { return std::isnan(x) ? json(nullptr) : json(x); };
-    meta["cpu_matmul"] = {{"mode", o.cpu_matmul},
-                          {"bf16", p.upcast_bf16 ? "fp32" : "native"},
-                          {"fp16", p.upcast_fp16 ? "fp32" : "native"},
-                          {"bf16_vs_fp32", ratio(p.bf16_ratio)},
-                          {"fp16_vs_fp32", ratio(p.fp16_ratio)}};
+    meta["cpu_matmul"] = {{"mode", o.cpu_matmul}};
+    for (const auto& [h, hn] : {std::pair{half_kind::bf16, "bf16"}, std::pair{half_kind::fp16, "fp16"}}) {
+      json choice, ratios;
+      for (const auto& [op, on] : {std::pair{cpu_op::products, "products"}, std::pair{cpu_op::attention, "attention"}}) {
+        choice[on] = p.up(op, h) ? "fp32" : "native";
+        ratios[on] = ratio(p.r(op, h));
+      }
+      meta["cpu_matmul"][hn] = choice;
+      meta["cpu_matmul"][std::string(hn) + "_vs_fp32"] = ratios;
+    }
   }
   json not_run = json::array();
   for (const auto& [id, msg] : refused) not_run.push_back({{"id", id}, {"reason", msg}});
@@ -1098,40 +1115,78 @@ void check_writable(const std::string& flag, const fs::path& dir, int rank) {
   }
 }
 
-// Seconds of LibTorch's product of two 256 x 256 matrices in dtype t on the CPU: the best
-// of three after a warm-up (about 0.1 s in all where the 16-bit products are slow).
-double product_seconds(c10::ScalarType t) {
-  torch::NoGradGuard ng;
-  const auto a = torch::linspace(-1.0, 1.0, 256 * 256).view({256, 256}).to(t);  // no RNG draw
-  const auto b = a.t().contiguous();
-  (void)torch::mm(a, b);
+// Seconds of one forward and backward of an op of kind `op` (the MLP's first Linear
+// layer; the causal attention), its inputs in dtype t, through the model's own code
+// (linear, causal_attention) with the 16-bit path `upcast` chooses: the best of three
+// after a warm-up. At the model's shapes, but no smaller than the default model's (a
+// smaller op times LibTorch's overheads, not its kernels, and its ratio lands near any
+// threshold, so that runs of one recipe could choose differently) and with at most 2048
+// rows (a bigger op only takes longer to time).
+double op_seconds(cpu_op op, c10::ScalarType t, half_kind h, bool upcast, const options& o) {
+  const cpu_products saved = g_cpu_products;
+  g_cpu_products.up(op, h) = upcast;
+  const options d;
+  const int heads = o.heads, dim = std::max(o.dim, d.dim / d.heads * heads), seq = std::max(o.seq, d.seq);
+  const std::int64_t rows = std::clamp<std::int64_t>(std::int64_t{o.batch} * o.seq, std::int64_t{d.batch} * d.seq, 2048);
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat);
+  // No RNG draw: the run's initial weights and batches do not depend on the probe.
+  auto values = [&](std::int64_t n) { return torch::linspace(-1.0, 1.0, n, f32); };
+  torch::nn::Linear fc(dim, 4 * dim);
+  torch::Tensor x, q, k, v;
+  {
+    torch::NoGradGuard ng;
+    fc->to(t);
+    if (op == cpu_op::products) {
+      x = values(rows * dim).view({rows, dim}).to(t).requires_grad_();
+    } else {
+      const std::int64_t b = std::max<std::int64_t>(rows / seq, 1), hd = dim / heads;
+      q = values(b * heads * seq * hd).view({b, heads, seq, hd}).to(t).requires_grad_();
+      k = q.detach().flip(-1).requires_grad_();
+      v = q.detach().flip(-2).requires_grad_();
+    }
+  }
+  auto once = [&] {
+    const torch::Tensor y = op == cpu_op::products ? linear(fc, x) : causal_attention(q, k, v);
+    y.to(torch::kFloat).sum().backward();
+  };
+  once();
   double best = INFINITY;
-  for (int k = 0; k < 3; ++k) {
+  for (int i = 0; i < 3; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
-    (void)torch::mm(a, b);
+    once();
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
+  g_cpu_products = saved;
   return best;
 }
 
-// --cpu-matmul on a CPU: sets g_cpu_products. auto measures this machine's ratios; every
-// rank uses their mean over the ranks, so that all decide alike.
+// --cpu-matmul on a CPU: sets g_cpu_products. auto measures, per 16-bit dtype and kind of
+// op, LibTorch's 16-bit kernels against the fp32 path and takes the fp32 path where the
+// kernels are more than twice as slow; every rank uses the mean ratios over the ranks,
+// so that all decide alike. Seen (docs/perf.md): products 0.6-0.9 and attention 3.8-4.6
+// on an Intel CPU with AVX-512, products about 45 on an AMD one without.
 void choose_cpu_products(const options& o, mt::any_communicator comm) {
   auto& p = g_cpu_products;
+  constexpr cpu_op ops[] = {cpu_op::products, cpu_op::attention};
+  constexpr std::pair<half_kind, c10::ScalarType> halves[] = {{half_kind::bf16, torch::kBFloat16},
+                                                              {half_kind::fp16, torch::kHalf}};
   if (o.cpu_matmul != "auto") {
-    p.upcast_bf16 = p.upcast_fp16 = o.cpu_matmul == "fp32";
+    for (const cpu_op op : ops)
+      for (const auto& [h, t] : halves) p.up(op, h) = o.cpu_matmul == "fp32";
     return;
   }
-  const double fp32 = product_seconds(torch::kFloat);
-  std::vector<float> local = {static_cast<float>(product_seconds(torch::kBFloat16) / fp32),
-                              static_cast<float>(product_seconds(torch::kHalf) / fp32)},
-                     sum(2);
+  std::vector<float> local, sum(4);
+  for (const cpu_op op : ops)
+    for (const auto& [h, t] : halves)
+      local.push_back(static_cast<float>(op_seconds(op, t, h, false, o) / op_seconds(op, t, h, true, o)));
   comm.all_reduce(local.data(), sum.data(), local.size(), mpzero::comm::reduce_op::sum);
-  p.bf16_ratio = sum[0] / comm.size();
-  p.fp16_ratio = sum[1] / comm.size();
-  constexpr double slower = 4.0;  // far from both sides seen: about 1 with AVX-512, 45 without
-  p.upcast_bf16 = p.bf16_ratio > slower;
-  p.upcast_fp16 = p.fp16_ratio > slower;
+  constexpr double slower = 2.0;  // the 16-bit kernels' time over the fp32 path's
+  std::size_t i = 0;
+  for (const cpu_op op : ops)
+    for (const auto& [h, t] : halves) {
+      p.r(op, h) = sum[i++] / comm.size();
+      p.up(op, h) = p.r(op, h) > slower;
+    }
 }
 
 int run(int argc, char** argv, mt::any_communicator comm) {
@@ -1155,13 +1210,19 @@ int run(int argc, char** argv, mt::any_communicator comm) {
     std::printf("device: %s\n", device.str().c_str());
     if (device.is_cpu()) {
       const auto& p = g_cpu_products;
-      auto said = [&](const char* name, bool upcast, double ratio) {
-        std::string s = std::string(name) + (upcast ? " in fp32 from 16-bit values" : " in LibTorch's 16-bit kernels");
-        if (!std::isnan(ratio)) s += std::string(" (LibTorch's ") + name + fmt(" product: %.1fx fp32's time here)", ratio);
+      auto said = [&](const char* name, half_kind h) {
+        std::string s = name;
+        for (const auto& [op, on] : {std::pair{cpu_op::products, "products"}, std::pair{cpu_op::attention, "attention"}}) {
+          s += std::string(op == cpu_op::products ? " " : ", ") + on +
+               (p.up(op, h) ? " in fp32 from 16-bit values" : " in LibTorch's 16-bit kernels");
+          if (!std::isnan(p.r(op, h))) s += fmt(" (%.2fx)", p.r(op, h));
+        }
         return s;
       };
-      std::printf("16-bit products (--cpu-matmul %s): %s; %s\n", o.cpu_matmul.c_str(),
-                  said("bf16", p.upcast_bf16, p.bf16_ratio).c_str(), said("fp16", p.upcast_fp16, p.fp16_ratio).c_str());
+      const bool measured = !std::isnan(p.r(cpu_op::products, half_kind::bf16));
+      std::printf("16-bit products (--cpu-matmul %s%s): %s; %s\n", o.cpu_matmul.c_str(),
+                  measured ? "; in parentheses LibTorch's 16-bit kernels' time over the fp32 path's, measured here" : "",
+                  said("bf16", half_kind::bf16).c_str(), said("fp16", half_kind::fp16).c_str());
     }
     // The schedule as the engine is given it (lr_schedule_json), not restated here.
     std::string rate = ", constant";
