@@ -1129,7 +1129,9 @@ double op_seconds(cpu_op op, c10::ScalarType t, half_kind h, bool upcast, const 
   const int heads = o.heads, dim = std::max(o.dim, d.dim / d.heads * heads), seq = std::max(o.seq, d.seq);
   const std::int64_t rows = std::clamp<std::int64_t>(std::int64_t{o.batch} * o.seq, std::int64_t{d.batch} * d.seq, 2048);
   const auto f32 = torch::TensorOptions().dtype(torch::kFloat);
-  // No RNG draw: the run's initial weights and batches do not depend on the probe.
+  // The inputs draw nothing; the Linear's initial weights do, but fresh_model seeds before
+  // every model, so the run's weights do not depend on the probe (fp32 rows are the same
+  // bits with every --cpu-matmul, which the smoke test checks).
   auto values = [&](std::int64_t n) { return torch::linspace(-1.0, 1.0, n, f32); };
   torch::nn::Linear fc(dim, 4 * dim);
   torch::Tensor x, q, k, v;
