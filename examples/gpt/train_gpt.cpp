@@ -101,20 +101,24 @@ namespace {
 // inputs are first rounded to the autocast dtype, as autocast would. Only the products
 // change (the Linear layers and the output layer: "products"; the attention); every
 // other op runs in the model's dtype.
-enum class cpu_op { products, attention };
-enum class half_kind { bf16, fp16 };
-struct cpu_products {
-  bool upcast[2][2] = {};  // [cpu_op][half_kind]
-  // --cpu-matmul auto: the time of LibTorch's 16-bit kernels over the fp32 path's, for the
-  // op's forward and backward at the model's shapes (NaN when not measured: a GPU, or a
-  // mode given by name).
-  double ratio[2][2] = {{std::nan(""), std::nan("")}, {std::nan(""), std::nan("")}};
-  bool& up(cpu_op op, half_kind h) { return upcast[static_cast<int>(op)][static_cast<int>(h)]; }
-  bool up(cpu_op op, half_kind h) const { return upcast[static_cast<int>(op)][static_cast<int>(h)]; }
-  double& r(cpu_op op, half_kind h) { return ratio[static_cast<int>(op)][static_cast<int>(h)]; }
-  double r(cpu_op op, half_kind h) const { return ratio[static_cast<int>(op)][static_cast<int>(h)]; }
+// The kinds of op chosen for (the index into g_cpu_products) and the 16-bit dtypes, with
+// their names in results.json (meta.cpu_matmul) and the header line.
+enum cpu_op { op_products, op_attention, n_cpu_ops };
+constexpr const char* cpu_op_names[n_cpu_ops] = {"products", "attention"};
+struct half_dtype {
+  const char* name;
+  c10::ScalarType type;
 };
-cpu_products g_cpu_products;  // set once by run(), before any model is made
+constexpr half_dtype half_dtypes[] = {{"bf16", torch::kBFloat16}, {"fp16", torch::kHalf}};
+constexpr int n_half_dtypes = static_cast<int>(std::size(half_dtypes));
+
+struct cpu_choice {
+  bool upcast = false;
+  // --cpu-matmul auto: the time of LibTorch's 16-bit kernels over the fp32 path's, for the
+  // op's forward and backward (NaN when not measured: a GPU, or a mode given by name).
+  double ratio = std::nan("");
+};
+cpu_choice g_cpu_products[n_cpu_ops][n_half_dtypes];  // set once by run(), before any model is made
 
 // The 16-bit dtype an op of kind `op` on x computes in on the CPU when it is to be
 // upcast, else none.
@@ -122,9 +126,8 @@ std::optional<c10::ScalarType> upcast_dtype(const torch::Tensor& x, cpu_op op) {
   if (!x.is_cpu()) return std::nullopt;
   auto t = x.scalar_type();
   if (at::autocast::is_autocast_enabled(at::kCPU)) t = at::autocast::get_autocast_dtype(at::kCPU);
-  if ((t == torch::kBFloat16 && g_cpu_products.up(op, half_kind::bf16)) ||
-      (t == torch::kHalf && g_cpu_products.up(op, half_kind::fp16)))
-    return t;
+  for (int h = 0; h < n_half_dtypes; ++h)
+    if (t == half_dtypes[h].type && g_cpu_products[op][h].upcast) return t;
   return std::nullopt;
 }
 
@@ -140,7 +143,7 @@ struct cpu_autocast_off {
 torch::Tensor widened(const torch::Tensor& t, c10::ScalarType half) { return t.to(half).to(torch::kFloat); }
 
 torch::Tensor linear(torch::nn::Linear& m, const torch::Tensor& x) {
-  const auto half = upcast_dtype(x, cpu_op::products);
+  const auto half = upcast_dtype(x, op_products);
   if (!half) return m(x);
   cpu_autocast_off off;
   const auto bias = m->bias.defined() ? widened(m->bias, *half) : torch::Tensor();
@@ -148,7 +151,7 @@ torch::Tensor linear(torch::nn::Linear& m, const torch::Tensor& x) {
 }
 
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  const auto half = upcast_dtype(q, cpu_op::attention);
+  const auto half = upcast_dtype(q, op_attention);
   if (!half) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
   cpu_autocast_off off;
   return at::scaled_dot_product_attention(widened(q, *half), widened(k, *half), widened(v, *half), {}, 0.0, true)
@@ -1063,17 +1066,14 @@ void write_outputs(const std::vector<result>& rs, const std::vector<std::pair<st
                {"fortunes", data.fortunes},                        {"device", device},
                {"configs_done", rs.size() + refused.size()},       {"configs_total", total}};
   if (device.starts_with("cpu")) {
-    const auto& p = g_cpu_products;
-    auto ratio = [](double x) { return std::isnan(x) ? json(nullptr) : json(x); };
-    meta["cpu_matmul"] = {{"mode", o.cpu_matmul}};
-    for (const auto& [h, hn] : {std::pair{half_kind::bf16, "bf16"}, std::pair{half_kind::fp16, "fp16"}}) {
-      json choice, ratios;
-      for (const auto& [op, on] : {std::pair{cpu_op::products, "products"}, std::pair{cpu_op::attention, "attention"}}) {
-        choice[on] = p.up(op, h) ? "fp32" : "native";
-        ratios[on] = ratio(p.r(op, h));
+    json& cm = meta["cpu_matmul"] = {{"mode", o.cpu_matmul}};
+    for (int h = 0; h < n_half_dtypes; ++h) {
+      const std::string name = half_dtypes[h].name;
+      for (int op = 0; op < n_cpu_ops; ++op) {
+        const cpu_choice& c = g_cpu_products[op][h];
+        cm[name][cpu_op_names[op]] = c.upcast ? "fp32" : "native";
+        cm[name + "_vs_fp32"][cpu_op_names[op]] = std::isnan(c.ratio) ? json(nullptr) : json(c.ratio);
       }
-      meta["cpu_matmul"][hn] = choice;
-      meta["cpu_matmul"][std::string(hn) + "_vs_fp32"] = ratios;
     }
   }
   json not_run = json::array();
@@ -1116,15 +1116,16 @@ void check_writable(const std::string& flag, const fs::path& dir, int rank) {
 }
 
 // Seconds of one forward and backward of an op of kind `op` (the MLP's first Linear
-// layer; the causal attention), its inputs in dtype t, through the model's own code
+// layer; the causal attention), its inputs in half_dtypes[h], through the model's own code
 // (linear, causal_attention) with the 16-bit path `upcast` chooses: the best of three
 // after a warm-up. At the model's shapes, but no smaller than the default model's (a
 // smaller op times LibTorch's overheads, not its kernels, and its ratio lands near any
 // threshold, so that runs of one recipe could choose differently) and with at most 2048
 // rows (a bigger op only takes longer to time).
-double op_seconds(cpu_op op, c10::ScalarType t, half_kind h, bool upcast, const options& o) {
-  const cpu_products saved = g_cpu_products;
-  g_cpu_products.up(op, h) = upcast;
+double op_seconds(cpu_op op, int h, bool upcast, const options& o) {
+  const c10::ScalarType t = half_dtypes[h].type;
+  const bool saved = g_cpu_products[op][h].upcast;
+  g_cpu_products[op][h].upcast = upcast;
   const options d;
   const int heads = o.heads, dim = std::max(o.dim, d.dim / d.heads * heads), seq = std::max(o.seq, d.seq);
   const std::int64_t rows = std::clamp<std::int64_t>(std::int64_t{o.batch} * o.seq, std::int64_t{d.batch} * d.seq, 2048);
@@ -1133,12 +1134,13 @@ double op_seconds(cpu_op op, c10::ScalarType t, half_kind h, bool upcast, const 
   // every model, so the run's weights do not depend on the probe (fp32 rows are the same
   // bits with every --cpu-matmul, which the smoke test checks).
   auto values = [&](std::int64_t n) { return torch::linspace(-1.0, 1.0, n, f32); };
-  torch::nn::Linear fc(dim, 4 * dim);
+  torch::nn::Linear fc{nullptr};
   torch::Tensor x, q, k, v;
   {
     torch::NoGradGuard ng;
-    fc->to(t);
-    if (op == cpu_op::products) {
+    if (op == op_products) {
+      fc = torch::nn::Linear(dim, 4 * dim);
+      fc->to(t);
       x = values(rows * dim).view({rows, dim}).to(t).requires_grad_();
     } else {
       const std::int64_t b = std::max<std::int64_t>(rows / seq, 1), hd = dim / heads;
@@ -1148,7 +1150,7 @@ double op_seconds(cpu_op op, c10::ScalarType t, half_kind h, bool upcast, const 
     }
   }
   auto once = [&] {
-    const torch::Tensor y = op == cpu_op::products ? linear(fc, x) : causal_attention(q, k, v);
+    const torch::Tensor y = op == op_products ? linear(fc, x) : causal_attention(q, k, v);
     y.to(torch::kFloat).sum().backward();
   };
   once();
@@ -1158,7 +1160,7 @@ double op_seconds(cpu_op op, c10::ScalarType t, half_kind h, bool upcast, const 
     once();
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  g_cpu_products = saved;
+  g_cpu_products[op][h].upcast = saved;
   return best;
 }
 
@@ -1168,26 +1170,24 @@ double op_seconds(cpu_op op, c10::ScalarType t, half_kind h, bool upcast, const 
 // so that all decide alike. Seen (docs/perf.md): products 0.6-0.9 and attention 3.8-4.6
 // on an Intel CPU with AVX-512, products about 45 on an AMD one without.
 void choose_cpu_products(const options& o, mt::any_communicator comm) {
-  auto& p = g_cpu_products;
-  constexpr cpu_op ops[] = {cpu_op::products, cpu_op::attention};
-  constexpr std::pair<half_kind, c10::ScalarType> halves[] = {{half_kind::bf16, torch::kBFloat16},
-                                                              {half_kind::fp16, torch::kHalf}};
   if (o.cpu_matmul != "auto") {
-    for (const cpu_op op : ops)
-      for (const auto& [h, t] : halves) p.up(op, h) = o.cpu_matmul == "fp32";
+    for (auto& row : g_cpu_products)
+      for (cpu_choice& c : row) c.upcast = o.cpu_matmul == "fp32";
     return;
   }
-  std::vector<float> local, sum(4);
-  for (const cpu_op op : ops)
-    for (const auto& [h, t] : halves)
-      local.push_back(static_cast<float>(op_seconds(op, t, h, false, o) / op_seconds(op, t, h, true, o)));
+  std::vector<float> local, sum(n_cpu_ops * n_half_dtypes);
+  for (int op = 0; op < n_cpu_ops; ++op)
+    for (int h = 0; h < n_half_dtypes; ++h) {
+      const auto kind = static_cast<cpu_op>(op);
+      local.push_back(static_cast<float>(op_seconds(kind, h, false, o) / op_seconds(kind, h, true, o)));
+    }
   comm.all_reduce(local.data(), sum.data(), local.size(), mpzero::comm::reduce_op::sum);
   constexpr double slower = 2.0;  // the 16-bit kernels' time over the fp32 path's
-  std::size_t i = 0;
-  for (const cpu_op op : ops)
-    for (const auto& [h, t] : halves) {
-      p.r(op, h) = sum[i++] / comm.size();
-      p.up(op, h) = p.r(op, h) > slower;
+  for (int op = 0; op < n_cpu_ops; ++op)
+    for (int h = 0; h < n_half_dtypes; ++h) {
+      cpu_choice& c = g_cpu_products[op][h];
+      c.ratio = sum[op * n_half_dtypes + h] / comm.size();
+      c.upcast = c.ratio > slower;
     }
 }
 
@@ -1211,20 +1211,21 @@ int run(int argc, char** argv, mt::any_communicator comm) {
   if (root) {
     std::printf("device: %s\n", device.str().c_str());
     if (device.is_cpu()) {
-      const auto& p = g_cpu_products;
-      auto said = [&](const char* name, half_kind h) {
-        std::string s = name;
-        for (const auto& [op, on] : {std::pair{cpu_op::products, "products"}, std::pair{cpu_op::attention, "attention"}}) {
-          s += std::string(op == cpu_op::products ? " " : ", ") + on +
-               (p.up(op, h) ? " in fp32 from 16-bit values" : " in LibTorch's 16-bit kernels");
-          if (!std::isnan(p.r(op, h))) s += fmt(" (%.2fx)", p.r(op, h));
+      // e.g. "bf16 products in LibTorch's 16-bit kernels (0.60x), attention in fp32 from 16-bit values (5.93x)"
+      auto said = [&](int h) {
+        std::string s = half_dtypes[h].name;
+        for (int op = 0; op < n_cpu_ops; ++op) {
+          const cpu_choice& c = g_cpu_products[op][h];
+          s += std::string(op == 0 ? " " : ", ") + cpu_op_names[op] +
+               (c.upcast ? " in fp32 from 16-bit values" : " in LibTorch's 16-bit kernels");
+          if (!std::isnan(c.ratio)) s += fmt(" (%.2fx)", c.ratio);
         }
         return s;
       };
-      const bool measured = !std::isnan(p.r(cpu_op::products, half_kind::bf16));
+      const bool measured = !std::isnan(g_cpu_products[0][0].ratio);
       std::printf("16-bit products (--cpu-matmul %s%s): %s; %s\n", o.cpu_matmul.c_str(),
                   measured ? "; in parentheses LibTorch's 16-bit kernels' time over the fp32 path's, measured here" : "",
-                  said("bf16", half_kind::bf16).c_str(), said("fp16", half_kind::fp16).c_str());
+                  said(0).c_str(), said(1).c_str());
     }
     // The schedule as the engine is given it (lr_schedule_json), not restated here.
     std::string rate = ", constant";

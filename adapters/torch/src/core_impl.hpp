@@ -26,7 +26,8 @@
 namespace mpzero::torch::detail {
 
 // The optimizer a core of rule Opt runs under config c: its type, which for
-// optim::adam_runtime (the Adam and AdamW rows share it) is the config's.
+// optim::adam_runtime (the Adam and AdamW rows share it; the tables have no static Adam
+// or AdamW rows) is the config's.
 template <class Opt>
 optimizer_type optimizer_of(const optimizer_config& c) {
   if constexpr (std::is_same_v<Opt, optim::adam_runtime>) {
@@ -34,13 +35,10 @@ optimizer_type optimizer_of(const optimizer_config& c) {
       throw config_error("mpzero::torch: internal error: an Adam/AdamW core was made for another optimizer type");
     }
     return c.type;
-  } else if constexpr (std::is_same_v<Opt, optim::adam>) {
-    return optimizer_type::adam;
-  } else if constexpr (std::is_same_v<Opt, optim::adamw>) {
-    return optimizer_type::adamw;
   } else if constexpr (std::is_same_v<Opt, optim::sgd>) {
     return optimizer_type::sgd;
   } else {
+    static_assert(std::is_same_v<Opt, optim::lion>, "optimizer_of: a table row's rule is adam_runtime, sgd or lion");
     return optimizer_type::lion;
   }
 }
@@ -48,11 +46,10 @@ optimizer_type optimizer_of(const optimizer_config& c) {
 template <class Opt>
 typename Opt::options options_of(const optimizer_config& c) {
   typename Opt::options o;
-  if constexpr (std::is_same_v<Opt, optim::adam> || std::is_same_v<Opt, optim::adamw> ||
-                std::is_same_v<Opt, optim::adam_runtime>) {
+  if constexpr (std::is_same_v<Opt, optim::adam_runtime>) {
     o.lr = c.lr, o.beta1 = c.beta1, o.beta2 = c.beta2, o.eps = c.eps, o.weight_decay = c.weight_decay;
     o.bias_correction = c.bias_correction;
-    if constexpr (std::is_same_v<Opt, optim::adam_runtime>) o.decoupled_weight_decay = c.type == optimizer_type::adamw;
+    o.decoupled_weight_decay = c.type == optimizer_type::adamw;
   } else if constexpr (std::is_same_v<Opt, optim::sgd>) {
     o.lr = c.lr, o.momentum = c.momentum, o.dampening = c.dampening, o.weight_decay = c.weight_decay;
     o.nesterov = c.nesterov;

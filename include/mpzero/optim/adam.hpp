@@ -124,11 +124,13 @@ struct adam_runtime {
     static_assert(Mode == 0 || Mode == 1, "adam_runtime has modes 0 (Adam) and 1 (AdamW)");
     detail::adam_update<Mode == 1>(p, w, g, s);
   }
+  // The mode chosen per call (the CUDA kernel's, where the branch on a kernel argument is
+  // uniform and nvcc takes it outside the loop).
   MPZERO_HOST_DEVICE MPZERO_FORCEINLINE static void update(const params& p, float& w, float g, float (&s)[2]) noexcept {
-    if (p.decoupled) {
-      detail::adam_update<true>(p, w, g, s);
+    if (mode(p) == 1) {
+      update_mode<1>(p, w, g, s);
     } else {
-      detail::adam_update<false>(p, w, g, s);
+      update_mode<0>(p, w, g, s);
     }
   }
 };
