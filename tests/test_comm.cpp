@@ -203,7 +203,7 @@ bool identical_across_ranks(const std::vector<T>& v) {
   MPI_Allgather(v.data(), static_cast<int>(bytes), MPI_BYTE, all.data(), static_cast<int>(bytes), MPI_BYTE,
                 MPI_COMM_WORLD);
   for (int r = 1; r < p; ++r) {
-    if (std::memcmp(all.data(), all.data() + bytes * static_cast<std::size_t>(r), bytes) != 0) return false;
+    if (bytes > 0 && std::memcmp(all.data(), all.data() + bytes * static_cast<std::size_t>(r), bytes) != 0) return false;
   }
   return true;
 }
@@ -225,7 +225,7 @@ void run_all_reduce(mpi_communicator& c, reduce_op op, bool in_place, u64 n, u64
   if (in_place) {
     c.all_reduce(in.data(), in.data(), n, op);
   } else {
-    std::memset(static_cast<void*>(out.data()), 0xab, n * sizeof(T));
+    if (n > 0) std::memset(static_cast<void*>(out.data()), 0xab, n * sizeof(T));
     c.all_reduce(in.data(), out.data(), n, op);
     for (u64 i = 0; i < n; ++i) REQUIRE(same_bits(in[i], make<T>(rank, i, salt)));  // input untouched
   }

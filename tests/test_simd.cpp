@@ -39,7 +39,7 @@ std::vector<T> filled(std::size_t n, std::uint64_t seed, float lo, float hi) {
 
 template <class T>
 bool same(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
 
 template <class Policy, class Opt>

@@ -854,7 +854,9 @@ TEST_CASE("ZeRO: at world size 1, offload stages its buckets and another wire dt
   off.end_backward();
   wire.end_backward();
   std::uint64_t largest = 0;
-  for (const bucket& bk : bucket_plan(off.layout(), zo.reduce_bucket_numel).buckets()) largest = std::max(largest, bk.range.size());
+  // (The plan is named: a range-for over a temporary's member would read it after it is gone.)
+  const bucket_plan plan(off.layout(), zo.reduce_bucket_numel);
+  for (const bucket& bk : plan.buckets()) largest = std::max(largest, bk.range.size());
   if (c.size() == 1) {
     CHECK(off.memory().buckets == largest * sizeof(bf16));
   } else {
