@@ -750,6 +750,8 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
        {"batch sizes overflow 64 bits"}},
       {R"({"train_micro_batch_size_per_gpu": 1})", 0, {"world_size = 0 is invalid"}},
       // text-level
+      {"{" M R"(, "gradient_clipping": 1e400})", 1, {"JSON number out of range", "'1e400'", "write a finite number"}},
+      {"{" M R"(, "optimizer": {"type": "Adam", "params": {"lr": -2e308}}})", 1, {"JSON number out of range", "'-2e308'"}},
       {"{" M R"(, "zero_optimization": {"stage": 1, "stage": 2}})", 1, {"duplicate key 'zero_optimization.stage'"}},
       {"{" M R"(, "zero_optimization": {"prefetch_bucket_size": 1, "stage3_prefetch_bucket_size": 2}})", 1,
        {"'zero_optimization.stage3_prefetch_bucket_size' and its alias", "keep one"}},

@@ -1094,6 +1094,10 @@ json parse_text(const std::string& text) {
     return json::parse(text, cb, /*allow_exceptions=*/true, /*ignore_comments=*/true);
   } catch (const json::parse_error& e) {
     fail(std::string("JSON syntax error: ") + e.what());
+  } catch (const json::out_of_range& e) {
+    // A number past a double's range (1e400): the JSON library stops with out_of_range 406.
+    fail(std::string("JSON number out of range: ") + e.what() +
+         "; write a finite number (a double reaches about 1.8e308)");
   }
 }
 
