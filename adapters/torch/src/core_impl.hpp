@@ -60,7 +60,7 @@ typename Opt::options options_of(const optimizer_config& c) {
 }
 
 template <class Policy, int N, class Offload>
-core_spec spec_of(optimizer_type optimizer, core_device device) {
+constexpr core_spec spec_of(optimizer_type optimizer, core_device device) {
   return core_spec{Policy::param_dtype,         Policy::master_dtype, Policy::grad_dtype, Policy::state_dtype,
                    Policy::stochastic_rounding, optimizer,            N,
                    Offload::value == offload_kind::cpu, device};
@@ -231,7 +231,7 @@ struct table_policy {
   core_spec (*spec)();  // its dtypes and rounding (the other fields are left at their defaults)
 };
 template <class Policy>
-core_spec policy_spec() {
+constexpr core_spec policy_spec() {
   return spec_of<Policy, 0, offload_none>(optimizer_type::adamw, core_device::cpu);
 }
 inline constexpr table_policy table_policies[] = {
@@ -244,16 +244,29 @@ inline constexpr table_policy table_policies[] = {
     {"fp16_fp32_master", policy_spec<policies::fp16_fp32_master>},
     {"fp16_master_fp32_states", policy_spec<policies::fp16_master_fp32_states>},
 };
+static_assert(
+    [] {
+      for (std::size_t a = 0; a < std::size(table_policies); ++a) {
+        for (std::size_t b = a + 1; b < std::size(table_policies); ++b) {
+          if (table_policies[a].spec() == table_policies[b].spec()) return false;
+        }
+      }
+      return true;
+    }(),
+    "two entries of table_policies have the same dtypes and rounding: list each policy once");
 static_assert(table_policy_mask != 0 && table_policy_mask < (1u << std::size(table_policies)),
               "MPZERO_TORCH_POLICY_MASK selects no policy, or one past table_policies: see torch.cmake");
 
 // Whether the build compiles Policy: its bit, found by its entry in table_policies (one
-// list of the policies and their order, which torch.cmake's names follow).
+// list of the policies and their order, which torch.cmake's names follow). The entry is
+// found by its spec (the policy's dtypes and rounding, which tell policies apart), not by
+// comparing the functions' addresses: g++ does not fold such a comparison in a constant
+// expression under -fsanitize=undefined, and a trainer built so would not compile.
 template <class Policy>
 constexpr bool policy_selected() {
   constexpr std::size_t i = [] {
     std::size_t k = 0;
-    while (k < std::size(table_policies) && table_policies[k].spec != &policy_spec<Policy>) ++k;
+    while (k < std::size(table_policies) && !(table_policies[k].spec() == policy_spec<Policy>())) ++k;
     return k;
   }();
   static_assert(i < std::size(table_policies), "add_table_part names a policy that table_policies does not list: add "
