@@ -24,6 +24,8 @@
 #include <typeinfo>
 #include <vector>
 
+#include <unistd.h>  // getpid
+
 #include <mpzero/comm/local.hpp>
 
 #include "checkpoint_model.hpp"
