@@ -24,7 +24,7 @@
 #include <typeinfo>
 #include <vector>
 
-#include <unistd.h>  // getpid
+#include <stdlib.h>  // mkdtemp
 
 #include <mpzero/comm/local.hpp>
 
@@ -48,13 +48,9 @@ struct scratch {
   fs::path root;
   scratch() {
     std::error_code ec;
-    fs::path base = fs::temp_directory_path(ec);
-    if (ec) base = ".";
-    for (unsigned k = 0;; ++k) {
-      root = base / ("mpzero-fuzz-checkpoint-" + std::to_string(::getpid()) + "-" + std::to_string(k));
-      if (fs::create_directory(root, ec)) break;
-      if (k > 100) finding("cannot create a scratch directory under " + base.string());
-    }
+    std::string t = (fs::temp_directory_path(ec) / "mpzero-fuzz-checkpoint-XXXXXX").string();
+    if (ec || mkdtemp(t.data()) == nullptr) finding("cannot create a scratch directory " + t);
+    root = t;
     fs::create_directory(root / "in");
     fs::create_directory(root / "again");
   }
@@ -114,8 +110,8 @@ pair_of_optimizers<K>& optimizers() {
 
 template <int K>
 void load(const scratch& dirs) {
-  auto& [comm, z, twin] = optimizers<K>();
-  (void)comm;
+  auto& z = optimizers<K>().target;
+  auto& twin = optimizers<K>().twin;
   const std::vector<std::uint64_t> before = snapshot(z);
   try {
     z.load_checkpoint(dirs.root / "in");

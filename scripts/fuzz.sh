@@ -26,19 +26,9 @@ for t in "${targets[@]}"; do
   esac
 done
 
-# clang with libFuzzer's runtime, and the libraries the targets use (no LibTorch: the
-# config parser is torch-free).
-MPZERO_NO_TORCH=1 "$root/scripts/setup.sh"
-if ! command -v clang++ >/dev/null 2>&1 || ! clang++ -fsanitize=fuzzer -x c++ - -o /dev/null >/dev/null 2>&1 <<<'
-#include <cstdint>
-#include <cstddef>
-extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t*, std::size_t) { return 0; }'; then
-  echo "mpzero fuzz: installing clang (libFuzzer)"
-  sudo=""
-  [ "$(id -u)" -eq 0 ] || sudo="sudo"
-  $sudo apt-get update -qq
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq clang >/dev/null
-fi
+# clang (its libFuzzer runtime comes with it) and the libraries the targets use (no
+# LibTorch: the config parser is torch-free).
+MPZERO_NO_TORCH=1 "$root/scripts/setup.sh" clang
 
 build="$root/build-fuzz"
 flags="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined,fuzzer-no-link -fno-sanitize-recover=undefined"

@@ -60,8 +60,7 @@ if(TARGET mpzero_torch_config AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
     endif()
   endforeach()
   add_test(NAME torch.compile_ok.ubsan_policy_table
-           COMMAND ${CMAKE_CXX_COMPILER} -std=c++20 -fsyntax-only -fsanitize=undefined -DMPZERO_TORCH_POLICY_MASK=255
-                   -DMPZERO_TORCH_TABLE_PARTS=4 -I${PROJECT_SOURCE_DIR}/include
+           COMMAND ${CMAKE_CXX_COMPILER} -std=c++20 -fsyntax-only -fsanitize=undefined -I${PROJECT_SOURCE_DIR}/include
                    -I${PROJECT_SOURCE_DIR}/adapters/torch/include -I${PROJECT_SOURCE_DIR}/adapters/torch/src
                    ${_mpzero_json_flags} ${CMAKE_CURRENT_SOURCE_DIR}/compile_fail/ubsan_policy_table.cpp)
   set_tests_properties(torch.compile_ok.ubsan_policy_table PROPERTIES LABELS "torch;policy")

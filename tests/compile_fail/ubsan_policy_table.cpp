@@ -2,6 +2,9 @@
 // -fsanitize=undefined, as a trainer built with UBSan compiles it. g++ does not fold a
 // comparison of two functions' addresses in a constant expression under that flag, so
 // policy_selected<>() must find a policy's entry without one.
+// What torch.cmake defines for the engine's units: every policy, and some number of table parts.
+#define MPZERO_TORCH_POLICY_MASK 255
+#define MPZERO_TORCH_TABLE_PARTS 4
 #include "core_impl.hpp"
 
 namespace d = mpzero::torch::detail;

@@ -228,27 +228,27 @@ inline constexpr unsigned table_policy_mask = MPZERO_TORCH_POLICY_MASK;
 
 struct table_policy {
   const char* name;  // as MPZERO_TORCH_POLICIES names it: the policies:: type's name
-  core_spec (*spec)();  // its dtypes and rounding (the other fields are left at their defaults)
+  core_spec spec;  // its dtypes and rounding (the other fields are left at their defaults)
 };
 template <class Policy>
 constexpr core_spec policy_spec() {
   return spec_of<Policy, 0, offload_none>(optimizer_type::adamw, core_device::cpu);
 }
 inline constexpr table_policy table_policies[] = {
-    {"fp32", policy_spec<policies::fp32>},
-    {"bf16_fp32_grads", policy_spec<policies::bf16_fp32_grads>},
-    {"bf16_fp32_master", policy_spec<policies::bf16_fp32_master>},
-    {"bf16_master_fp32_states", policy_spec<policies::bf16_master_fp32_states>},
-    {"bf16_all", policy_spec<policies::bf16_all>},
-    {"bf16_all_sr", policy_spec<policies::bf16_all_sr>},
-    {"fp16_fp32_master", policy_spec<policies::fp16_fp32_master>},
-    {"fp16_master_fp32_states", policy_spec<policies::fp16_master_fp32_states>},
+    {"fp32", policy_spec<policies::fp32>()},
+    {"bf16_fp32_grads", policy_spec<policies::bf16_fp32_grads>()},
+    {"bf16_fp32_master", policy_spec<policies::bf16_fp32_master>()},
+    {"bf16_master_fp32_states", policy_spec<policies::bf16_master_fp32_states>()},
+    {"bf16_all", policy_spec<policies::bf16_all>()},
+    {"bf16_all_sr", policy_spec<policies::bf16_all_sr>()},
+    {"fp16_fp32_master", policy_spec<policies::fp16_fp32_master>()},
+    {"fp16_master_fp32_states", policy_spec<policies::fp16_master_fp32_states>()},
 };
 static_assert(
     [] {
       for (std::size_t a = 0; a < std::size(table_policies); ++a) {
         for (std::size_t b = a + 1; b < std::size(table_policies); ++b) {
-          if (table_policies[a].spec() == table_policies[b].spec()) return false;
+          if (table_policies[a].spec == table_policies[b].spec) return false;
         }
       }
       return true;
@@ -260,13 +260,13 @@ static_assert(table_policy_mask != 0 && table_policy_mask < (1u << std::size(tab
 // Whether the build compiles Policy: its bit, found by its entry in table_policies (one
 // list of the policies and their order, which torch.cmake's names follow). The entry is
 // found by its spec (the policy's dtypes and rounding, which tell policies apart), not by
-// comparing the functions' addresses: g++ does not fold such a comparison in a constant
-// expression under -fsanitize=undefined, and a trainer built so would not compile.
+// comparing addresses: g++ does not fold an address comparison in a constant expression
+// under -fsanitize=undefined, and a trainer built so would not compile.
 template <class Policy>
 constexpr bool policy_selected() {
   constexpr std::size_t i = [] {
     std::size_t k = 0;
-    while (k < std::size(table_policies) && !(table_policies[k].spec() == policy_spec<Policy>())) ++k;
+    while (k < std::size(table_policies) && table_policies[k].spec != policy_spec<Policy>()) ++k;
     return k;
   }();
   static_assert(i < std::size(table_policies), "add_table_part names a policy that table_policies does not list: add "

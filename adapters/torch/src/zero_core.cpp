@@ -101,7 +101,7 @@ std::unique_ptr<zero_core> make_zero_core(const core_spec& spec, any_communicato
   const char* wanted = nullptr;
   for (std::size_t i = 0; i < std::size(detail::table_policies); ++i) {
     const auto& p = detail::table_policies[i];
-    const core_spec ps = p.spec();
+    const core_spec& ps = p.spec;
     const bool on = ((detail::table_policy_mask >> i) & 1u) != 0;
     if (on) selected += std::string(selected.empty() ? "" : ",") + p.name;
     if (!on && ps.param == spec.param && ps.master == spec.master && ps.grad == spec.grad && ps.state == spec.state &&
