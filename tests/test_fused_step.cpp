@@ -294,7 +294,7 @@ TEST_CASE("adam_runtime is Adam's or AdamW's step, bit for bit, as its options c
   check_adam_runtime<mpzero::policies::fp16_fp32_master>();
   check_adam_runtime<mpzero::policies::fp16_master_fp32_states>();
 
-  // The per-element update (the CUDA kernel's, which chooses per element) too.
+  // The per-element update (update_element with no mode given, which chooses per call) too.
   for (const bool decoupled : {false, true}) {
     adam_runtime_options rt{{.lr = 1e-2, .weight_decay = 0.1}};
     rt.decoupled_weight_decay = decoupled;
@@ -316,6 +316,17 @@ TEST_CASE("adam_runtime is Adam's or AdamW's step, bit for bit, as its options c
     }
     CHECK(differs_from_other > 32);
   }
+
+  // visit_mode reads the mode once and hands it to code compiled per mode: AdamW is mode
+  // 1, Adam mode 0; a rule without modes is always mode 0.
+  const auto mode_for = [](bool decoupled) {
+    adam_runtime_options rt;
+    rt.decoupled_weight_decay = decoupled;
+    return visit_mode<adam_runtime>(adam_runtime::prepare(rt, 1), [](auto m) { return decltype(m)::value; });
+  };
+  CHECK(mode_for(false) == 0);
+  CHECK(mode_for(true) == 1);
+  CHECK(visit_mode<adamw>(adamw::prepare({}, 1), [](auto m) { return decltype(m)::value; }) == 0);
 
   // Its name is the optimizer the options choose; its errors say so too.
   adam_runtime_options o;

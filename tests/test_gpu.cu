@@ -603,8 +603,8 @@ TEMPLATE_TEST_CASE("CUDA fused step equals the host backend bit for bit: Adam an
   }
 }
 
-// adam_runtime, the rule the engine's tables run: the kernel chooses Adam or AdamW per
-// element (a branch on a kernel argument), the host step once per chunk.
+// adam_runtime, the rule the engine's tables run: the launcher runs Adam's or AdamW's
+// kernel as the step's options choose, the host step chooses once per chunk.
 TEMPLATE_TEST_CASE("CUDA fused step equals the host backend bit for bit: adam_runtime in both modes", "[gpu][optim]",
                    policies::bf16_all_sr, policies::fp16_fp32_master) {
   require_device();

@@ -122,17 +122,20 @@ struct model {
 };
 
 // The launcher's grids, on the host: one launch per launch range of the plan, whose
-// block b runs chunk first_chunk + b, thread by thread.
+// block b runs chunk first_chunk + b, thread by thread, in the optimizer's mode read
+// from the step's arguments (the launcher's kernel per mode, optim::visit_mode).
 template <class Tuning, mpzero::precision_policy P, mpzero::optim::rule O>
 void step_as_grid(const mpzero::fused_step<P, O>& fused, const mpzero::step_args<O>& a) {
   const auto chunks = fused.plan().chunks();
-  for (const mpzero::launch_range& l : fused.plan().launches())
-    for (std::uint32_t block = 0; block < l.num_chunks; ++block) {
-      const mpzero::chunk& c = chunks[l.first_chunk + block];
-      for (std::uint32_t thread = 0; thread < Tuning::threads; ++thread)
-        mpzero::cuda::detail::fused_step_thread<P, O, Tuning::threads, Tuning::ilp>(fused.tensors()[c.tensor], c, a,
-                                                                                   thread);
-    }
+  mpzero::optim::visit_mode<O>(a.opt, [&](auto mode) {
+    for (const mpzero::launch_range& l : fused.plan().launches())
+      for (std::uint32_t block = 0; block < l.num_chunks; ++block) {
+        const mpzero::chunk& c = chunks[l.first_chunk + block];
+        for (std::uint32_t thread = 0; thread < Tuning::threads; ++thread)
+          mpzero::cuda::detail::fused_step_thread<P, O, Tuning::threads, Tuning::ilp, decltype(mode)::value>(
+              fused.tensors()[c.tensor], c, a, thread);
+      }
+  });
 }
 
 template <mpzero::precision_policy P, mpzero::optim::rule O>
@@ -196,7 +199,7 @@ TEST_CASE("CUDA kernel threads, run on the host, give the element-wise step's bi
   check_grid<bf16_all_sr, sgd>({.lr = 0.1, .momentum = 0.9, .dampening = 0.1, .weight_decay = 0.01});
   check_grid<mpzero::policies::fp16_fp32_master, lion>({.lr = 1e-3, .weight_decay = 0.1});
   check_grid<bf16_all_sr, lion>({.lr = 1e-3, .weight_decay = 0.1});
-  // adam_runtime, the engine's rule: the kernel branches per element on the mode.
+  // adam_runtime, the engine's rule: one kernel per mode, the launcher choosing.
   for (const bool decoupled : {false, true}) {
     adam_runtime_options o{{.lr = 1e-2, .weight_decay = 0.1}};
     o.decoupled_weight_decay = decoupled;

@@ -514,16 +514,12 @@ struct step_kernel {
 // (optim::moded_rule) chosen once for the range: each mode's loop is a function of its
 // own, compiled and vectorized as a rule without modes is (inlined side by side into one
 // variant, adam_runtime's bf16_all_sr step ran 10% slower than adamw's).
-template <precision_policy Policy, optim::rule Optimizer, int Mode = 0>
+template <precision_policy Policy, optim::rule Optimizer>
 void step_range(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, std::uint32_t size,
                 const step_args<Optimizer>& a) {
-  if constexpr (Mode + 1 < optim::n_modes<Optimizer>()) {
-    if (optim::mode_of<Optimizer>(a.opt) != Mode) {
-      step_range<Policy, Optimizer, Mode + 1>(t, begin, size, a);
-      return;
-    }
-  }
-  run_widest<step_kernel<Policy, Optimizer, Mode>>(t, begin, size, a);
+  optim::visit_mode<Optimizer>(a.opt, [&](auto mode) {
+    run_widest<step_kernel<Policy, Optimizer, decltype(mode)::value>>(t, begin, size, a);
+  });
 }
 
 }  // namespace detail

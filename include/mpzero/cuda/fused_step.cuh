@@ -30,12 +30,13 @@ namespace mpzero::cuda {
 
 namespace detail {
 
-// Block b runs chunk b of its launch; each thread does its share (thread_work.hpp).
-template <precision_policy Policy, optim::rule Optimizer, int Threads, int Ilp>
+// Block b runs chunk b of its launch; each thread does its share (thread_work.hpp), in
+// the optimizer's mode Mode (optim::moded_rule; 0 for a rule without modes).
+template <precision_policy Policy, optim::rule Optimizer, int Threads, int Ilp, int Mode>
 __global__ void __launch_bounds__(Threads)
     fused_step_kernel(const step_tensor<Policy, Optimizer>* tensors, const chunk* chunks, step_args<Optimizer> args) {
   const chunk c = chunks[blockIdx.x];
-  fused_step_thread<Policy, Optimizer, Threads, Ilp>(tensors[c.tensor], c, args, threadIdx.x);
+  fused_step_thread<Policy, Optimizer, Threads, Ilp, Mode>(tensors[c.tensor], c, args, threadIdx.x);
 }
 
 template <storage_type G, int Threads>
@@ -113,15 +114,20 @@ class fused_step_launcher {
                                         cudaMemcpyHostToDevice, stream));
   }
 
-  // One optimizer step: one kernel launch per launch range of the plan.
+  // One optimizer step: one kernel launch per launch range of the plan. A rule with
+  // modes (optim::adam_runtime) has one kernel per mode, chosen here from args: a
+  // branch per element on the mode cost adam_runtime's bf16_all_sr step 4.5-9% against
+  // adamw's on an H200 (docs/perf.md, session 27).
   void run(const step_args<Optimizer>& args, cudaStream_t stream) const {
     if (d_chunks_ == nullptr && !chunks_.empty())
       mpzero::detail::throw_invalid("fused_step_launcher::run: call upload() first");
-    for (const launch_range& l : launches_) {
-      detail::fused_step_kernel<Policy, Optimizer, Tuning::threads, Tuning::ilp>
-          <<<l.num_chunks, Tuning::threads, 0, stream>>>(d_tensors_, d_chunks_ + l.first_chunk, args);
-      MPZERO_CUDA_CHECK(cudaGetLastError());
-    }
+    optim::visit_mode<Optimizer>(args.opt, [&](auto mode) {
+      for (const launch_range& l : launches_) {
+        detail::fused_step_kernel<Policy, Optimizer, Tuning::threads, Tuning::ilp, decltype(mode)::value>
+            <<<l.num_chunks, Tuning::threads, 0, stream>>>(d_tensors_, d_chunks_ + l.first_chunk, args);
+        MPZERO_CUDA_CHECK(cudaGetLastError());
+      }
+    });
   }
 
  private:

@@ -84,8 +84,10 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void store_vec(T* p, const T (&in)[N]) {
 // Thread `thread` (0 .. Threads - 1) of the block that runs chunk `c` of tensor `t`.
 // When every array of the chunk is 16-byte aligned, the thread takes groups of Ilp
 // elements (vector loads and stores) and the last size % Ilp elements one at a time;
-// otherwise it takes all its elements one at a time.
-template <precision_policy Policy, optim::rule Optimizer, int Threads, int Ilp>
+// otherwise it takes all its elements one at a time. Mode: the optimizer's mode
+// (optim::moded_rule), chosen by the launcher for the whole grid (optim::visit_mode);
+// -1 lets the rule choose per element.
+template <precision_policy Policy, optim::rule Optimizer, int Threads, int Ilp, int Mode = -1>
 MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void fused_step_thread(const step_tensor<Policy, Optimizer>& t, const chunk& c,
                                                              const step_args<Optimizer>& args, std::uint32_t thread) {
   using param_t = typename Policy::param_type;
@@ -137,7 +139,7 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void fused_step_thread(const step_tensor<P
       state_t sj[n];
       MPZERO_UNROLL
       for (int k = 0; k < n; ++k) sj[k] = s[k][j];
-      update_element_with_bits<Policy, Optimizer>(args, bits, w[j], g[j], sj, p[j]);
+      update_element_with_bits<Policy, Optimizer, Mode>(args, bits, w[j], g[j], sj, p[j]);
       MPZERO_UNROLL
       for (int k = 0; k < n; ++k) s[k][j] = sj[k];
     }
@@ -154,7 +156,7 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void fused_step_thread(const step_tensor<P
     MPZERO_UNROLL
     for (int k = 0; k < n; ++k) s[k] = states[k][i];
     param_t p{};
-    update_element<Policy, Optimizer>(args, base + i, w, grad[i], s, p);
+    update_element<Policy, Optimizer, Mode>(args, base + i, w, grad[i], s, p);
     master[i] = w;
     if constexpr (!Policy::master_is_param) param[i] = p;
     MPZERO_UNROLL

@@ -113,9 +113,11 @@ struct adam_runtime {
   }
 
   // Modes (optim::moded_rule): 0 is Adam, 1 is AdamW. Loops that run many elements with
-  // one params choose the mode once, outside the loop (the host step, per chunk), and
-  // call update_mode<M>: a choice per element keeps GCC from vectorizing the loops that
-  // convert 16-bit states (6-7x slower, docs/perf.md, session 24).
+  // one params choose the mode once, outside the loop (optim::visit_mode: the host step
+  // per chunk, the CUDA step per launch), and call update_mode<M>. A choice per element
+  // keeps GCC from vectorizing the loops that convert 16-bit states (6-7x slower,
+  // docs/perf.md, session 24), and cost the CUDA kernel 4.5-9% with stochastic rounding
+  // (session 27).
   static constexpr int n_modes = 2;
   MPZERO_HOST_DEVICE static constexpr int mode(const params& p) noexcept { return p.decoupled ? 1 : 0; }
   template <int Mode>
@@ -124,8 +126,7 @@ struct adam_runtime {
     static_assert(Mode == 0 || Mode == 1, "adam_runtime has modes 0 (Adam) and 1 (AdamW)");
     detail::adam_update<Mode == 1>(p, w, g, s);
   }
-  // The mode chosen per call (the CUDA kernel's, where the branch on a kernel argument is
-  // uniform and nvcc takes it outside the loop).
+  // The mode chosen per call (the scalar reference, and code that updates one element).
   MPZERO_HOST_DEVICE MPZERO_FORCEINLINE static void update(const params& p, float& w, float g, float (&s)[2]) noexcept {
     if (mode(p) == 1) {
       update_mode<1>(p, w, g, s);

@@ -4,6 +4,8 @@
 #include <concepts>
 #include <cstdint>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 
 #include "../config.hpp"
 #include "adam.hpp"
@@ -65,6 +67,18 @@ MPZERO_HOST_DEVICE constexpr int mode_of(const typename O::params& p) noexcept {
     (void)p;
     return 0;
   }
+}
+
+// Calls f(std::integral_constant<int, M>{}) for M = mode_of<O>(p), and returns what it
+// returns: the mode read once, at run time, for code compiled once per mode (the host
+// step's loop over a chunk, the CUDA step's kernel), so that each mode's code is what a
+// rule without modes gets. For a rule without modes, f's M is 0.
+template <rule O, int M = 0, class F>
+MPZERO_FORCEINLINE decltype(auto) visit_mode(const typename O::params& p, F&& f) {
+  if constexpr (M + 1 < n_modes<O>()) {
+    if (mode_of<O>(p) != M) return visit_mode<O, M + 1>(p, std::forward<F>(f));
+  }
+  return std::forward<F>(f)(std::integral_constant<int, M>{});
 }
 
 // The optimizer's name under these options, as checkpoints and errors give it: the

@@ -97,13 +97,13 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE float update_element_float(const step_args
 
 // The same in the storage dtypes. `w` is the master value (the parameter itself when
 // Policy::master_is_param); `p` receives the parameter when the master is separate.
-template <precision_policy Policy, optim::rule Optimizer>
+template <precision_policy Policy, optim::rule Optimizer, int Mode = -1>
 MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void update_element_with_bits(const step_args<Optimizer>& a, element_bits bits,
                                                                     typename Policy::master_type& w,
                                                                     typename Policy::grad_type g,
                                                                     typename Policy::state_type (&s)[Optimizer::n_states],
                                                                     typename Policy::param_type& p) {
-  const float wf = update_element_float<Policy, Optimizer>(a, bits, to_float(w), to_float(g), s, w);
+  const float wf = update_element_float<Policy, Optimizer, Mode>(a, bits, to_float(w), to_float(g), s, w);
   if constexpr (!Policy::master_is_param) {
     // The parameter is a copy of a wider master: nearest rounding, the master keeps the precision.
     p = from_float<typename Policy::param_type>(wf);
@@ -115,7 +115,7 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void update_element_with_bits(const step_a
 
 // The same update with the element's bits drawn on their own (one draw for one
 // element): the scalar reference, and the path for elements updated one at a time.
-template <precision_policy Policy, optim::rule Optimizer>
+template <precision_policy Policy, optim::rule Optimizer, int Mode = -1>
 MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void update_element(const step_args<Optimizer>& a, std::uint64_t global_index,
                                                           typename Policy::master_type& w,
                                                           typename Policy::grad_type g,
@@ -123,7 +123,7 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void update_element(const step_args<Optimi
                                                           typename Policy::param_type& p) {
   element_bits bits{};
   if constexpr (Policy::rounding::stochastic) bits = element_rounding_bits(a.seed, a.step, global_index);
-  update_element_with_bits<Policy, Optimizer>(a, bits, w, g, s, p);
+  update_element_with_bits<Policy, Optimizer, Mode>(a, bits, w, g, s, p);
 }
 
 // The description of a fused step: validated tensors and their chunk plan. Build it
