@@ -40,6 +40,16 @@ if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
   mpzero_compile_fail(unsupported_storage_double
                       "mpzero: precision<Param, Master, Grad, State> stores model states as")
 
+  # The plans' views (spans into the plan) on a temporary plan: deleted, as they would
+  # dangle. The same file without the define takes them from variables and compiles.
+  add_test(NAME policy.compile_fail.plan_views
+           COMMAND ${_mpzero_syntax_only} -DMPZERO_VIEW_OF_TEMPORARY ${CMAKE_CURRENT_SOURCE_DIR}/compile_fail/plan_views.cpp)
+  set_tests_properties(policy.compile_fail.plan_views PROPERTIES LABELS policy ENVIRONMENT LC_ALL=C
+                       PASS_REGULAR_EXPRESSION "deleted (member )?function.*buckets")
+  add_test(NAME policy.compile_ok.plan_views
+           COMMAND ${_mpzero_syntax_only} ${CMAKE_CURRENT_SOURCE_DIR}/compile_fail/plan_views.cpp)
+  set_tests_properties(policy.compile_ok.plan_views PROPERTIES LABELS policy)
+
   add_test(NAME policy.compile_ok.valid_policies
            COMMAND ${_mpzero_syntax_only} ${CMAKE_CURRENT_SOURCE_DIR}/compile_fail/valid_policies.cpp)
   set_tests_properties(policy.compile_ok.valid_policies PROPERTIES LABELS policy)

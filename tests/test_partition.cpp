@@ -409,11 +409,13 @@ TEST_CASE("bucket_plan: boundaries and parameters larger than the bucket", "[par
   CHECK(order_of(bucket_plan(even, 8, 1)) == order{0, 2, 1});        // {0} | {1, 2}, {3}
   CHECK(order_of(bucket_plan(even, 7, 0)) == order{3, 2, 1, 0});     // all from the split on
   CHECK(order_of(bucket_plan(even, 7, 4)) == order{3, 2, 1, 0});     // none
-  CHECK(bucket_plan(flat_layout(std::vector<std::uint64_t>{}, 4), 8, 0).launch_order().empty());
+  const std::vector<std::uint64_t> none;
+  const bucket_plan empty_split(flat_layout(none, 4), 8, 0);
+  CHECK(empty_split.launch_order().empty());
 
   // Degenerate groups.
-  const std::vector<std::uint64_t> none;
-  CHECK(bucket_plan(flat_layout(none, 4), 8).buckets().empty());
+  const bucket_plan empty(flat_layout(none, 4), 8);
+  CHECK(empty.buckets().empty());
   const std::vector<std::uint64_t> zeros{0, 0};
   const flat_layout lz(zeros, 4);
   CHECK(lz.padded_numel() == 0);

@@ -200,11 +200,13 @@ TEST_CASE("chunk_size edge cases", "[multi_tensor]") {
   SECTION("chunk_size 1: one chunk per element") {
     const std::vector<std::uint64_t> numels = {3, 0, 2};
     check_plan(numels, {.chunk_size = 1});
-    CHECK(multi_tensor_plan(numels, {.chunk_size = 1}).chunks().size() == 5);
+    const multi_tensor_plan per_element(numels, {.chunk_size = 1});
+    CHECK(per_element.chunks().size() == 5);
   }
   SECTION("numel one below, equal to and one above chunk_size") {
     for (std::uint64_t n : {63u, 64u, 65u}) check_plan({n}, {.chunk_size = 64});
-    CHECK(multi_tensor_plan(std::vector<std::uint64_t>{64}, {.chunk_size = 64}).chunks().size() == 1);
+    const multi_tensor_plan equal(std::vector<std::uint64_t>{64}, {.chunk_size = 64});
+    CHECK(equal.chunks().size() == 1);
     const multi_tensor_plan over(std::vector<std::uint64_t>{65}, {.chunk_size = 64});
     REQUIRE(over.chunks().size() == 2);
     CHECK(over.chunks()[1].size == 1);
@@ -244,10 +246,10 @@ TEST_CASE("launches respect max_chunks_per_launch and max_tensors_per_launch", "
       for (const auto& l : plan.launches()) CHECK(l.num_tensors <= limit);
     }
     // A run of empty tensors exactly at the limit: {1, 0, 0, 1} spans four tensor slots.
-    CHECK(multi_tensor_plan(std::vector<std::uint64_t>{1, 0, 0, 1}, {.max_tensors_per_launch = 4}).launches().size() ==
-          1);
-    CHECK(multi_tensor_plan(std::vector<std::uint64_t>{1, 0, 0, 1}, {.max_tensors_per_launch = 3}).launches().size() ==
-          2);
+    const std::vector<std::uint64_t> gap = {1, 0, 0, 1};
+    const multi_tensor_plan at_limit(gap, {.max_tensors_per_launch = 4}), over_limit(gap, {.max_tensors_per_launch = 3});
+    CHECK(at_limit.launches().size() == 1);
+    CHECK(over_limit.launches().size() == 2);
   }
   SECTION("the default limits split more than 65536 tensors and more than 2^20 chunks") {
     const std::vector<std::uint64_t> many(70000, 1);

@@ -175,7 +175,9 @@ struct host_backend {
     stepper(const host_backend& b, std::vector<step_tensor<Policy, Optimizer>> tensors)
         : options_(b.options), step_(std::move(tensors)) {}
     void run(const step_args<Optimizer>& args) const { host::run(step_, args, options_); }
-    std::span<const step_tensor<Policy, Optimizer>> tensors() const noexcept { return step_.tensors(); }
+    // A view into the stepper, deleted on rvalues (it would dangle): keep the stepper in a variable.
+    std::span<const step_tensor<Policy, Optimizer>> tensors() const& noexcept { return step_.tensors(); }
+    std::span<const step_tensor<Policy, Optimizer>> tensors() const&& = delete;
 
    private:
     host::options options_;

@@ -81,10 +81,15 @@ class multi_tensor_plan {
     if (current.num_chunks > 0) launches_.push_back(current);
   }
 
-  std::span<const chunk> chunks() const noexcept { return chunks_; }
-  std::span<const launch_range> launches() const noexcept { return launches_; }
+  // The views below point into the plan: a temporary plan's would dangle once the
+  // statement ends, so they are deleted on rvalues. Keep the plan in a variable.
+  std::span<const chunk> chunks() const& noexcept { return chunks_; }
+  std::span<const chunk> chunks() const&& = delete;
+  std::span<const launch_range> launches() const& noexcept { return launches_; }
+  std::span<const launch_range> launches() const&& = delete;
   std::uint64_t total_elements() const noexcept { return total_elements_; }
-  const plan_options& options() const noexcept { return options_; }
+  const plan_options& options() const& noexcept { return options_; }
+  const plan_options& options() const&& = delete;
 
  private:
   plan_options options_{};

@@ -65,10 +65,15 @@ class bucket_plan {
     for (std::size_t b = buckets_.size(); b-- > first_after;) launch_order_.push_back(b);
   }
 
-  std::span<const bucket> buckets() const noexcept { return buckets_; }
+  // The views below point into the plan: a temporary plan's would dangle once the
+  // statement ends (`for (auto& b : bucket_plan(...).buckets())` reads freed memory), so
+  // they are deleted on rvalues. Keep the plan in a variable.
+  std::span<const bucket> buckets() const& noexcept { return buckets_; }
+  std::span<const bucket> buckets() const&& = delete;
   // Bucket indices in the order to reduce them: descending (the order backward usually
   // completes them), with the buckets from `split` on after the others.
-  std::span<const std::size_t> launch_order() const noexcept { return launch_order_; }
+  std::span<const std::size_t> launch_order() const& noexcept { return launch_order_; }
+  std::span<const std::size_t> launch_order() const&& = delete;
   std::size_t num_buckets() const noexcept { return buckets_.size(); }
   std::uint64_t bucket_numel() const noexcept { return bucket_numel_; }
 

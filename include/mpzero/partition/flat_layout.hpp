@@ -91,7 +91,9 @@ class flat_layout {
   }
 
   int world_size() const noexcept { return world_size_; }
-  const flat_layout_options& options() const noexcept { return options_; }
+  // Deleted on rvalues: a temporary layout's options would dangle once the statement ends.
+  const flat_layout_options& options() const& noexcept { return options_; }
+  const flat_layout_options& options() const&& = delete;
   std::size_t num_params() const noexcept { return prefix_.empty() ? 0 : prefix_.size() - 1; }
 
   // Start of `param` in the flat buffer.

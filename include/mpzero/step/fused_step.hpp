@@ -142,8 +142,12 @@ class fused_step {
     plan_ = multi_tensor_plan(numels, options);
   }
 
-  std::span<const tensor> tensors() const noexcept { return tensors_; }
-  const multi_tensor_plan& plan() const noexcept { return plan_; }
+  // Views into the step, deleted on rvalues: a temporary step's would dangle once the
+  // statement ends. Keep the step in a variable.
+  std::span<const tensor> tensors() const& noexcept { return tensors_; }
+  std::span<const tensor> tensors() const&& = delete;
+  const multi_tensor_plan& plan() const& noexcept { return plan_; }
+  const multi_tensor_plan& plan() const&& = delete;
 
  private:
   void validate() const {
