@@ -212,6 +212,7 @@ bool identical_across_ranks(const std::vector<T>& v) {
 std::vector<u64> uneven_counts(int p, u64 scale = 1) {
   static const u64 pattern[] = {13, 0, 6, 0, 21};
   std::vector<u64> c;
+  c.reserve(static_cast<std::size_t>(p));
   for (int r = 0; r < p; ++r) c.push_back(pattern[r % 5] * scale);
   return c;
 }

@@ -250,6 +250,7 @@ void check_stats_grid(G nan, G inf) {
     numel += sizes[t];
   }
   std::vector<mpzero::grad_view<G>> views;
+  views.reserve(data.size());
   for (const auto& d : data) views.push_back({d.data(), d.size()});
   const mpzero::multi_tensor_plan plan(sizes, {});
   const std::span<const mpzero::grad_view<G>> grads(views);

@@ -35,7 +35,7 @@ struct ref_scaler {
   double min_scale;
 
   explicit ref_scaler(const loss_scale_options& o)
-      : cur_scale(std::pow(2.0L, o.initial_scale_power)),
+      : cur_scale(static_cast<double>(std::pow(2.0L, o.initial_scale_power))),
         delayed_shift(o.hysteresis),
         cur_hysteresis(o.hysteresis),
         scale_window(o.loss_scale_window),
