@@ -3,7 +3,7 @@
 # the core's tests, the config parser and the fuzz targets, with the library's headers
 # (include/mpzero, adapters/torch) reported wherever they are instantiated. Needs a
 # configured build folder with compile_commands.json (default build/, which
-# scripts/build.sh makes). About 11 minutes on 2 cores; not part of CI.
+# scripts/build.sh makes). 9-11 minutes on 2 cores; not part of CI.
 #   scripts/tidy.sh [BUILD_DIR]        exit status 1 when there is a warning
 # Left out: test_numeric.cpp (clang 14 has no _Float16 on x86-64, which it compares
 # against) and the LibTorch units (LibTorch's headers take most of the time, and
