@@ -12,6 +12,8 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -111,7 +113,8 @@ long double value_of(fp16 x) {
 
 template <class T>
 bool same_bits(const T& a, const T& b) {
-  return std::memcmp(&a, &b, sizeof(T)) == 0;
+  using bytes = std::array<unsigned char, sizeof(T)>;
+  return std::bit_cast<bytes>(a) == std::bit_cast<bytes>(b);
 }
 
 // Nearest-even rounding of v to a binary format with `man_bits` stored mantissa bits

@@ -12,6 +12,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <cmath>
 #include <cstdint>
@@ -224,8 +225,9 @@ void check_against_reference(const scenario& sc, const typename Opt::options& op
   REQUIRE(got.params.size() == ref.params.size());
   std::size_t mismatches = 0;
   for (std::size_t i = 0; i < ref.params.size(); ++i) {
-    const bool same = std::memcmp(&got.params[i], &ref.params[i], 4) == 0 && std::memcmp(&got.master[i], &ref.master[i], 4) == 0 &&
-                      std::memcmp(&got.state0[i], &ref.state0[i], 4) == 0 && std::memcmp(&got.state1[i], &ref.state1[i], 4) == 0;
+    const auto bits = [](float x) { return std::bit_cast<std::uint32_t>(x); };
+    const bool same = bits(got.params[i]) == bits(ref.params[i]) && bits(got.master[i]) == bits(ref.master[i]) &&
+                      bits(got.state0[i]) == bits(ref.state0[i]) && bits(got.state1[i]) == bits(ref.state1[i]);
     if (!same && mismatches++ == 0) {
       UNSCOPED_INFO("first mismatch at flat " << i << ": param " << got.params[i] << " vs " << ref.params[i] << ", master "
                                               << got.master[i] << " vs " << ref.master[i] << ", m " << got.state0[i]

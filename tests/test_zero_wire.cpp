@@ -394,12 +394,12 @@ TEST_CASE("ZeRO wire dtypes: memory().buckets counts the wire buffers", "[zero]"
     REQUIRE(z1.memory().buckets == 0);
     feed(z0, numels.size());
     feed(z1, numels.size());
-    CHECK(z0.memory().buckets == 1200 * 2);
-    CHECK(z1.memory().buckets == 2 * 1200 * 2);
+    CHECK(z0.memory().buckets == std::uint64_t{1200} * 2);
+    CHECK(z1.memory().buckets == std::uint64_t{2} * 1200 * 2);
     // Kept for the next step, not grown by it.
     z0.step();
     feed(z0, numels.size());
-    CHECK(z0.memory().buckets == 1200 * 2);
+    CHECK(z0.memory().buckets == std::uint64_t{1200} * 2);
   }
   {
     // Stage 2, one bucket: its fp32 staging buffer, its bf16 copy, and this rank's
@@ -415,9 +415,9 @@ TEST_CASE("ZeRO wire dtypes: memory().buckets counts the wire buffers", "[zero]"
     feed(z, 1);
     feed(plain, 1);
     const std::uint64_t mine = std::max<std::uint64_t>(intersect(z.shard(), flat_range{0, 1000}).size(), 1);
-    CHECK(z.memory().buckets == 1000 * 4 + 1000 * 2 + mine * 2);
+    CHECK(z.memory().buckets == std::uint64_t{1000} * 4 + std::uint64_t{1000} * 2 + mine * 2);
     // In the gradient dtype, one rank has nothing to reduce: no buffers at all.
-    CHECK(plain.memory().buckets == (c.size() == 1 ? 0 : 1000 * 4 + mine * 4));
+    CHECK(plain.memory().buckets == (c.size() == 1 ? 0 : std::uint64_t{1000} * 4 + mine * 4));
   }
 }
 
