@@ -229,7 +229,7 @@ BENCHMARK_TEMPLATE(BM_cuda_step, policies::bf16_all, optim::adam_runtime)->Apply
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::bf16_all_sr, optim::adam_runtime)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::fp32, optim::sgd)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::fp32, optim::lion)->Apply(step_sizes);
-// Launch-shape sweep (docs/perf.md, "first GPU run"): threads per block, elements per
+// Launch-shape sweep (docs/perf.md, "CUDA launch shapes"): threads per block, elements per
 // thread and chunk size, at 64M elements, for the policies furthest from copy bandwidth.
 // --benchmark_filter=tuning selects them.
 void sweep_size(benchmark::internal::Benchmark* b) {

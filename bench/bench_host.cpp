@@ -194,7 +194,8 @@ void copy_sizes(benchmark::internal::Benchmark* b) {
 }
 
 // Ablation, not an optimizer: AdamW's update with parts of its arithmetic taken out, to
-// see which part bounds a step (docs/perf.md, session 13). Variant 0 is all of AdamW's
+// see which part bounds a step (docs/perf.md, "Host step: AdamW arithmetic ablation").
+// Variant 0 is all of AdamW's
 // arithmetic (the same operations as optim::adamw); 1 multiplies where AdamW divides;
 // 2 skips the square root; 3 does both; 4 keeps no arithmetic but a move of each value
 // (the loads, conversions, rounding and stores of the step stay in every variant).

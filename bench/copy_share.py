@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The fused step's speed as a share of device copy bandwidth (issue 2's measure), from
+"""The fused step's speed as a share of device copy bandwidth (the CUDA step's target
+measure, docs/perf.md "CUDA step against device copy bandwidth"), from
 mpzero_bench_cuda's JSON output (--benchmark_out=FILE --benchmark_out_format=json).
 
     python3 bench/copy_share.py bench_cuda.json [--min-elements 16777216] [--markdown]

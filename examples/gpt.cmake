@@ -11,7 +11,8 @@ if(TARGET mpzero_torch)
     target_link_libraries(train_gpt PRIVATE MPI::MPI_CXX)
     target_compile_definitions(train_gpt PRIVATE MPZERO_GPT_MPI)
   endif()
-  # The main job, checked end to end on a tiny model (examples/gpt/smoke_test.py): every
+  # The GPT comparison (scripts/main.sh), checked end to end on a tiny model
+  # (examples/gpt/smoke_test.py; the tests are named examples.main_job.*): every
   # output, measured vs predicted bytes, learning, bit-identity across stages; at world
   # size 1 and, with MPI, 2.
   find_package(Python3 COMPONENTS Interpreter QUIET)

@@ -1,6 +1,6 @@
 // The precision policies on a toy problem, with no LibTorch: the same optimisation problem
 // trained with every named precision policy through the fused host step, side by side.
-// (The main job, the GPT comparison, is examples/gpt/train_gpt.cpp.)
+// (The GPT comparison of scripts/main.sh is examples/gpt/train_gpt.cpp.)
 //
 // The problem is a noisy ill-conditioned quadratic, 0.5 * mean(c_i (w_i - t_i)^2)
 // with curvatures c_i spread over three decades, trained with AdamW and a cosine

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Prepares .deps/ (git-ignored) for a build on a machine that reaches no package
-# registry, e.g. the lent GPU machine (docs/perf.md, "Running on a GPU"): downloads the
-# Debian packages the build, tests, benchmarks and main job need and unpacks them under
-# .deps/root (no root, no install). scripts/gpu_run.sh builds against them there.
+# Prepares .deps/ (git-ignored) for building or running mpzero's GPU suite on a machine
+# without the Debian development packages it needs, or without a package registry
+# (scripts/gpu_run.sh uses .deps/ when it is there): downloads those packages where apt
+# works and unpacks them under .deps/root, with no root and no install. Copy .deps/ to
+# the GPU machine's checkout when it cannot download them itself.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 deps="$root/.deps"

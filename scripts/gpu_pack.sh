@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# Packs a build of the GPU targets for a lent GPU machine, so that its minutes go to
-# running them rather than compiling them (scripts/gpu_run.sh, GPU_RUN_PREBUILT=1).
-# Here (nvcc and PyPI's CUDA build of torch, the version the GPU machine has):
+# Prepares an offline bundle of mpzero's GPU programs: built on a development machine,
+# to run on a GPU machine that cannot build them itself (no development packages, no
+# package registry, or no time for a build of several minutes); scripts/gpu_run.sh with
+# GPU_RUN_PREBUILT=1 runs the bundle. On the development machine (nvcc, and PyPI's CUDA
+# build of torch at the version the GPU machine has):
 #
 #   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
 #         -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DMPZERO_BENCH_NATIVE=OFF -DMPZERO_TORCH_CUDA=ON
 #   cmake --build build-gpu --target test_gpu test_zero_gpu test_comm_gpu test_torch_gpu mpzero_bench_cuda train_gpt
-#   scripts/gpu_pack.sh
+#   scripts/gpu_pack.sh [BUILD_DIR]          (default build-gpu)
 #
-# No MPI (the GPU machine has none) and no -march=native (its CPU is another). The pack,
-# .gpu/build-gpu (git-ignored), is build-gpu/ without objects and static libraries: the
-# programs, CMakeCache.txt and the CTest files (59 MB in session 21), and the same packed as
-# .gpu/build-gpu.tar.xz (7 MB: the device tool carries at most 64 MiB a call, and the folder
-# with .deps was over it). Then, with carry [".gpu/build-gpu.tar.xz", ".deps"] (gpu_run.sh
-# unpacks it there):
-#   GPU_RUN_PREBUILT=1 scripts/gpu_run.sh test bench gpt states
+# No MPI (a GPU machine without development packages has none to link) and no
+# -march=native (its CPU may be another); CMAKE_CUDA_ARCHITECTURES names its GPU. The
+# bundle, .gpu/build-gpu (git-ignored), is the build folder without objects and static
+# libraries: the programs (stripped), CMakeCache.txt and the CTest files; and the same
+# compressed as .gpu/build-gpu.tar.xz (a few MB). Copy that archive, and .deps/ from
+# scripts/gpu_deps.sh, into a checkout on the GPU machine, then:
+#
+#   GPU_RUN_PREBUILT=1 scripts/gpu_run.sh test bench
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 src="${1:-$root/build-gpu}"

@@ -1,62 +1,73 @@
 #!/usr/bin/env bash
-# On a GPU machine that reaches no package registry (the lent H100/H200): builds mpzero
-# against .deps/ (made beforehand by scripts/gpu_deps.sh where apt works, carried over),
-# then runs the phases named on the command line:
+# Builds and runs mpzero's GPU suite on a machine with an NVIDIA GPU, and collects the
+# results in one folder:
+#
+#   scripts/gpu_run.sh [--out DIR] [PHASE ...]        (default phases: build test bench)
+#
+# DIR defaults to results/gpu in the checkout; it gets the logs (machine.txt,
+# configure.log, build.log, ctest_gpu.log) and each phase's results. The phases:
 #   build   configure + build the [gpu] tests, the CUDA benchmark and train_gpt (build-gpu/)
 #   test    ctest -L gpu (every [gpu] case: kernels vs host, ZeRO on CUDA + NCCL, offload
 #           transfers, the LibTorch engine on CUDA parameters)
-#   bench   mpzero_bench_cuda (the step per policy vs the device copy bandwidth)
+#   bench   mpzero_bench_cuda (the step per policy vs the device copy bandwidth;
+#           bench_cuda.json, which bench/copy_share.py reads)
 #   gpt     train_gpt --device cuda (the precision comparison); GPT_ARGS adds flags,
-#           GPT_NAME names the run (default gpt; results under <work>/$GPT_NAME)
+#           GPT_NAME names the run (default gpt; results under DIR/$GPT_NAME)
 #   states  train_gpt again, on a model whose memory is mostly model states (STATES_ARGS,
-#           default below; results under <work>/states): the memory and step-time targets
+#           default below; results under DIR/states): the memory and step-time targets
 #   seeds   train_gpt once per seed of GPU_RUN_SEEDS (default "1 2 3 4 5") with SEEDS_ARGS
-#           (default below; results under <work>/seeds/seed<N>), then
+#           (default below; results under DIR/seeds/seed<N>), then
 #           examples/gpt/compare_seeds.py over the seeds done so far (seeds/summary.json):
 #           the stochastic-rounding loss criterion, judged on paired per-seed changes;
-#           GPU_RUN_SEEDS_JOBS of them at a time (default 1); no seed starts that the
-#           budget would stop before it ends (judged by the longest seed so far);
-#           GPU_RUN_SEEDS_PRIOR=FILE (a summary; a relative path is from the checkout) adds this
-#           call's seeds to an earlier series (seeds/merged.{txt,json})
-# e.g.  scripts/gpu_run.sh build test bench      then      GPT_ARGS="--big --steps 1000" scripts/gpu_run.sh gpt states
+#           GPU_RUN_SEEDS_JOBS of them at a time (default 1); GPU_RUN_SEEDS_PRIOR=FILE (a
+#           summary such as docs/data/seeds_big_cosine.json; a relative path is from the
+#           checkout) adds this run's seeds to that series (seeds/merged.{txt,json})
+# e.g.  scripts/gpu_run.sh      then      GPT_ARGS="--big --steps 1000" scripts/gpu_run.sh gpt states
 #
-# Each phase builds what it needs first (a no-op when build-gpu/ is up to date), so a
-# call on a fresh machine works whatever ran before; the first build of a call builds
-# the targets of all its phases in one parallel build. Logs and results go to a work
-# folder (out/gpu); when $OUT is set (the device tool, which brings back at most 8
-# files), they are packed there as one gpu_run.tar.gz, beside copies of the main
-# results (results.json, the plots, bench_cuda.json).
-# A phase that fails is reported and the next one still runs; the exit status is the
-# number of failed phases. The device tool ends a call at 10 minutes and brings back only
-# what is under $OUT by then, so the phases share a budget (GPU_RUN_BUDGET_S, default
-# 540 s from the start of the script): a phase still running at its end is stopped, the
-# rest are skipped, and what was written so far (logs, train_gpt's results.json, which it
-# rewrites after each configuration) is still packed.
-#
-# Prebuilt (GPU_RUN_PREBUILT=1): the GPU targets were built elsewhere for sm_90 and
-# packed by scripts/gpu_pack.sh into .gpu/build-gpu and .gpu/build-gpu.tar.xz (carry
-# ".gpu/build-gpu.tar.xz" and ".deps"; this script unpacks it), so a
-# lent machine spends its minutes running them, not compiling them: no configure and no
-# build here; a phase whose program is not in the pack fails. The pack's CTest files name
-# the paths of the machine that built it: they are linked to this checkout when absent.
+# Each phase builds what it needs first (a no-op when build-gpu/ is up to date); the
+# first build of a run builds the targets of all its phases in one parallel build. A
+# phase that fails is reported and the next one still runs; the exit status is the
+# number of failed phases. GPU_RUN_TIME_LIMIT_S (default: none) bounds the whole run: a
+# phase still running at its end is stopped, the rest are skipped, no seed is started
+# that would not end in time, and what was written so far (logs, train_gpt's
+# results.json, which it rewrites after each configuration) stays in DIR.
 # GPU_RUN_CTEST_J runs that many test programs side by side (default 1);
 # GPU_RUN_BENCH_ARGS adds flags to mpzero_bench_cuda (e.g. --benchmark_filter=tuning).
+#
+# Libraries: the build uses the machine's packages (Catch2 v2, Google Benchmark,
+# nlohmann-json, fortunes; scripts/setup.sh installs them on Debian), or .deps/ when it
+# is there: scripts/gpu_deps.sh unpacks those packages into .deps/ without installing
+# them, for a GPU machine without development packages or a package registry. It needs
+# nvcc, CMake and python3 with a CUDA build of torch (its LibTorch; pip's nvidia-nccl
+# wheel serves as NCCL when the toolkit has none).
+#
+# Prebuilt (GPU_RUN_PREBUILT=1): runs an offline bundle made on another machine by
+# scripts/gpu_pack.sh (copy its .gpu/build-gpu.tar.xz, and .deps/, into this checkout;
+# this script unpacks it), with no configure and no build here; a phase whose program is
+# not in the bundle fails. The bundle's CTest files name the paths of the machine that
+# built it: they are linked to this checkout when absent.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-work="$root/out/gpu"
-prefix="$root/.deps/root/usr"
+if [ "${1:-}" = "--out" ]; then
+  [ $# -ge 2 ] || { echo "gpu_run: --out needs a folder" >&2; exit 2; }
+  GPU_RUN_OUT="$2"
+  shift 2
+fi
+work="${GPU_RUN_OUT:-$root/results/gpu}"
+mkdir -p "$work"
+work="$(cd "$work" && pwd)"
+export GPU_RUN_OUT="$work"  # the phases run this script again (--one)
 build="$root/build-gpu"
 prebuilt="${GPU_RUN_PREBUILT:-0}"
-mkdir -p "$work"
-if [ ! -d "$prefix" ]; then
-  echo "gpu_run: $prefix is missing: run scripts/gpu_deps.sh where apt works and carry .deps" >&2
-  exit 1
-fi
+# The packages unpacked by scripts/gpu_deps.sh, else the machine's own.
+deps="$root/.deps/root/usr"
+prefix=/usr
+[ -d "$deps" ] && prefix="$deps"
 if [ "$prebuilt" = 1 ]; then
-  # The pack as scripts/gpu_pack.sh compresses it (what a call carries): unpacked with
-  # python3's tarfile, as the GPU machine's image may have no xz. Again whenever the
-  # archive is newer than what a warm machine kept from an earlier call; into a fresh
-  # folder first, so that an interrupted unpack never passes for a whole one.
+  # The bundle as scripts/gpu_pack.sh compresses it: unpacked with python3's tarfile, as
+  # a GPU machine's image may have no xz. Again whenever the archive is newer than what
+  # an earlier run unpacked; into a fresh folder first, so that an interrupted unpack
+  # never passes for a whole one.
   pack="$root/.gpu/build-gpu.tar.xz"
   if [ -f "$pack" ] && { [ ! -f "$root/.gpu/build-gpu/CMakeCache.txt" ] || [ "$pack" -nt "$root/.gpu/build-gpu/CMakeCache.txt" ]; }; then
     rm -rf "$root/.gpu/unpack" && mkdir -p "$root/.gpu/unpack" &&
@@ -69,7 +80,7 @@ with tarfile.open(sys.argv[1]) as t:
   fi
   if [ ! -e "$build" ] && [ -d "$root/.gpu/build-gpu" ]; then ln -s "$root/.gpu/build-gpu" "$build"; fi
   if [ ! -f "$build/CMakeCache.txt" ]; then
-    echo "gpu_run: GPU_RUN_PREBUILT=1 but $build has no build: run scripts/gpu_pack.sh where it was built and carry .gpu" >&2
+    echo "gpu_run: GPU_RUN_PREBUILT=1 but $build has no build: make a bundle with scripts/gpu_pack.sh where it was built and copy .gpu/build-gpu.tar.xz here" >&2
     exit 1
   fi
   # The builder's source and build folders, as its CTest files and rpaths name them.
@@ -87,7 +98,8 @@ if [ -z "${GPU_RUN_LIBS:-}" ]; then  # once: the phases run this script again (-
   nccl_lib="$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null || true)/lib"
   [ -d "$nccl_lib" ] && extra_libs="$extra_libs:$nccl_lib"
   [ -d /usr/local/cuda/lib64 ] && extra_libs="$extra_libs:/usr/local/cuda/lib64"
-  export LD_LIBRARY_PATH="$prefix/lib/x86_64-linux-gnu:${extra_libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  [ -d "$deps" ] && extra_libs="$deps/lib/x86_64-linux-gnu:$extra_libs"
+  export LD_LIBRARY_PATH="${extra_libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export GPU_RUN_LIBS=1
 fi
 nvcc_bin="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
@@ -108,14 +120,14 @@ if [ ! -e "$cuda_include/cublas_v2.h" ]; then
   cu_py="$(python3 -c 'import nvidia; print(list(nvidia.__path__)[0])' 2>/dev/null || true)/cu13/include"
   [ -e "$cu_py/cublas_v2.h" ] && cxx_flags=("-DCMAKE_CXX_FLAGS=-idirafter $cu_py")
 fi
-# Targets that failed to build earlier in this call (the loop below starts it empty and
+# Targets that failed to build earlier in this run (the loop below starts it empty and
 # passes it to each phase; a phase run alone with --one starts the same file afresh):
 # later phases report them instead of compiling the failing file again.
 if [ -n "${GPU_RUN_FAILED:-}" ]; then
   failed_list="$GPU_RUN_FAILED"
 else
   failed_list="$work/failed_targets"
-  rm -f "$failed_list"  # a fresh list: no stale entries from an earlier call
+  rm -f "$failed_list"  # a fresh list: no stale entries from an earlier run
 fi
 all_targets=(test_gpu test_zero_gpu test_comm_gpu test_torch_gpu mpzero_bench_cuda train_gpt)
 test_targets=(test_gpu test_zero_gpu test_comm_gpu test_torch_gpu)
@@ -123,9 +135,9 @@ test_targets=(test_gpu test_zero_gpu test_comm_gpu test_torch_gpu)
 # (not activations) dominate peak memory, as in the DeepSpeed blog's 7B model.
 default_states_args="--big --dim 1024 --layers 12 --heads 16 --seq 128 --batch 4 --steps 200 \
 --configs bf16/z2,bf16-all-ac/z2,bf16-all/z2,fp16-master/z2,torch"
-# The seeds run: the issue's 1000 steps on the --big model, the fp32 baseline first, at
-# the cosine rate that decides the loss criterion (docs/perf.md, session 27: a constant
-# rate's per-seed spread is 20 times wider).
+# The seeds run: 1000 steps on the --big model, the fp32 baseline first, at the cosine
+# rate that decides the loss criterion (a constant rate's per-seed spread is 20 times
+# wider: docs/perf.md, "GPT comparison on the GPU: held-out loss after 1000 steps").
 default_seeds_args="--big --steps 1000 --lr-schedule cosine --configs fp32/z0,bf16/z2,bf16-all-sr/z2"
 failed=0
 
@@ -142,27 +154,30 @@ configure() {
       [ -e "$cuda_include/$h" ] && echo "toolkit has $h" || echo "toolkit lacks $h"
     done
     echo "prebuilt: $prebuilt"
+    echo "packages: $prefix"
     echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
   } >"$work/machine.txt" 2>&1
   [ "$prebuilt" = 1 ] && return 0
   local gen=()  # a generator only for a new build folder (an existing one keeps its own)
   [ ! -f "$build/CMakeCache.txt" ] && command -v ninja >/dev/null 2>&1 && gen=(-G Ninja)
-  if ! cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
+  local dep_flags=()  # the packages of .deps/, when there
+  [ -d "$deps" ] && dep_flags=(-DCMAKE_PREFIX_PATH="$deps" -Dbenchmark_DIR="$deps/lib/x86_64-linux-gnu/cmake/benchmark")
+  if ! cmake -S "$root" -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${dep_flags[@]}" \
     -DCMAKE_CUDA_COMPILER="$nvcc_bin" -DMPZERO_TORCH_CUDA=ON -DPython3_EXECUTABLE="$(command -v python3)" \
-    -Dbenchmark_DIR="$prefix/lib/x86_64-linux-gnu/cmake/benchmark" "${cxx_flags[@]}" >"$work/configure.log" 2>&1; then
+    "${cxx_flags[@]}" >"$work/configure.log" 2>&1; then
     tail -30 "$work/configure.log"
     return 1
   fi
   grep "mpzero:" "$work/configure.log"
 }
 
-# Builds the named targets, together with the other phases' of this call
+# Builds the named targets, together with the other phases' of this run
 # (GPU_RUN_TARGETS, set by the loop below) in one parallel build, leaving out (and
 # reporting) any this configuration does not define (no NCCL, no LibTorch found) and
-# any that failed earlier in this call, and going on past failures. Succeeds when the
+# any that failed earlier in this run, and going on past failures. Succeeds when the
 # named ones built. A target that fails is recorded, so that no later phase compiles
-# its failing file again (each try of a long nvcc error costs minutes of the budget):
-# a failing file is compiled once by the build and once more per target that needs it.
+# its failing file again (a long nvcc error costs minutes per try): a failing file is
+# compiled once by the build and once more per target that needs it.
 ensure_built() {
   configure || return 1
   local defined=() t
@@ -170,7 +185,7 @@ ensure_built() {
     local ok=0
     for t in "$@"; do
       if [ -z "$(find -L "$build" -type f -name "$t" -perm -u+x -print -quit)" ]; then
-        echo "gpu_run: $t is not in the prebuilt pack (scripts/gpu_pack.sh)"
+        echo "gpu_run: $t is not in the prebuilt bundle (scripts/gpu_pack.sh)"
         echo "$t" >>"$failed_list"
         ok=1
       fi
@@ -220,7 +235,7 @@ phase_build() {
   ensure_built "${all_targets[@]}"
 }
 phase_test() {
-  # The tests that built still run (GPU time is scarce), but a test program that is not
+  # The tests that built still run, but a test program that is not
   # defined (test_zero_gpu needs NCCL) or did not build fails the phase, and so does a
   # label that matches no test.
   local built=0
@@ -230,9 +245,9 @@ phase_test() {
   local skip=() t exclude=()
   for t in "${test_targets[@]}"; do grep -qx "$t" "$failed_list" 2>/dev/null && skip+=("$t"); done
   [ ${#skip[@]} -gt 0 ] && exclude=(-E "^($(IFS='|'; echo "${skip[*]}"))\\.")
-  # Below the device tool's 10 minutes a call: one hung test must not take the call down.
-  # A stuck collective raises mpzero's own error (naming the call) at 60 s, before
-  # ctest's 240 s kill; NCCL's warnings go to the log.
+  # One hung test must not hold the run: a stuck collective raises mpzero's own error
+  # (naming the collective) at 60 s, before ctest's 240 s kill; NCCL's warnings go to
+  # the log.
   (cd "$build" && MPZERO_COMM_TIMEOUT_S=60 NCCL_DEBUG=WARN ctest -L gpu "${exclude[@]}" --no-tests=error \
     --output-on-failure --timeout 240 -j "${GPU_RUN_CTEST_J:-1}") 2>&1 | tee "$work/ctest_gpu.log" | tail -40
   local rc=${PIPESTATUS[0]}
@@ -268,7 +283,7 @@ run_seed() {
   echo "$rc" >"$work/seeds/seed$1.rc"
 }
 # The seeds that finished, each reported once, and the summary over them, rewritten after
-# each, so that a run the budget stops still leaves its summary.
+# each, so that a run the time limit stops still leaves its summary.
 seeds_reported=" "
 seeds_longest=0  # seconds, the longest finished seed so far
 seeds_summarize() {
@@ -285,7 +300,7 @@ seeds_summarize() {
   [ ${#runs[@]} -gt 0 ] && python3 "$root/examples/gpt/compare_seeds.py" "${runs[@]}" \
     --json "$work/seeds/summary.json" >"$work/seeds/summary.txt" 2>&1
   # With an earlier series (GPU_RUN_SEEDS_PRIOR: a compare_seeds summary, e.g.
-  # docs/data/seeds_big_constant.json), also this call's seeds added to it.
+  # docs/data/seeds_big_cosine.json), also this run's seeds added to it.
   local prior="${GPU_RUN_SEEDS_PRIOR:-}"
   [ -n "$prior" ] && [ "${prior#/}" = "$prior" ] && prior="$root/$prior"  # relative to the checkout
   [ ${#runs[@]} -gt 0 ] && [ -n "$prior" ] && python3 "$root/examples/gpt/compare_seeds.py" \
@@ -294,18 +309,18 @@ seeds_summarize() {
 }
 phase_seeds() {
   ensure_built train_gpt || return 1
-  # This call's seeds only: a warm machine keeps an earlier call's results and summary.
+  # This run's seeds only, not an earlier run's results and summary.
   rm -rf "$work/seeds"
   mkdir -p "$work/seeds"
   # GPU_RUN_SEEDS_JOBS seeds train side by side on the one GPU (default 1), for a model
-  # too small to fill the GPU alone (the --big model fills an H100: no gain, session 22's
-  # docs/perf.md). Their steps/s then mean nothing; their losses are the same as alone.
+  # too small to fill the GPU alone (the --big model fills an H100 by itself). Their
+  # steps/s then mean nothing; their losses are the same as alone.
   local jobs_max="${GPU_RUN_SEEDS_JOBS:-1}" seed
   local threads=$(( $(nproc) / jobs_max ))
   [ "$threads" -ge 1 ] || threads=1
-  # No seed starts that would not finish before the budget's end (GPU_RUN_PHASE_END, set
-  # by the loop below), judged by the longest seed so far: a seed stopped halfway is
-  # device time spent for nothing.
+  # With a time limit, no seed starts that would not finish before it (GPU_RUN_PHASE_END,
+  # set by the loop below), judged by the longest seed so far: a seed stopped halfway is
+  # GPU time spent for nothing.
   local skipped=""
   for seed in ${GPU_RUN_SEEDS:-1 2 3 4 5}; do
     while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; seeds_summarize; done
@@ -318,7 +333,7 @@ phase_seeds() {
   done
   while [ "$(jobs -rp | wc -l)" -gt 0 ]; do wait -n; seeds_summarize; done
   seeds_summarize
-  [ -n "$skipped" ] && echo "-- seeds not started (a seed takes up to $seeds_longest s, more than the budget had left):$skipped"
+  [ -n "$skipped" ] && echo "-- seeds not started (a seed takes up to $seeds_longest s, more than the time limit left):$skipped"
   cat "$work/seeds/summary.txt" 2>/dev/null
   [ -n "${GPU_RUN_SEEDS_PRIOR:-}" ] && { echo "-- with $GPU_RUN_SEEDS_PRIOR:"; cat "$work/seeds/merged.txt" 2>/dev/null; }
   for seed in ${GPU_RUN_SEEDS:-1 2 3 4 5}; do
@@ -328,27 +343,17 @@ phase_seeds() {
   return 0
 }
 
-# Everything in one archive under $OUT, plus the main results as files of their own
-# (at most 8: the archive, bench_cuda.json, three per training run).
-bring_back() {
-  local name f
+# At the end (or on an interrupt): the plots of a training phase that the time limit
+# stopped, and where the results are.
+finish() {
+  local name
   for name in "${GPT_NAME:-gpt}" states; do
-    # A training phase stopped by the budget left results.json without its plots.
+    # A training phase stopped early left results.json without its plots.
     if [ -f "$work/$name/results.json" ] && [ "$work/$name/results.json" -nt "$work/$name/memory.png" ]; then
       python3 "$root/examples/gpt/plot.py" "$work/$name/results.json" 2>&1 | tail -2
     fi
   done
-  [ -n "${OUT:-}" ] || return 0
-  tar -czf "$OUT/gpu_run.tar.gz" -C "$root/out" gpu 2>/dev/null
-  [ -f "$work/bench_cuda.json" ] && cp "$work/bench_cuda.json" "$OUT/"
-  for name in "${GPT_NAME:-gpt}" states; do
-    for f in "$work/$name/results.json" "$work/$name/loss_curves.png" "$work/$name/memory.png"; do
-      [ -f "$f" ] && cp "$f" "$OUT/${name}_$(basename "$f")"
-    done
-  done
-  # The tool brings back 8 files at most; the archive holds this summary too.
-  [ -f "$work/seeds/summary.json" ] && [ "$(ls "$OUT" | wc -l)" -lt 8 ] && cp "$work/seeds/summary.json" "$OUT/seeds_summary.json"
-  ls "$OUT"
+  echo "== gpu_run: results in $work"
 }
 
 # One phase, run by the loop below under `timeout` (which stops the phase's whole
@@ -358,7 +363,7 @@ if [ "${1:-}" = "--one" ]; then
   exit $?
 fi
 
-[ $# -gt 0 ] || set -- build test
+[ $# -gt 0 ] || set -- build test bench
 GPU_RUN_TARGETS=""
 for p in "$@"; do
   case "$p" in
@@ -372,31 +377,37 @@ done
 export GPU_RUN_TARGETS
 export GPU_RUN_FAILED="$work/failed_targets"
 rm -f "$GPU_RUN_FAILED"
-budget="${GPU_RUN_BUDGET_S:-540}"
+limit="${GPU_RUN_TIME_LIMIT_S:-}"
 # timeout puts the phase in a process group of its own: pass an interrupt of this script
-# (Ctrl-C, the device tool's stop) on to it, so no build or train_gpt outlives the call.
+# (Ctrl-C, a scheduler's stop) on to it, so no build or train_gpt outlives the run.
 tpid=""
-trap '[ -n "$tpid" ] && kill -TERM -- "-$tpid" 2>/dev/null; bring_back; exit 130' INT TERM
+trap '[ -n "$tpid" ] && kill -TERM -- "-$tpid" 2>/dev/null; finish; exit 130' INT TERM
 for p in "$@"; do
-  left=$((budget - SECONDS))
-  if [ "$left" -le 10 ]; then
-    echo "== gpu_run: $p SKIPPED: the budget of $budget s (GPU_RUN_BUDGET_S) is spent" >&2
-    failed=$((failed + 1))
-    continue
+  left=0  # timeout's 0: no limit
+  if [ -n "$limit" ]; then
+    left=$((limit - SECONDS))
+    if [ "$left" -le 10 ]; then
+      echo "== gpu_run: $p SKIPPED: the time limit of $limit s (GPU_RUN_TIME_LIMIT_S) is reached" >&2
+      failed=$((failed + 1))
+      continue
+    fi
+    echo "== gpu_run: $p ($(date -u +%H:%M:%S), $left s of the time limit left)"
+    export GPU_RUN_PHASE_END=$(( $(date +%s) + left ))
+  else
+    echo "== gpu_run: $p ($(date -u +%H:%M:%S))"
   fi
-  echo "== gpu_run: $p ($(date -u +%H:%M:%S), $left s of the budget left)"
-  GPU_RUN_PHASE_END=$(( $(date +%s) + left )) timeout -k 10 "$left" "$BASH" "$root/scripts/gpu_run.sh" --one "$p" &
+  timeout -k 10 "$left" "$BASH" "$root/scripts/gpu_run.sh" --one "$p" &
   tpid=$!
   wait "$tpid"
   rc=$?
   tpid=""
-  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    echo "== gpu_run: $p STOPPED at the end of the budget ($budget s, GPU_RUN_BUDGET_S)" >&2
+  if [ -n "$limit" ] && { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; }; then
+    echo "== gpu_run: $p STOPPED at the time limit ($limit s, GPU_RUN_TIME_LIMIT_S)" >&2
     failed=$((failed + 1))
   elif [ "$rc" -ne 0 ]; then
     echo "== gpu_run: $p FAILED" >&2
     failed=$((failed + 1))
   fi
 done
-bring_back
+finish
 exit "$failed"

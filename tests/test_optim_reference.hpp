@@ -781,7 +781,7 @@ void check_against_reference(const Cfg& cfg, const run_shape& shape) {
   }
 }
 
-// The configurations every policy runs: a main one on the sizes (gradients
+// The configurations every policy runs: a main one on the sizes below (gradients
 // loss-scaled by 2^10 and unscaled by grad_scale, weight decay on, bias correction on)
 // and a variant on smaller sizes (bias correction off, unit grad_scale, Nesterov, ...).
 inline const std::vector<std::uint64_t> main_sizes = {0, 1, 7, 65537, 300000};

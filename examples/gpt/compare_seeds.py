@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Compares train_gpt's held-out losses across runs that differ only in --seed: the
-stochastic-rounding criterion of issue 6 (final evaluation loss within 0.5% of the fp32
+stochastic-rounding criterion of docs/perf.md (final evaluation loss within 0.5% of the fp32
 baseline) is smaller than one seed's noise, so it is judged on paired differences.
 
     python3 examples/gpt/compare_seeds.py run1/results.json run2/results.json ... \\
@@ -21,7 +21,7 @@ and the measured CPU product ratios) must be equal, and a run trained another wa
 steps, model, rate, --lr-schedule, device) is refused, naming what differs.
 
 A summary written by --json can stand in for its runs: it holds each seed's losses and the
-recipe, so a series grows across sessions without keeping every results.json, e.g.
+recipe, so a series grows over several runs without keeping every results.json, e.g.
 
     python3 examples/gpt/compare_seeds.py docs/data/seeds_big_constant.json new/seed*/results.json
 """

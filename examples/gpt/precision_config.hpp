@@ -1,8 +1,8 @@
-// The main job's precision configurations by name (fp32, bf16, bf16-master, bf16-all,
-// bf16-all-sr, fp16, fp16-master; fp32-ac, bf16-all-ac, bf16-all-sr-ac with autocast: docs/perf.md and
-// README), as the DeepSpeed config keys that select them. Shared by
+// The GPT comparison's precision configurations by name (fp32, bf16, bf16-master,
+// bf16-all, bf16-all-sr, fp16, fp16-master; fp32-ac, bf16-all-ac, bf16-all-sr-ac with
+// autocast: docs/gpt_example.md), as the DeepSpeed config keys that select them. Shared by
 // examples/gpt/train_gpt.cpp and tests/test_torch_gpu.cpp, so a test of "bf16-all-sr"
-// runs what the main job calls bf16-all-sr.
+// runs what the comparison calls bf16-all-sr.
 #pragma once
 
 #include <algorithm>

@@ -322,7 +322,7 @@ def main():
             p = subprocess.run([sys.executable, compare, seeded[0][0], seeded[0][0]], capture_output=True, text=True)
             check(p.returncode != 0 and "repeats seed 7" in p.stderr,
                   "compare_seeds.py refuses the same seed twice (%r)" % p.stderr)
-            # The summary stands in for its runs (a series kept across sessions): the same
+            # The summary stands in for its runs (a series kept over several runs): the same
             # seeds and changes again; with one of its runs beside it, that seed twice.
             check(os.path.isfile(summary), "compare_seeds.py --json wrote %s" % summary)
             if os.path.isfile(summary):

@@ -90,14 +90,13 @@ namespace {
 
 // ---- 16-bit matrix products on a CPU ------------------------------------------------
 //
-// LibTorch's CPU matrix products in bf16 and fp16 can be far slower than in fp32: 45
-// times with LibTorch 2.11 on a CPU without AVX-512 (docs/perf.md), which turned the
-// default comparison's few minutes into a quarter of an hour; on a CPU with AVX-512 its
-// bf16 products are faster than fp32's but its bf16 attention twice as slow. Where the
-// 16-bit kernels are slower (--cpu-matmul auto measures each kind of op at start), the
-// model's 16-bit products of that kind compute in fp32 from the 16-bit values and round
-// their result once to 16 bits: what a GPU's tensor cores do (16-bit inputs, fp32
-// accumulation), so each configuration still trains a 16-bit model. Under autocast the
+// LibTorch's CPU kernels in bf16 and fp16 can be far slower than in fp32: its matrix
+// products on a CPU without AVX-512, its attention on one with AVX-512 (docs/perf.md,
+// "16-bit products on the CPU"). Where the 16-bit kernels are slower (--cpu-matmul auto
+// measures each kind of op at start), the model's 16-bit products of that kind compute
+// in fp32 from the 16-bit values and round their result once to 16 bits: what a GPU's
+// tensor cores do (16-bit inputs, fp32 accumulation), so each configuration still
+// trains a 16-bit model. Under autocast the
 // inputs are first rounded to the autocast dtype, as autocast would. Only the products
 // change (the Linear layers and the output layer: "products"; the attention); every
 // other op runs in the model's dtype.
@@ -936,7 +935,8 @@ void print_table(const std::vector<result>& rs, bool gpu, const std::string& fir
   }
 }
 
-// The DeepSpeed blog's comparison and issue 6's targets, for whichever of its rows ran:
+// The DeepSpeed blog's comparison and its targets (docs/perf.md, "Summary"), for whichever
+// of its rows ran:
 // each all-bf16 configuration against the blog's baseline at the same stage ("fp32
 // master", i.e. bf16/zN: bf16 model, fp32 master weights and states). Memory is the
 // peak device memory on a GPU and the model states' bytes on the CPU. Targets: >= 45%
@@ -1167,8 +1167,8 @@ double op_seconds(cpu_op op, int h, bool upcast, const options& o) {
 // --cpu-matmul on a CPU: sets g_cpu_products. auto measures, per 16-bit dtype and kind of
 // op, LibTorch's 16-bit kernels against the fp32 path and takes the fp32 path where the
 // kernels are more than twice as slow; every rank uses the mean ratios over the ranks,
-// so that all decide alike. Seen (docs/perf.md): products 0.6-0.9 and attention 3.8-4.6
-// on an Intel CPU with AVX-512, products about 45 on an AMD one without.
+// so that all decide alike (the ratios seen on two CPUs: docs/perf.md, "16-bit products
+// on the CPU").
 void choose_cpu_products(const options& o, mt::any_communicator comm) {
   if (o.cpu_matmul != "auto") {
     for (auto& row : g_cpu_products)

@@ -1,6 +1,6 @@
 // The views of mpzero's plans (spans into their storage) are deleted on temporaries: a
-// range-for over a temporary plan's buckets would read freed memory (the fault test_zero
-// had, found by AddressSanitizer in session 26). Compiled twice: as is, where every view
+// range-for over a temporary plan's buckets would read freed memory (a fault
+// AddressSanitizer finds). Compiled twice: as is, where every view
 // is taken from a variable, it must compile; with MPZERO_VIEW_OF_TEMPORARY it must fail
 // to, naming the deleted accessor.
 #include <mpzero/multi_tensor/plan.hpp>

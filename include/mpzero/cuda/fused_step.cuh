@@ -115,9 +115,10 @@ class fused_step_launcher {
   }
 
   // One optimizer step: one kernel launch per launch range of the plan. A rule with
-  // modes (optim::adam_runtime) has one kernel per mode, chosen here from args: a
-  // branch per element on the mode cost adam_runtime's bf16_all_sr step 4.5-9% against
-  // adamw's on an H200 (docs/perf.md, session 27).
+  // modes (optim::adam_runtime) has one kernel per mode, chosen here from args, so that
+  // each mode runs the code of a rule without modes: a branch per element on the mode
+  // slows the stochastic-rounding kernels (docs/perf.md, "Adam and AdamW in one
+  // instantiation").
   void run(const step_args<Optimizer>& args, cudaStream_t stream) const {
     if (d_chunks_ == nullptr && !chunks_.empty())
       mpzero::detail::throw_invalid("fused_step_launcher::run: call upload() first");

@@ -18,13 +18,12 @@ struct cuda_tuning {
 // tensor's last one on the vector path.
 static_assert(plan_options{}.chunk_size % (cuda_tuning::threads * cuda_tuning::ilp) == 0);
 
-// The fused step's launch shape, by rounding mode: what a sweep on an H200 measured best
-// at 64M elements (docs/perf.md, "First GPU run"). Nearest rounding moves bytes: chunks of
-// 16K elements (4 block iterations) reached 87-89% of copy bandwidth where 64K reached
-// 79-83% (fp32 and bf16-with-fp32-master AdamW). Stochastic rounding computes Philox
-// draws: 1024 threads per block ran 15% faster than 512 (and 16K chunks 6% slower).
-// The shape changes no result: each element's update and rounding bits depend on its
-// global index alone.
+// The fused step's launch shape, by rounding mode: the best of a sweep of shapes on an
+// H200 and an H100 (docs/perf.md, "CUDA launch shapes"). Nearest rounding moves bytes,
+// and more, shorter blocks (chunks of 16K elements, 4 block iterations) keep more of
+// them in flight; stochastic rounding computes Philox draws, and 1024 threads per block
+// hide more of that arithmetic. The shape changes no result: each element's update and
+// rounding bits depend on its global index alone.
 template <bool Stochastic>
 struct cuda_step_tuning {
   static constexpr int threads = Stochastic ? 1024 : 512;

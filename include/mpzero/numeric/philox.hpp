@@ -63,7 +63,8 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr philox_u32x4 element_random_bits
 // keyed by (seed, step, p = global index / 2). Its eight 16-bit halves, half h being bits
 // [16 (h % 2), 16 (h % 2) + 16) of word h / 2, go four to each element: halves 0-3 (words
 // 0, 1) to the even element, halves 4-7 (words 2, 3) to the odd one. Drawing per pair
-// halves the generator's cost, which bounds the host step (docs/perf.md). The global
+// halves the generator's cost, which bounds the host step (docs/perf.md, "Host step
+// against copy bandwidth"). The global
 // index never changes with chunking, threads, backend or sharding, and neither do the bits.
 
 // The four 16-bit halves of one element, in two words: half j is bits

@@ -114,10 +114,10 @@ struct adam_runtime {
 
   // Modes (optim::moded_rule): 0 is Adam, 1 is AdamW. Loops that run many elements with
   // one params choose the mode once, outside the loop (optim::visit_mode: the host step
-  // per chunk, the CUDA step per launch), and call update_mode<M>. A choice per element
-  // keeps GCC from vectorizing the loops that convert 16-bit states (6-7x slower,
-  // docs/perf.md, session 24), and cost the CUDA kernel 4.5-9% with stochastic rounding
-  // (session 27).
+  // per chunk, the CUDA step per launch), and call update_mode<M>, so that each mode's
+  // loop is the loop of a rule without modes: a choice per element keeps GCC from
+  // vectorizing the loops that convert 16-bit states, and slows the CUDA kernel under
+  // stochastic rounding (docs/perf.md, "Adam and AdamW in one instantiation").
   static constexpr int n_modes = 2;
   MPZERO_HOST_DEVICE static constexpr int mode(const params& p) noexcept { return p.decoupled ? 1 : 0; }
   template <int Mode>
