@@ -82,7 +82,7 @@ constexpr state_layout layout_of() noexcept {
 template <precision_policy Policy, class Optimizer, class Stage, class Offload = offload_none>
 constexpr memory_footprint bytes_per_param(int world_size) {
   static_assert(!(Offload::value == offload_kind::cpu && Stage::value == 0),
-                "mpzero: CPU offload keeps each rank's partition on the host: use ZeRO stage 1, 2 or 3.");
+                MPZERO_RULE_OFFLOAD_STAGE);
   return bytes_per_param(layout_of<Policy, Optimizer>(), Stage::value, Offload::value, world_size);
 }
 

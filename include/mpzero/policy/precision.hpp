@@ -7,6 +7,7 @@
 
 #include "../numeric/convert.hpp"
 #include "../numeric/dtype.hpp"
+#include "rules.hpp"
 
 namespace mpzero {
 
@@ -14,10 +15,6 @@ namespace detail {
 template <class A, class B>
 inline constexpr bool is_16bit_pair = (std::same_as<A, bf16> && std::same_as<B, fp16>) ||
                                       (std::same_as<A, fp16> && std::same_as<B, bf16>);
-// The same rule for dtypes chosen at run time (ZeroOptimizer's wire_dtypes, the JSON config).
-constexpr bool mixes_16bit(dtype a, dtype b) noexcept {
-  return (a == dtype::bf16 && b == dtype::fp16) || (a == dtype::fp16 && b == dtype::bf16);
-}
 }  // namespace detail
 
 // Param:  the model's weights as the forward pass reads them.
@@ -29,8 +26,7 @@ constexpr bool mixes_16bit(dtype a, dtype b) noexcept {
 template <class Param, class Master, class Grad, class State, class Rounding = round_nearest>
 struct precision {
   static_assert(storage_type<Param> && storage_type<Master> && storage_type<Grad> && storage_type<State>,
-                "mpzero: precision<Param, Master, Grad, State> stores model states as mpzero::fp32 (float), "
-                "mpzero::bf16 or mpzero::fp16.");
+                MPZERO_RULE_STORAGE);
   static_assert(rounding_mode<Rounding>,
                 "mpzero: the rounding of a precision policy is mpzero::round_nearest or mpzero::round_stochastic.");
   using param_type = Param;
@@ -40,19 +36,15 @@ struct precision {
   using rounding = Rounding;
 
   static_assert(!std::same_as<State, fp16>,
-                "mpzero: fp16 optimizer states are refused: Adam's second moment under- and overflows fp16's "
-                "range. Use State = mpzero::bf16 (8-bit exponent) or mpzero::fp32.");
+                MPZERO_RULE_FP16_STATES);
   static_assert(std::same_as<Master, Param> || std::same_as<Master, float>,
-                "mpzero: master weights must represent every parameter value: use Master = mpzero::fp32, or "
-                "Master = Param so that the master partition is the parameter partition.");
+                MPZERO_RULE_MASTER);
   static_assert(!detail::is_16bit_pair<Param, Master> && !detail::is_16bit_pair<Param, Grad> &&
                     !detail::is_16bit_pair<Param, State> && !detail::is_16bit_pair<Master, Grad> &&
                     !detail::is_16bit_pair<Master, State> && !detail::is_16bit_pair<Grad, State>,
-                "mpzero: a policy may not mix bf16 and fp16: choose one 16-bit format for param, master, grad "
-                "and state (bf16 is the usual choice; it needs no loss scaling).");
+                MPZERO_RULE_MIX_16BIT);
   static_assert(!Rounding::stochastic || !std::same_as<Master, float> || !std::same_as<State, float>,
-                "mpzero: stochastic rounding applies to low-precision master weights or optimizer states, and "
-                "this policy keeps both in fp32: use mpzero::round_nearest.");
+                MPZERO_RULE_STOCHASTIC);
 
   static constexpr dtype param_dtype = dtype_of_v<Param>;
   static constexpr dtype master_dtype = dtype_of_v<Master>;

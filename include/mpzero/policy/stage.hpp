@@ -4,6 +4,7 @@
 #include <string_view>
 
 #include "../config.hpp"
+#include "rules.hpp"
 
 namespace mpzero {
 
@@ -11,7 +12,7 @@ namespace mpzero {
 // states; 2 also gradients; 3 also the model parameters.
 template <int N>
 struct stage {
-  static_assert(N >= 0 && N <= 3, "mpzero: the ZeRO stage must be 0, 1, 2 or 3 (mpzero::stage<0..3>).");
+  static_assert(N >= 0 && N <= 3, MPZERO_RULE_STAGE);
   static constexpr int value = N;
 };
 

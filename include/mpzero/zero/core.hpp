@@ -1,0 +1,923 @@
+// mpzero: the ZeRO core, compiled once: stages 0-3, CPU offload and every precision
+// policy as run-time values of a zero_spec, over a type-erased communicator
+// (comm::any_communicator) and backend (backend_base), with the optimizer step behind a
+// step_kernel. ZeroOptimizer<Policy, Optimizer, stage<N>, ...> is a typed facade over it;
+// the LibTorch engine drives it directly from its JSON config.
+//
+//   stage 0  every rank keeps everything; gradients are all-reduced at the step.
+//   stage 1  master weights and optimizer states are partitioned; gradients are
+//            reduce-scattered at the step; updated parameters are all-gathered.
+//   stage 2  gradients are partitioned too: they are reduce-scattered in buckets
+//            while backward runs, into the owner's partition (at world size 1,
+//            accumulated straight into it: no bucket buffers).
+//   stage 3  parameters are partitioned too: gather() a group of parameters before
+//            use (prefetch() the next one), release() it after; parameters of at
+//            most param_persistence_threshold elements stay whole on every rank.
+//
+// The flat buffers place large parameters first, in the caller's order, then the
+// small (persistent) ones; the layout is the same for every stage and world size, so
+// an element's global index, which keys stochastic rounding, never changes: stages
+// 1-3 give the bits stage 0 gives from the same reduced gradients.
+//
+// Pointers are in the backend's memory unless a member says "host"; element types are
+// dtype values. Members are documented on ZeroOptimizer (zero_optimizer.hpp), which
+// forwards to them.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../backend/erased.hpp"
+#include "../comm/any.hpp"
+#include "../error.hpp"
+#include "checkpoint.hpp"
+#include "clipping.hpp"
+#include "core_checkpoint.hpp"
+#include "core_reducer.hpp"
+#include "core_state.hpp"
+#include "loss_scaler.hpp"
+#include "options.hpp"
+#include "spec.hpp"
+#include "step_kernel.hpp"
+
+namespace mpzero {
+
+class zero_core {
+ public:
+  // Collective over `comm` (one all-reduce of three integers above world size 1): every
+  // rank constructs its core at the same point. A rank that fails (a bad option, memory
+  // running out) throws why, and the others throw mpzero::error naming it; ranks that
+  // pass different numels or layout-, collective- or step-relevant options all throw
+  // invalid_argument. `host` runs ZeRO-Offload's host side (a host backend adapter).
+  zero_core(comm::any_communicator comm, std::unique_ptr<backend_base> backend, std::unique_ptr<backend_base> host,
+            std::unique_ptr<step_kernel> kernel, const zero_spec& spec, std::span<const std::uint64_t> numels,
+            const zero_options& zo)
+      : backend_(std::move(backend)),
+        host_backend_(std::move(host)),
+        kernel_(std::move(kernel)),
+        s_(std::move(comm), *backend_, *host_backend_, spec, zo, kernel_->n_states()),
+        reducer_(s_),
+        io_(s_) {
+    spec.validate();
+    if (kernel_->precision() != spec.precision) {
+      detail::throw_invalid("ZeroOptimizer: the step kernel's precision (" + kernel_->precision().describe() +
+                    ") is not the spec's (" + spec.precision.describe() + ")");
+    }
+    check_communicator();
+    // A communicator that must follow the backend's stream and cannot (a
+    // cuda_local_communicator on another stream) says so now, not mid-backward.
+    s_.be.before_comm(s_.comm);
+    // The rest may fail on some ranks only (a bad option, memory running out): every rank
+    // learns of it in one collective, together with whether all ranks passed the same
+    // layout and options, so no rank waits in a later collective for one that threw or
+    // partitions the model otherwise.
+    detail::agree_on_failure_and_identity(
+        s_.rank, s_.world, [&](std::int32_t* v, int n) { all_reduce_max(v, n); }, "ZeroOptimizer",
+        "no rank made the optimizer", "parameter layouts or options", [&] { return construct(numels); });
+  }
+
+  ~zero_core() {
+    // Stage 3: gathers prefetched and never gathered write into buffers freed here.
+    for (auto& [key, g] : groups_) {
+      if (g.request) {
+        try {
+          g.request->wait();
+        } catch (...) {  // timed out or failed: nothing runs on
+        }
+      }
+    }
+    try {
+      wait_uploads();
+    } catch (...) {  // a failed device: nothing left to protect
+    }
+  }
+
+  zero_core(const zero_core&) = delete;
+  zero_core& operator=(const zero_core&) = delete;
+
+  // ---- parameters -------------------------------------------------------------
+  std::size_t num_params() const noexcept { return s_.num_params(); }
+  std::uint64_t numel(std::size_t i) const { return s_.numel(i); }
+  bool is_persistent(std::size_t i) const { return s_.layout.offset(s_.slot(i)) >= s_.persistent_begin; }
+  // Stage 3, above the persistence threshold and not empty: exists only as shards.
+  bool partitioned(std::size_t i) const { return s_.stage() == 3 && numel(i) > 0 && !is_persistent(i); }
+
+  void* param(std::size_t i) {
+    const std::size_t sl = s_.slot(i);
+    const std::uint64_t off = s_.layout.offset(sl);
+    if (s_.stage() < 3 || off >= s_.persistent_begin) return s_.param_ptr(off);
+    if (gathered_[sl] == nullptr) {
+      detail::throw_invalid("ZeroOptimizer::param(" + std::to_string(i) +
+                    "): the parameter is partitioned (ZeRO stage 3); gather() its group first");
+    }
+    return gathered_[sl];
+  }
+
+  void load_param(std::size_t i, const void* values, dtype t) {
+    require_no_gathered_groups("load_param");
+    const std::size_t sl = s_.slot(i);
+    check_source(values, i, "load_param");
+    if (s_.offloaded()) wait_uploads();  // they read the host master this rewrites
+    const flat_range r = s_.layout.param_range(sl);
+    const auto src = [&](std::uint64_t flat) { return static_cast<const unsigned char*>(values) + (flat - r.begin) * size_of(t); };
+    // The parameter storage this rank keeps.
+    if (s_.stage() < 3 || r.begin >= s_.persistent_begin) {
+      s_.be.convert(s_.param_ptr(r.begin), s_.param_t(), values, t, r.size());
+    } else {
+      const flat_range own = intersect(r, intersect(s_.shard, flat_range{0, s_.persistent_begin}));
+      if (!own.empty()) s_.be.convert(s_.param_ptr(own.begin), s_.param_t(), src(own.begin), t, own.size());
+    }
+    const flat_range own = intersect(r, s_.shard);
+    if (own.empty()) return;
+    if (s_.offloaded()) {
+      // The host master is always separate: bring this rank's slice over and convert it.
+      raw_buffer slice = allocate_host(t, own.size(), pageable_host_allocator);
+      s_.be.download(slice.data(), src(own.begin), own.size() * size_of(t));
+      s_.host.convert(s_.h_master.at(own.begin - s_.shard.begin), s_.master_t(), slice.data(), t, own.size());
+    } else if (!s_.master_is_param()) {
+      s_.be.convert(s_.master.at(own.begin - s_.shard.begin), s_.master_t(), src(own.begin), t, own.size());
+    }
+  }
+
+  // ---- gradients --------------------------------------------------------------
+  void accumulate_grad(std::size_t i, const void* src, dtype t, float scale = 1.0f) {
+    const std::size_t sl = s_.slot(i);
+    require_not_reduced("accumulate_grad", i);
+    if (!std::isfinite(scale)) {
+      detail::throw_invalid("ZeroOptimizer::accumulate_grad(" + std::to_string(i) + "): scale = " + std::to_string(scale) +
+                    " would make every gradient non-finite; pass a finite multiplier, e.g. 1 / "
+                    "gradient_accumulation_steps (the default is 1)");
+    }
+    check_source(src, i, "accumulate_grad");
+    in_backward_ = true;
+    grads_pending_ = true;
+    if (s_.stage() < 2) {
+      const flat_range r = s_.layout.param_range(sl);
+      s_.be.accumulate(s_.grads.at(r.begin), s_.grad_t(), src, t, r.size(), scale);
+    } else {
+      reducer_.report(sl, src, t, scale);
+    }
+  }
+
+  void* grad(std::size_t i) {
+    if (s_.stage() >= 2) {
+      detail::throw_invalid("ZeroOptimizer::grad(" + std::to_string(i) +
+                    "): gradients are partitioned at ZeRO stage 2 and 3; report them with accumulate_grad()");
+    }
+    const flat_range r = s_.layout.param_range(s_.slot(i));
+    require_not_reduced("grad", i);
+    in_backward_ = true;
+    grads_pending_ = true;
+    return s_.grads.at(r.begin);
+  }
+
+  void end_backward() {
+    if (s_.stage() >= 2) {
+      reducer_.end_pass();
+      pass_ended_ = true;
+    }
+    in_backward_ = false;
+  }
+
+  void zero_grad() {
+    if (in_backward_) end_backward();
+    zero_all_grads();
+    reduced_ = false;
+    reducer_.release_buffers();
+  }
+
+  void reduce_gradients() {
+    if (in_backward_) end_backward();
+    if (reduced_) return;
+    // Stages 2-3: a rank whose backward reached none of its parameters (its loss did not
+    // use them this time) ends one empty pass here, reducing zeros, so that it joins the
+    // bucket reductions of the ranks whose pass did. (Every rank must still run the same
+    // number of non-empty passes per step.)
+    if (s_.stage() >= 2 && !pass_ended_) end_backward();
+    if (s_.stage() < 2) reducer_.reduce_whole();
+    if (s_.offloaded() && s_.stage() == 1) {
+      // The reduced shard goes to the host partition (stages 2-3 did this bucket by bucket).
+      s_.be.download(s_.h_grads.data(), s_.grads.at(s_.shard.begin), s_.shard.size() * size_of(s_.grad_t()));
+    }
+    reduced_ = true;
+  }
+
+  std::vector<float> full_grad(std::size_t i) {
+    const flat_range r = s_.layout.param_range(s_.slot(i));  // a bad index throws before the collective
+    reduce_gradients();
+    const flat_range own = intersect(r, s_.shard);
+    std::vector<float> out(r.size(), 0.0f);
+    if (!own.empty()) {
+      const std::uint64_t at = own.begin - s_.shard.begin;
+      raw_buffer host = allocate_host(s_.grad_t(), own.size(), pageable_host_allocator);
+      if (s_.offloaded()) {
+        s_.host.copy(host.data(), s_.h_grads.at(at), host.bytes());
+      } else {
+        s_.be.download(host.data(), s_.shard_grads(at), host.bytes());
+      }
+      s_.host.convert(out.data() + (own.begin - r.begin), dtype::fp32, host.data(), s_.grad_t(), own.size());
+    }
+    // Stage 0 holds everything everywhere; otherwise each element has one owner.
+    if (s_.stage() > 0 && s_.world > 1) s_.be.all_reduce_host(s_.comm, out.data(), out.size(), comm::reduce_op::sum);
+    const double unscale = (s_.zo.average_gradients ? 1.0 / s_.world : 1.0) / (scaler_ ? scaler_->scale() : 1.0);
+    for (float& v : out) v = static_cast<float>(v * unscale);
+    return out;
+  }
+
+  // ---- the step -----------------------------------------------------------------
+  step_report step() {
+    require_no_gathered_groups("step");
+    reduce_gradients();
+    const double W = static_cast<double>(s_.world);
+    const grad_stats local = s_.offloaded() ? s_.host.stats(s_.h_grads.data(), s_.grad_t(), s_.shard.size())
+                                            : s_.be.stats(s_.shard_grads(), s_.grad_t(), s_.shard.size());
+    double norm_sq = local.nonfinite ? std::numeric_limits<double>::infinity() : local.norm_squared;
+    // One all-reduce agrees on the squared norm (stage 0 computed the whole norm on
+    // every rank; the others sum their partitions) and on how many ranks reported
+    // gradients since the last step.
+    double sums[2] = {s_.stage() > 0 ? norm_sq : 0.0, grads_pending_ ? 1.0 : 0.0};
+    if (s_.world > 1) s_.be.all_reduce_host(s_.comm, sums, 2, comm::reduce_op::sum);
+    if (s_.stage() > 0) norm_sq = sums[0];
+    if (sums[1] == 0.0) {
+      // An update from all-zero gradients is not a no-op (weight decay, momentum, the
+      // bias correction's step count): refuse it, on every rank alike.
+      zero_all_grads();  // the reduction may leave unowned blocks unspecified
+      reduced_ = false;
+      throw no_gradients_error("mpzero: ZeroOptimizer::step(): no rank reported a gradient since the last step() or "
+                               "zero_grad(), so step " + std::to_string(steps_ + 1) +
+                               " would update the weights from zeros; run a backward pass first (accumulate_grad() "
+                               "or grad(i)), or leave step() out of this iteration");
+    }
+    step_report rep;
+    rep.overflow = !std::isfinite(norm_sq);
+    rep.loss_scale = scaler_ ? scaler_->scale() : 1.0;
+    const double unscale = (s_.zo.average_gradients ? 1.0 / W : 1.0) / rep.loss_scale;
+    rep.grad_norm = std::sqrt(norm_sq) * unscale;
+    if (scaler_) {
+      rep.skipped = scaler_->update(rep.overflow);  // may throw loss_scale_error, alike on every rank
+    } else {
+      rep.skipped = rep.overflow && s_.zo.check_overflow;
+    }
+    if (!rep.skipped) {
+      rep.clip_coefficient = clip_coefficient(rep.grad_norm, s_.zo.gradient_clipping);
+      ++steps_;
+      const step_call call{steps_, static_cast<float>(unscale * rep.clip_coefficient), s_.zo.seed};
+      if (s_.offloaded()) {
+        run_offloaded_step(call);
+      } else {
+        stepper_->run(call);
+      }
+      gather_updated_params();
+    }
+    rep.step = steps_;
+    zero_all_grads();
+    reduced_ = false;  // only now: a throw above (loss_scale_error) leaves the reduced gradients marked so
+    reducer_.release_buffers();
+    return rep;
+  }
+
+  // ---- ZeRO-3 parameter gathering -----------------------------------------------
+  void prefetch(std::size_t first, std::size_t end) {
+    require_stage3("prefetch");
+    const auto key = std::make_pair(first, end);
+    if (groups_.count(key)) return;
+    const flat_range r = gather_range(first, end);
+    // A partitioned parameter belongs to one gathered group at a time: its param() points
+    // into that group's copy, and releasing either of two groups would drop the other's
+    // pointer. (Persistent and empty parameters are never gathered: ranges may share them.)
+    for (const auto& [other, g] : groups_) {
+      for (std::size_t i = std::max(first, other.first); i < std::min(end, other.second); ++i) {
+        const flat_range p = s_.layout.param_range(s_.slot(i));
+        if (p.empty() || p.begin >= s_.persistent_begin) continue;
+        detail::throw_invalid("ZeroOptimizer::gather/prefetch(" + std::to_string(first) + ", " + std::to_string(end) +
+                      "): parameter " + std::to_string(i) + " is already in the gathered group [" +
+                      std::to_string(other.first) + ", " + std::to_string(other.second) +
+                      "); release() that group first, or gather exactly that range");
+      }
+    }
+    gathered_group g;
+    g.range = r;
+    // One rank holds every element: its partition is the gathered parameters (no copy).
+    if (!r.empty() && s_.world > 1) {
+      g.data = s_.be.allocate(s_.param_t(), r.size());
+      const std::vector<std::uint64_t> counts = s_.layout.rank_counts(r);
+      const flat_range own = intersect(r, s_.shard);
+      const void* in = s_.params.at(own.empty() ? 0 : own.begin - s_.shard.begin);
+      s_.be.before_comm(s_.comm);
+      g.request.emplace(s_.comm.base().iall_gather_v(in, counts[static_cast<std::size_t>(s_.rank)], g.data.data(),
+                                                     counts, detail::grad_reducer::wire_of(s_.param_t())));
+    }
+    groups_.emplace(key, std::move(g));
+  }
+
+  void gather(std::size_t first, std::size_t end) {
+    require_stage3("gather");
+    prefetch(first, end);
+    const auto it = groups_.find(std::make_pair(first, end));
+    gathered_group& g = it->second;
+    if (g.request) {
+      wait_or_abandon(it);
+      g.request.reset();
+    }
+    for (std::size_t i = first; i < end; ++i) {
+      const std::size_t sl = s_.slot(i);
+      const std::uint64_t off = s_.layout.offset(sl);
+      if (off < s_.persistent_begin) {
+        gathered_[sl] = s_.world > 1 ? g.data.at(off - g.range.begin) : s_.params.at(off - s_.shard.begin);
+      }
+    }
+  }
+
+  void release(std::size_t first, std::size_t end) {
+    require_stage3("release");
+    auto it = groups_.find(std::make_pair(first, end));
+    if (it == groups_.end()) {
+      detail::throw_invalid("ZeroOptimizer::release(" + std::to_string(first) + ", " + std::to_string(end) +
+                    "): that group is not gathered; release exactly the ranges you gathered");
+    }
+    if (it->second.request) wait_or_abandon(it);
+    unbind_group(first, end);
+    groups_.erase(it);
+  }
+
+  // ---- inspection -----------------------------------------------------------------
+  const zero_spec& spec() const noexcept { return s_.spec; }
+  const zero_options& options() const noexcept { return s_.zo; }
+  step_kernel& kernel() noexcept { return *kernel_; }
+  const step_kernel& kernel() const noexcept { return *kernel_; }
+  backend_base& backend() noexcept { return s_.be; }
+  comm::any_communicator& communicator() noexcept { return s_.comm; }
+  const flat_layout& layout() const noexcept { return s_.layout; }
+  flat_range shard() const noexcept { return s_.shard; }
+  std::uint64_t steps() const noexcept { return steps_; }
+  bool grads_pending() const noexcept { return grads_pending_; }
+  double loss_scale() const noexcept { return scaler_ ? scaler_->scale() : 1.0; }
+  const std::optional<loss_scaler>& scaler() const noexcept { return scaler_; }
+  // The host step's threads (0: OpenMP's default).
+  int host_threads() const noexcept { return threads_; }
+  std::uint64_t flat_offset(std::size_t i) const { return s_.layout.offset(s_.slot(i)); }
+
+  // Calls out(flat index, value) for the master weights (or optimizer state `which`) of
+  // this rank's shard, copied to the host.
+  template <class Out>
+  void read_master_shard(Out&& out) const {
+    for (const detail::host_piece& p : io_.download_shard()) emit(s_.master_is_param() ? p.params : p.master, p.range, out);
+  }
+  template <class Out>
+  void read_state_shard(int which, Out&& out) const {
+    if (which < 0 || which >= s_.n_states) {
+      detail::throw_invalid("ZeroOptimizer::read_state_shard: state " + std::to_string(which) + " does not exist; " +
+                    std::string(kernel_->optimizer_name()) + " has " + std::to_string(s_.n_states));
+    }
+    for (const detail::host_piece& p : io_.download_shard()) emit(p.states[static_cast<std::size_t>(which)], p.range, out);
+  }
+
+  // ---- checkpoints ------------------------------------------------------------------
+  std::uint64_t save_checkpoint(const std::filesystem::path& dir) {
+    const std::uint64_t id = agreed_save_id();
+    agree("save_checkpoint", "the checkpoint in " + checkpoint::detail::quoted(dir) + " is incomplete", [&] {
+      require_no_pending_grads("save_checkpoint");
+      if (s_.stage() == 0 && s_.rank != 0) return;  // every rank holds the same state
+      if (s_.offloaded()) wait_uploads();           // the device parameters are read next
+      io_.write(dir, checkpoint_header(id));
+    });
+    // Every file of this save is in place: what an earlier, larger save left goes. Each rank
+    // removes what it sees (a directory per node, or one shared: removing twice is harmless).
+    checkpoint::remove_stale_shards(dir, shard_files());
+    return id;
+  }
+
+  void load_checkpoint(const std::filesystem::path& dir) {
+    std::vector<detail::host_piece> pieces;
+    std::uint64_t steps = 0;
+    std::optional<loss_scaler> scaler;
+    // Everything is read and checked first; the core changes only once every rank has its part.
+    agree("load_checkpoint", "nothing was loaded on this rank", [&] {
+      require_no_pending_grads("load_checkpoint");
+      require_no_gathered_groups("load_checkpoint");
+      io_.read(dir, kernel_->optimizer_name(), scaler_, pieces, steps, scaler);
+    });
+    if (s_.offloaded()) wait_uploads();  // they read the host buffers rewritten here
+    io_.install(pieces);
+    steps_ = steps;
+    if (scaler) scaler_ = std::move(scaler);
+    gather_updated_params();
+  }
+
+  memory_report memory() const {
+    memory_report m;
+    m.params = s_.params.bytes() + s_.persistent.bytes();
+    m.grads = s_.grads.bytes();
+    m.master = s_.master.bytes();
+    for (const auto& st : s_.states) m.states += st.bytes();
+    m.buckets = reducer_.device_bytes();
+    for (const auto& [k, g] : groups_) m.buckets += g.data.bytes();
+    m.host_master = s_.h_master.bytes();
+    m.host_grads = s_.h_grads.bytes();
+    for (const auto& st : s_.h_states) m.host_states += st.bytes();
+    m.host_buckets = s_.h_params.bytes() + reducer_.host_bytes();
+    m.peak_buckets = s_.dev_meter.peak;
+    m.peak_host_buckets = s_.host_meter.peak;
+    m.bucket_bound = reducer_.device_bound();
+    m.model_numel = s_.layout.total_numel();
+    m.padding_numel = s_.layout.padded_numel() - s_.layout.total_numel();
+    return m;
+  }
+
+ private:
+  struct gathered_group {
+    flat_range range;
+    raw_buffer data;
+    std::optional<comm::any_request> request;
+  };
+  using group_map = std::map<std::pair<std::size_t, std::size_t>, gathered_group>;
+
+  void check_communicator() {
+    const bool needs_device = s_.be.device_memory() && !s_.be.host_addressable();
+    if (needs_device == s_.comm.reads_device_memory()) return;
+    // Checked before anything is allocated: a host communicator handed device pointers
+    // would fault inside a collective (memmove, or MPI's host-side reductions), and NCCL
+    // rejects host pointers only once the first bucket is reduced.
+    const std::string who = "ZeroOptimizer: the backend keeps its buffers in ";
+    const std::string rank = "(rank " + std::to_string(s_.rank) + " of " + std::to_string(s_.world) + ")";
+    detail::throw_invalid(needs_device
+                      ? who + "device memory, but the communicator " + rank +
+                            " moves host memory. Use comm::nccl_communicator (one rank works too), or "
+                            "comm::cuda_local_communicator for a single process; or the host backend. (A communicator "
+                            "that does read device memory, e.g. over a CUDA-aware MPI, says so with "
+                            "`bool reads_device_memory() const { return true; }`; a backend whose device buffers host "
+                            "code can address, e.g. managed memory, with `static constexpr bool host_addressable = true`)"
+                      : who + "host memory, but the communicator " + rank +
+                            " reads device memory. Use comm::mpi_communicator or comm::local_communicator with a host "
+                            "backend, or the CUDA backend with this communicator");
+  }
+
+  // The constructor's part that may fail on one rank only; returns what every rank must
+  // have alike, and how a message names it.
+  std::pair<std::string, std::string> construct(std::span<const std::uint64_t> numels) {
+    const zero_options& zo = s_.zo;
+    if (s_.spec.precision.needs_loss_scaling() && !zo.loss_scaling) {
+      detail::throw_invalid("ZeroOptimizer: this policy keeps fp16 weights or gradients, which underflow without loss scaling: "
+                    "set zero_options::loss_scaling = true (dynamic by default), or use a bf16 policy");
+    }
+    if (zo.reduce_bucket_numel == 0) {
+      detail::throw_invalid("ZeroOptimizer: reduce_bucket_numel = 0; use a positive bucket size (DeepSpeed's default is 5e8)");
+    }
+    if (zo.offload_sub_group_numel == 0) {
+      detail::throw_invalid("ZeroOptimizer: offload_sub_group_numel = 0; use a positive number of elements (default 2^24)");
+    }
+    if (!(zo.gradient_clipping >= 0) || !std::isfinite(zo.gradient_clipping)) {
+      detail::throw_invalid("ZeroOptimizer: gradient_clipping = " + std::to_string(zo.gradient_clipping) +
+                    "; use a finite max norm >= 0 (0 disables clipping)");
+    }
+    kernel_->validate();  // the hyperparameters now, not at the first step
+    if (zo.loss_scaling) scaler_.emplace(zo.loss_scale);
+    threads_ = s_.be.host_threads().value_or(0);
+    build_layout(numels);
+    allocate();
+    if (s_.offloaded()) {
+      // One stepper per sub-group: a sub-group's upload overlaps the next one's update.
+      for (const step_buffers& t : sub_groups(shard_tensors())) host_steppers_.push_back(make_host_stepper(t));
+    } else {
+      stepper_ = kernel_->make_stepper(shard_tensors(), false, threads_);
+    }
+    if (s_.world == 1) return {};
+    return identity(numels);
+  }
+
+  std::unique_ptr<stepper> make_host_stepper(const step_buffers& t) { return kernel_->make_stepper({t}, true, threads_); }
+
+  std::pair<std::string, std::string> identity(std::span<const std::uint64_t> numels) const {
+    const zero_options& zo = s_.zo;
+    const precision_spec& p = s_.spec.precision;
+    std::uint64_t elements = 0;
+    std::string id = std::string(kernel_->optimizer_name()) + " " + std::to_string(s_.stage()) + " " +
+                     std::to_string(static_cast<int>(p.param)) + std::to_string(static_cast<int>(p.master)) +
+                     std::to_string(static_cast<int>(p.grad)) + std::to_string(static_cast<int>(p.state)) +
+                     std::to_string(p.stochastic_rounding) + std::to_string(s_.offloaded()) + "\n";
+    for (const std::uint64_t n : numels) {
+      id += std::to_string(n) + " ";
+      elements += n;
+    }
+    id += "\nbucket " + std::to_string(zo.reduce_bucket_numel) + ", persistence " +
+          std::to_string(zo.param_persistence_threshold) + ", sub-group " + std::to_string(zo.offload_sub_group_numel) +
+          ", align " + std::to_string(zo.layout.align_elements) + ", clipping " +
+          detail::format_double(zo.gradient_clipping) + ", flags " + std::to_string(zo.loss_scaling) +
+          std::to_string(zo.check_overflow) + std::to_string(zo.average_gradients) + ", wire " +
+          std::to_string(static_cast<int>(s_.spec.wire));
+    for (const dtype d : zo.wire_dtypes) id += " " + std::to_string(static_cast<int>(d));
+    if (zo.loss_scaling) {
+      const loss_scale_options& l = zo.loss_scale;
+      id += "\nscaler " + std::to_string(l.dynamic) + " " + detail::format_double(l.static_scale) + " " +
+            std::to_string(l.initial_scale_power) + " " + std::to_string(l.loss_scale_window) + " " +
+            std::to_string(l.hysteresis) + " " + std::to_string(l.consecutive_hysteresis) + " " +
+            detail::format_double(l.min_loss_scale);
+    }
+    return {std::move(id), std::to_string(numels.size()) + " parameters of " + std::to_string(elements) +
+                               " elements, stage " + std::to_string(s_.stage()) + ", reduce_bucket_numel " +
+                               std::to_string(zo.reduce_bucket_numel) + ", gradient_clipping " +
+                               detail::format_double(zo.gradient_clipping)};
+  }
+
+  void build_layout(std::span<const std::uint64_t> numels) {
+    const std::size_t n = numels.size();
+    std::vector<std::size_t> order;
+    order.reserve(n);
+    for (std::size_t i = 0; i < n; ++i)
+      if (numels[i] > s_.zo.param_persistence_threshold) order.push_back(i);
+    const std::size_t n_large = order.size();
+    for (std::size_t i = 0; i < n; ++i)
+      if (numels[i] <= s_.zo.param_persistence_threshold) order.push_back(i);
+    s_.slot_of.assign(n, 0);
+    std::vector<std::uint64_t> slot_numels(n);
+    for (std::size_t sl = 0; sl < n; ++sl) {
+      s_.slot_of[order[sl]] = sl;
+      slot_numels[sl] = numels[order[sl]];
+    }
+    s_.layout = flat_layout(slot_numels, s_.world, s_.zo.layout);
+    s_.persistent_begin = n_large < n ? s_.layout.offset(n_large) : s_.layout.total_numel();
+    // Nothing is persistent below stage 3, nor when only empty parameters are small:
+    // the padding then stays partitioned with the rest.
+    if (s_.stage() < 3 || s_.persistent_begin == s_.layout.total_numel()) s_.persistent_begin = s_.layout.padded_numel();
+    s_.shard = s_.stage() == 0 ? flat_range{0, s_.layout.padded_numel()} : s_.layout.partition(s_.rank);
+    plan_wire_runs(order);
+    if (s_.stage() >= 2) reducer_.plan(n_large);
+  }
+
+  // Validates zero_options::wire_dtypes and splits [0, padded) into runs of equal wire
+  // dtype, in flat order. The padding tail travels with the last run (it is zero).
+  void plan_wire_runs(const std::vector<std::size_t>& order) {
+    const std::vector<dtype>& wd = s_.zo.wire_dtypes;
+    const dtype fallback = s_.spec.wire;
+    if (!wd.empty() && wd.size() != order.size()) {
+      detail::throw_invalid("ZeroOptimizer: zero_options::wire_dtypes has " + std::to_string(wd.size()) + " entries for " +
+                    std::to_string(order.size()) +
+                    " parameters; give one mpzero::dtype per parameter, in the order of numels, or leave it "
+                    "empty (every gradient then travels in " + std::string(name_of(fallback)) + ")");
+    }
+    for (std::size_t i = 0; i < wd.size(); ++i) {
+      if (wd[i] != dtype::fp32 && wd[i] != dtype::bf16 && wd[i] != dtype::fp16) {
+        detail::throw_invalid("ZeroOptimizer: zero_options::wire_dtypes[" + std::to_string(i) + "] = " +
+                      std::to_string(static_cast<int>(wd[i])) +
+                      " is not a dtype; use mpzero::dtype::fp32, dtype::bf16 or dtype::fp16");
+      }
+      // The Wire rule, for the run-time list.
+      for (const dtype own : {s_.param_t(), s_.grad_t()}) {
+        if (detail::mixes_16bit(wd[i], own)) {
+          detail::throw_invalid("ZeroOptimizer: zero_options::wire_dtypes[" + std::to_string(i) + "] = " +
+                        std::string(name_of(wd[i])) + " mixes bf16 and fp16 with this policy's " +
+                        std::string(name_of(own)) + " (fp16 overflows above 65504 and nothing scales it); use " +
+                        std::string(name_of(own)) + " or fp32");
+        }
+      }
+    }
+    auto& runs = s_.runs;
+    runs.clear();
+    const std::uint64_t padded = s_.layout.padded_numel();
+    for (std::size_t sl = 0; sl < order.size(); ++sl) {
+      const flat_range r = s_.layout.param_range(sl);
+      if (r.empty()) continue;
+      const dtype d = wd.empty() ? fallback : wd[order[sl]];
+      if (!runs.empty() && runs.back().wire == d) {
+        runs.back().range.end = r.end;  // parameters are contiguous in the flat buffer
+      } else {
+        runs.push_back(detail::wire_run{r, d});
+      }
+    }
+    if (runs.empty()) {
+      runs.push_back(detail::wire_run{flat_range{0, padded}, fallback});
+    } else {
+      runs.front().range.begin = 0;
+      runs.back().range.end = padded;
+    }
+    for (const detail::wire_run& x : runs) {
+      std::uint64_t& l = s_.longest_run[static_cast<std::size_t>(x.wire)];
+      l = std::max(l, x.range.size());
+    }
+  }
+
+  void allocate() {
+    const std::uint64_t padded = s_.layout.padded_numel();
+    backend_base& be = s_.be;
+    if (s_.stage() < 3) {
+      s_.params = be.allocate(s_.param_t(), padded);
+    } else {
+      s_.params = be.allocate(s_.param_t(), intersect(s_.shard, flat_range{0, s_.persistent_begin}).size());
+      s_.persistent = be.allocate(s_.param_t(), padded - s_.persistent_begin);
+      gathered_.assign(s_.layout.num_params(), nullptr);
+    }
+    const std::uint64_t shard = s_.shard.size();
+    if (s_.offloaded()) {
+      // Pinned when the backend can pin (and pin_memory): transfers then run on the copy engines.
+      const host_allocator mem = be.host_memory(s_.zo.pin_memory);
+      s_.h_master = allocate_host(s_.master_t(), shard, mem);
+      for (int k = 0; k < s_.n_states; ++k) s_.h_states.push_back(allocate_host(s_.state_t(), shard, mem));
+      s_.h_grads = allocate_host(s_.grad_t(), shard, mem);
+      if (!s_.master_is_param()) s_.h_params = allocate_host(s_.param_t(), shard, mem);
+      if (s_.stage() == 1) s_.grads = be.allocate(s_.grad_t(), padded);
+    } else {
+      if (!s_.master_is_param()) s_.master = be.allocate(s_.master_t(), shard);
+      s_.grads = be.allocate(s_.grad_t(), s_.stage() >= 2 ? shard : padded);
+      for (int k = 0; k < s_.n_states; ++k) s_.states.push_back(be.allocate(s_.state_t(), shard));
+    }
+  }
+
+  void zero_all_grads() {
+    grads_pending_ = false;
+    pass_ended_ = false;
+    s_.be.zero(s_.grads.data(), s_.grads.bytes());
+    // Stage 1 overwrites the host partition with each step's reduced shard instead.
+    if (s_.offloaded() && s_.stage() >= 2) s_.host.zero(s_.h_grads.data(), s_.h_grads.bytes());
+  }
+
+  // The shard as step tensors: one per shard_pieces() entry (offload: one, the host
+  // buffers). Global offsets are flat offsets.
+  std::vector<step_buffers> shard_tensors() const {
+    std::vector<step_buffers> out;
+    const auto states = [&](const std::vector<raw_buffer>& v, std::uint64_t at, step_buffers& t) {
+      for (std::size_t k = 0; k < v.size(); ++k) t.states[k] = v[k].at(at);
+    };
+    if (s_.offloaded()) {
+      if (s_.shard.empty()) return out;
+      step_buffers t;
+      t.param = s_.master_is_param() ? s_.h_master.data() : s_.h_params.data();
+      t.master = s_.master_is_param() ? nullptr : s_.h_master.data();
+      t.grad = s_.h_grads.data();
+      states(s_.h_states, 0, t);
+      t.numel = s_.shard.size();
+      t.global_offset = s_.shard.begin;
+      out.push_back(t);
+      return out;
+    }
+    for (const flat_range& p : s_.shard_pieces()) {
+      const std::uint64_t in_shard = p.begin - s_.shard.begin;
+      step_buffers t;
+      t.param = s_.param_ptr(p.begin);
+      t.master = s_.master_is_param() ? nullptr : s_.master.at(in_shard);
+      t.grad = s_.shard_grads(in_shard);
+      states(s_.states, in_shard, t);
+      t.numel = p.size();
+      t.global_offset = p.begin;
+      out.push_back(t);
+    }
+    return out;
+  }
+
+  // Splits tensors into pieces of at most offload_sub_group_numel elements.
+  std::vector<step_buffers> sub_groups(const std::vector<step_buffers>& tensors) const {
+    std::vector<step_buffers> out;
+    const std::uint64_t g = s_.zo.offload_sub_group_numel;
+    const auto skip = [](void* p, std::uint64_t k, dtype t) -> void* {
+      return p == nullptr ? nullptr : static_cast<unsigned char*>(p) + k * size_of(t);
+    };
+    for (const step_buffers& t : tensors) {
+      for (std::uint64_t off = 0; off < t.numel; off += g) {
+        step_buffers piece = t;
+        piece.param = skip(t.param, off, s_.master_is_param() ? s_.master_t() : s_.param_t());
+        piece.master = skip(t.master, off, s_.master_t());
+        piece.grad = skip(const_cast<void*>(t.grad), off, s_.grad_t());
+        for (int k = 0; k < s_.n_states; ++k) piece.states[static_cast<std::size_t>(k)] = skip(t.states[static_cast<std::size_t>(k)], off, s_.state_t());
+        piece.numel = std::min(g, t.numel - off);
+        piece.global_offset = t.global_offset + off;
+        out.push_back(piece);
+      }
+    }
+    return out;
+  }
+
+  // Offload: the host step in sub-groups. Each sub-group's parameters (written by the
+  // host step in the parameter dtype) are uploaded on the backend's copy stream while
+  // the host updates the next sub-group; the backend's later work (the gather, the next
+  // forward) is ordered after the uploads, and the host waits for them only at the next
+  // step, before it overwrites their source.
+  void run_offloaded_step(const step_call& call) {
+    wait_uploads();
+    const std::uint64_t g = s_.zo.offload_sub_group_numel;
+    std::uint64_t begin = s_.shard.begin;
+    for (auto& st : host_steppers_) {
+      st->run(call);
+      const std::uint64_t end = std::min(begin + g, s_.shard.end);
+      upload_params(flat_range{begin, end});
+      begin = end;
+    }
+    for (const auto& t : uploads_) s_.be.order_after(t);
+  }
+
+  // Queues the upload of the updated parameters of r (a part of this rank's shard).
+  void upload_params(flat_range r) {
+    const raw_buffer& src = s_.master_is_param() ? s_.h_master : s_.h_params;
+    const std::uint64_t bytes = size_of(s_.param_t());
+    const auto up = [&](flat_range piece) {
+      if (!piece.empty())
+        uploads_.push_back(
+            s_.be.upload_async(s_.param_ptr(piece.begin), src.at(piece.begin - s_.shard.begin), piece.size() * bytes));
+    };
+    if (s_.stage() < 3) {
+      up(r);
+    } else {
+      up(intersect(r, flat_range{0, s_.persistent_begin}));
+      up(intersect(r, flat_range{s_.persistent_begin, s_.layout.padded_numel()}));
+    }
+  }
+
+  void wait_uploads() {
+    for (auto& t : uploads_) t.wait();
+    uploads_.clear();
+  }
+
+  void gather_updated_params() {
+    if (s_.world == 1) return;
+    const comm::wire_dtype t = detail::grad_reducer::wire_of(s_.param_t());
+    if (s_.stage() == 1 || s_.stage() == 2) {
+      s_.be.before_comm(s_.comm);
+      const std::vector<std::uint64_t> counts(static_cast<std::size_t>(s_.world), s_.layout.partition_numel());
+      s_.comm.base().iall_gather_v(s_.params.at(s_.shard.begin), s_.layout.partition_numel(), s_.params.data(), counts, t)->wait();
+    } else if (s_.stage() == 3) {
+      const flat_range r{s_.persistent_begin, s_.layout.padded_numel()};
+      if (r.empty()) return;
+      s_.be.before_comm(s_.comm);
+      const std::vector<std::uint64_t> counts = s_.layout.rank_counts(r);
+      // In place on every rank, as MPI requires of MPI_IN_PLACE: a rank whose block is
+      // empty passes its (empty) block's place too.
+      void* in = s_.persistent.at(comm::detail::offset_of(counts, s_.rank));
+      s_.comm.base().iall_gather_v(in, counts[static_cast<std::size_t>(s_.rank)], s_.persistent.data(), counts, t)->wait();
+    }
+  }
+
+  // Waits for a group's all-gather; if that throws, forgets the group (see release()).
+  void wait_or_abandon(group_map::iterator it) {
+    try {
+      it->second.request->wait();
+    } catch (...) {
+      unbind_group(it->first.first, it->first.second);
+      abandoned_groups_.push_back(std::move(it->second));
+      groups_.erase(it);
+      throw;
+    }
+  }
+  void unbind_group(std::size_t first, std::size_t end) {
+    for (std::size_t i = first; i < end; ++i) {
+      const std::size_t sl = s_.slot(i);
+      if (s_.layout.offset(sl) < s_.persistent_begin) gathered_[sl] = nullptr;
+    }
+  }
+
+  flat_range gather_range(std::size_t first, std::size_t end) const {
+    if (first > end || end > num_params()) {
+      detail::throw_invalid("ZeroOptimizer::gather(" + std::to_string(first) + ", " + std::to_string(end) +
+                    "): not a range of parameters [first, end) within [0, " + std::to_string(num_params()) + ")");
+    }
+    flat_range r{0, 0};
+    bool any = false;
+    for (std::size_t i = first; i < end; ++i) {
+      const flat_range p = s_.layout.param_range(s_.slot(i));
+      if (p.begin >= s_.persistent_begin || p.empty()) continue;
+      r = any ? flat_range{std::min(r.begin, p.begin), std::max(r.end, p.end)} : p;
+      any = true;
+    }
+    return r;
+  }
+
+  void require_stage3(const char* who) const {
+    if (s_.stage() != 3) {
+      detail::throw_invalid("ZeroOptimizer::" + std::string(who) + " gathers ZeRO-3 parameters; this optimizer is stage " +
+                    std::to_string(s_.stage()) + ", whose parameters are whole on every rank");
+    }
+  }
+
+  // Gradients already reduced for this step take no more additions.
+  void require_not_reduced(const char* who, std::size_t i) const {
+    if (reduced_) {
+      detail::throw_invalid("ZeroOptimizer::" + std::string(who) + "(" + std::to_string(i) +
+                    "): this step's gradients were already reduced (reduce_gradients() or full_grad()); "
+                    "call step() or zero_grad() before the next backward");
+    }
+  }
+
+  // A parameter's source values: not null (unless the parameter is empty), and memory
+  // the backend's kernels can read.
+  void check_source(const void* p, std::size_t i, const char* who) const {
+    if (numel(i) == 0) return;
+    if (p == nullptr) {
+      detail::throw_invalid("ZeroOptimizer::" + std::string(who) + "(" + std::to_string(i) + "): the pointer is null; pass " +
+                    std::to_string(numel(i)) + " values");
+    }
+    s_.be.check_readable(p, "ZeroOptimizer::" + std::string(who) + "(" + std::to_string(i) + ")");
+  }
+
+  // Stage 3: what rewrites the partitions (step, load_param, load_checkpoint) needs
+  // every group released: a gathered copy would keep the old values, and a prefetch
+  // still in flight reads the partitions while they are written. Groups are gathered
+  // collectively, so every rank refuses alike.
+  void require_no_gathered_groups(const char* who) const {
+    if (groups_.empty()) return;
+    const auto& [first, end] = groups_.begin()->first;
+    detail::throw_invalid("ZeroOptimizer::" + std::string(who) + ": " + std::to_string(groups_.size()) +
+                  " parameter group(s) are gathered (e.g. [" + std::to_string(first) + ", " + std::to_string(end) +
+                  ")); release() them first: this rewrites the partitions they were gathered from, and a gathered "
+                  "copy would keep the old values");
+  }
+
+  void require_no_pending_grads(const char* who) const {
+    if (grads_pending_ || reduced_) {  // (in_backward_ implies grads_pending_)
+      detail::throw_invalid("ZeroOptimizer::" + std::string(who) +
+                    ": gradients were reported since the last step(); a checkpoint holds weights and optimizer "
+                    "states, not gradients. Call it after step() or zero_grad()");
+    }
+  }
+
+  // The n values at v become their largest over the ranks (the agreements' collective).
+  void all_reduce_max(std::int32_t* v, int n) { s_.be.all_reduce_host(s_.comm, v, static_cast<std::uint64_t>(n), comm::reduce_op::max); }
+
+  // Runs f, then every rank learns whether any rank failed (detail::agree_on_failure).
+  template <class F>
+  void agree(const char* who, const std::string& consequence, F&& f) {
+    detail::agree_on_failure(
+        s_.rank, s_.world, [&](std::int32_t* v, int n) { all_reduce_max(v, n); }, "ZeroOptimizer::" + std::string(who),
+        consequence, std::forward<F>(f));
+  }
+
+  // One id for every file of a save, so that a load can tell files of two saves apart.
+  std::uint64_t agreed_save_id() {
+    std::uint64_t bits = 0;
+    try {
+      std::random_device rd;
+      bits = (std::uint64_t{rd()} << 32) ^ rd();
+    } catch (...) {  // no entropy source: the clock and the rank (a throw here would skip the all-reduce)
+      bits = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) *
+                 0x9E3779B97F4A7C15ull ^
+             static_cast<std::uint64_t>(s_.rank);
+    }
+    // 52 bits: exact in a double, which every communicator reduces.
+    double id = static_cast<double>(bits & ((std::uint64_t{1} << 52) - 1));
+    if (s_.world > 1) s_.be.all_reduce_host(s_.comm, &id, 1, comm::reduce_op::max);
+    return static_cast<std::uint64_t>(id);
+  }
+
+  // How many shard files a save writes: one in all at stage 0, one per rank otherwise.
+  std::uint32_t shard_files() const noexcept { return s_.stage() == 0 ? 1u : static_cast<std::uint32_t>(s_.world); }
+
+  checkpoint::shard_header checkpoint_header(std::uint64_t id) const {
+    checkpoint::shard_header h;
+    h.save_id = id;
+    h.rank = static_cast<std::uint32_t>(s_.rank);
+    h.world = static_cast<std::uint32_t>(s_.world);
+    h.files = shard_files();
+    h.stage = static_cast<std::uint32_t>(s_.stage());
+    h.param = s_.param_t();
+    h.master = s_.master_t();
+    h.state = s_.state_t();
+    h.has_master = !s_.master_is_param();
+    h.n_states = static_cast<std::uint32_t>(s_.n_states);
+    h.optimizer = std::string(kernel_->optimizer_name());
+    h.steps = steps_;
+    if (scaler_) {
+      const loss_scaler::state st = scaler_->save();
+      h.scaler = checkpoint::scaler_record{st.scale, st.hysteresis_left, st.clean_steps, st.last_overflow_iter, st.iter};
+    }
+    for (std::size_t i = 0; i < num_params(); ++i) h.numels.push_back(numel(i));
+    return h;
+  }
+
+  template <class Out>
+  void emit(const raw_buffer& b, flat_range r, Out& out) const {
+    std::vector<float> v(r.size());
+    s_.host.convert(v.data(), dtype::fp32, b.data(), b.type(), r.size());
+    for (std::uint64_t k = 0; k < r.size(); ++k) out(r.begin + k, v[k]);
+  }
+
+  // Owned before the state that refers to them.
+  std::unique_ptr<backend_base> backend_, host_backend_;
+  std::unique_ptr<step_kernel> kernel_;  // outlives its steppers (declared before them)
+  detail::core_state s_;
+  detail::grad_reducer reducer_;
+  detail::core_checkpoint io_;
+  std::optional<loss_scaler> scaler_;
+  std::uint64_t steps_ = 0;
+  int threads_ = 0;
+  bool in_backward_ = false;
+  bool reduced_ = false;        // reduce_gradients() ran for this step
+  bool grads_pending_ = false;  // gradients reported since the last step() or zero_grad()
+  bool pass_ended_ = false;     // stages 2-3: end_backward() ran since the last step() or zero_grad()
+  std::unique_ptr<stepper> stepper_;
+  std::vector<std::unique_ptr<stepper>> host_steppers_;  // offload: one per sub-group of the shard
+  std::vector<async_transfer> uploads_;                  // offload: the last step's parameter uploads
+  // stage 3
+  std::vector<void*> gathered_;
+  group_map groups_;
+  std::vector<gathered_group> abandoned_groups_;  // whose all-gather failed (see release())
+};
+
+}  // namespace mpzero
