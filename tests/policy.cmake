@@ -50,6 +50,11 @@ if(CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
            COMMAND ${_mpzero_syntax_only} ${CMAKE_CURRENT_SOURCE_DIR}/compile_fail/plan_views.cpp)
   set_tests_properties(policy.compile_ok.plan_views PROPERTIES LABELS policy)
 
+  # The named policies and their lookup stay constant expressions under UBSan.
+  add_test(NAME policy.compile_ok.ubsan_policy_list
+           COMMAND ${_mpzero_syntax_only} -fsanitize=undefined ${CMAKE_CURRENT_SOURCE_DIR}/compile_fail/ubsan_policy_list.cpp)
+  set_tests_properties(policy.compile_ok.ubsan_policy_list PROPERTIES LABELS policy)
+
   add_test(NAME policy.compile_ok.valid_policies
            COMMAND ${_mpzero_syntax_only} ${CMAKE_CURRENT_SOURCE_DIR}/compile_fail/valid_policies.cpp)
   set_tests_properties(policy.compile_ok.valid_policies PROPERTIES LABELS policy)
@@ -127,14 +132,3 @@ add_test(NAME build.configure_without_mpi
 set_tests_properties(build.configure_without_mpi PROPERTIES LABELS "policy;build" TIMEOUT 300
                      FAIL_REGULAR_EXPRESSION "CMake Error;Generate step failed")
 
-# MPZERO_TORCH_POLICIES with a name that is no policy stops the configure, naming it (the
-# consumer test torch_add_subdirectory builds with a valid subset). CMake wraps the
-# message's lines, hence the [ \n]+.
-if(TARGET mpzero_torch)
-  add_test(NAME build.torch_policies_refused
-           COMMAND ${CMAKE_COMMAND} -S ${PROJECT_SOURCE_DIR} -B ${CMAKE_CURRENT_BINARY_DIR}/torch_policies_refused
-                   "-G${CMAKE_GENERATOR}" -DMPZERO_ENABLE_CUDA=OFF -DMPZERO_BUILD_TESTS=OFF -DMPZERO_BUILD_BENCH=OFF
-                   -DMPZERO_BUILD_EXAMPLES=OFF "-DMPZERO_TORCH_POLICIES=fp32,bf17" "-DTorch_DIR=${Torch_DIR}")
-  set_tests_properties(build.torch_policies_refused PROPERTIES LABELS "policy;build;torch" TIMEOUT 300
-                       PASS_REGULAR_EXPRESSION "names 'bf17',[ \n]+which[ \n]+is[ \n]+not[ \n]+a[ \n]+policy")
-endif()

@@ -11,6 +11,7 @@
 #include "support/torch_reference.hpp"
 
 #include <algorithm>
+#include <stdexcept>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -259,6 +260,75 @@ TEST_CASE("torch: Adam with L2 weight decay and AdamW match torch.optim.Adam and
   const auto theirs = other.weights();
   for (const auto& [name, w] : ref.weights()) apart = std::max(apart, (w - theirs.at(name)).abs().max().item<double>());
   CHECK(apart > 1e-3);
+}
+
+namespace {
+
+// Lion from its definition (Chen et al., 2023), over torch tensors: c = b1 m + (1 - b1) g;
+// w <- w (1 - lr wd) - lr sign(c); m <- b2 m + (1 - b2) g.
+class reference_lion final : public torch::optim::Optimizer {
+ public:
+  reference_lion(const std::vector<Tensor>& params, double lr, double b1, double b2, double wd)
+      : torch::optim::Optimizer({torch::optim::OptimizerParamGroup(params)},
+                                std::make_unique<torch::optim::SGDOptions>(lr)),
+        b1_(b1), b2_(b2), wd_(wd) {}
+  Tensor step(LossClosure = nullptr) override {
+    torch::NoGradGuard ng;
+    auto& group = param_groups()[0];
+    const double lr = group.options().get_lr();
+    for (std::size_t i = 0; i < group.params().size(); ++i) {
+      Tensor& w = group.params()[i];
+      if (m_.size() <= i) m_.push_back(torch::zeros_like(w));
+      const Tensor g = w.grad();
+      const Tensor c = m_[i] * b1_ + g * (1 - b1_);
+      w.mul_(1 - lr * wd_).sub_(c.sign() * lr);
+      m_[i] = m_[i] * b2_ + g * (1 - b2_);
+    }
+    return {};
+  }
+
+ private:
+  double b1_, b2_, wd_;
+  std::vector<Tensor> m_;
+};
+
+}  // namespace
+
+TEST_CASE("torch: SGD and Lion match torch.optim.SGD and Lion's definition at every stage, with and without offload",
+          "[torch]") {
+  const int stage = GENERATE(0, 1, 2, 3);
+  const bool offload = GENERATE(false, true);
+  const std::string type = GENERATE(std::string("SGD"), std::string("Lion"));
+  if (offload && stage == 0) return;  // offload keeps a partition: stages 1-3
+  INFO(label(stage, "fp32") << ", " << type << (offload ? ", offload" : ""));
+  const double lr = 1e-2, wd = 0.1;
+  json params = {{"lr", lr}, {"weight_decay", wd}};
+  if (type == "SGD") {
+    params["momentum"] = 0.9;
+    params["nesterov"] = true;
+  } else {
+    params["betas"] = {0.9, 0.99};
+  }
+  json extra = {{"optimizer", {{"type", type}, {"params", params}}}};
+  if (offload) extra["zero_optimization"] = {{"stage", stage}, {"offload_optimizer", {{"device", "cpu"}}}};
+  auto engine = make_engine(Net(7), make_config(stage, "fp32", 1, extra));
+  REQUIRE_THAT(engine.describe(), Catch::Contains(", " + type + ", ZeRO stage " + std::to_string(stage)));
+  reference<Net> ref(Net(7), torch::kFloat, stage);
+  ref.use_optimizer([&](const std::vector<Tensor>& master) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (type == "SGD") {
+      return std::make_unique<torch::optim::SGD>(
+          master, torch::optim::SGDOptions(lr).momentum(0.9).weight_decay(wd).nesterov(true));
+    }
+    return std::make_unique<reference_lion>(master, lr, 0.9, 0.99, wd);
+  });
+  for (int it = 0; it < 3; ++it) {
+    const batch b = data(it, R(), 5);
+    engine(b.x, b.y).backward();
+    ref.accumulate([&](Net& m, int rank) { auto d = data(it, rank, 5); return m->forward(d.x, d.y); }, 1.0);
+    engine.step();
+    ref.step();
+    check_weights(engine, ref.weights(), "iteration " + std::to_string(it));
+  }
 }
 
 // =================================================================================
@@ -1065,7 +1135,32 @@ TEST_CASE("torch: WarmupLR sets each step's learning rate; gradient clipping use
   }
 }
 
-TEST_CASE("torch: a configuration that is not compiled in, or not supported, is refused by name", "[torch]") {
+namespace {
+// One rank whose collectives would read device memory: a CPU engine must refuse it.
+struct device_reading_rank final : mt::communicator_base {
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string name() const override { return "device-reading rank"; }
+  [[noreturn]] static std::unique_ptr<mt::request_base> unexpected() { throw std::logic_error("called"); }
+  std::unique_ptr<mt::request_base> iall_reduce(const void*, void*, std::uint64_t, mt::wire_dtype,
+                                                mpzero::comm::reduce_op) override {
+    unexpected();
+  }
+  std::unique_ptr<mt::request_base> ireduce_scatter_v(const void*, void*, std::span<const std::uint64_t>,
+                                                      mt::wire_dtype, mpzero::comm::reduce_op) override {
+    unexpected();
+  }
+  std::unique_ptr<mt::request_base> iall_gather_v(const void*, std::uint64_t, void*, std::span<const std::uint64_t>,
+                                                  mt::wire_dtype) override {
+    unexpected();
+  }
+  std::unique_ptr<mt::request_base> ibroadcast(void*, std::uint64_t, mt::wire_dtype, int) override { unexpected(); }
+  void barrier() override { unexpected(); }
+  bool reads_device_memory() const override { return true; }
+};
+}  // namespace
+
+TEST_CASE("torch: a configuration the engine cannot run is refused by name, leaving the model alone", "[torch]") {
   Net model(1);
   // What a failed initialize must leave as it was: each parameter's tensor, its storage,
   // its dtype and its bits.
@@ -1078,14 +1173,33 @@ TEST_CASE("torch: a configuration that is not compiled in, or not supported, is 
     storage.push_back(p.data_ptr());
     bits.push_back(p.detach().view(torch::kInt32).clone());
   }
-  // The SGD core is missing: initialize fails after it has collected the parameters.
-  json sgd = make_config(1, "bf16", 1, {{"optimizer", {{"type", "SGD"}, {"params", {{"lr", 0.1}}}}}});
-  CHECK_THROWS_WITH(mt::initialize(model, sgd, world()),
-                    Catch::Contains("not compiled") && Catch::Contains("SGD, ZeRO stage 1") && Catch::Contains("Compiled:"));
-  json sgd3 = make_config(3, "bf16", 1, {{"optimizer", {{"type", "SGD"}, {"params", {{"lr", 0.1}}}}}});
-  CHECK_THROWS_WITH(mt::initialize(model, sgd3, world()), Catch::Contains("not compiled") &&
-                                                              Catch::Contains("SGD, ZeRO stage 3"));
-  CHECK_FALSE(mt::compiled_cores().empty());
+  // The core refuses the communicator: initialize fails after it has collected the parameters.
+  const mt::any_communicator device_comm(std::make_shared<device_reading_rank>());
+  CHECK_THROWS_WITH(mt::initialize(model, make_config(1, "bf16", 1), device_comm),
+                    Catch::Contains("the parameters are on the CPU, but the communicator 'device-reading rank' reads "
+                                    "device memory"));
+  // A precision no named policy has (the config cannot select one; the core's factory
+  // refuses it by name, listing the policies).
+  mt::core_spec odd;
+  odd.param = odd.master = odd.grad = mpzero::dtype::bf16;
+  odd.state = mpzero::dtype::fp32;
+  odd.stochastic_rounding = true;
+  const std::uint64_t numels[] = {4};
+  CHECK_THROWS_WITH(mt::make_zero_core(odd, {}, numels, {}, {}),
+                    Catch::Contains("stochastic rounding") && Catch::Contains("none of the named policies") &&
+                        Catch::Contains("bf16_all_sr"));
+  // Every optimizer the config accepts runs at every stage, with and without offload.
+  const auto cores = mt::compiled_cores();
+  for (const auto opt : {mt::optimizer_type::adam, mt::optimizer_type::adamw, mt::optimizer_type::sgd,
+                         mt::optimizer_type::lion}) {
+    for (int stage = 0; stage <= 3; ++stage) {
+      mt::core_spec s;
+      s.optimizer = opt;
+      s.stage = stage;
+      s.offload = stage > 0;
+      CHECK(std::find(cores.begin(), cores.end(), s) != cores.end());
+    }
+  }
 
   // A failed initialize leaves the model alone: the same tensors, not re-pointed (to the
   // core's flat buffer or to a copy), not cast to bf16, not a bit changed.

@@ -453,7 +453,7 @@ TEST_CASE("gpu: the ProcessGroup communicator moves device buffers", "[gpu][torc
 
 // ---- what a build says about its CUDA path, with or without a GPU ------------------------
 
-TEST_CASE("torch: the compiled table lists CUDA cores exactly when they are built", "[torch]") {
+TEST_CASE("torch: the compiled cores list CUDA ones exactly when they are built", "[torch]") {
   const auto cores = mt::compiled_cores();
   const auto n_cuda = std::count_if(cores.begin(), cores.end(), [](const mt::core_spec& s) {
     return s.device == mt::core_device::cuda;
@@ -472,14 +472,14 @@ TEST_CASE("torch: the compiled table lists CUDA cores exactly when they are buil
   }
   CHECK(static_cast<std::size_t>(n_cuda) == n_cpu);
   // Among them, the precision configurations examples/gpt compares (fp16 master weights
-  // included), with Adam (L2) as well as AdamW, stages 0-2, offload at 1-2.
+  // included), with every optimizer, stages 0-2, offload at 1-2.
   auto has = [&](mpzero::dtype p, mpzero::dtype m, mpzero::dtype g, mpzero::dtype st, bool sr, int stage, bool off,
                  mt::optimizer_type opt) {
     mt::core_spec s{p, m, g, st, sr, opt, stage, off, mt::core_device::cuda};
     return std::find(cores.begin(), cores.end(), s) != cores.end();
   };
   using mpzero::dtype;
-  for (auto opt : {mt::optimizer_type::adam, mt::optimizer_type::adamw})
+  for (auto opt : {mt::optimizer_type::adam, mt::optimizer_type::adamw, mt::optimizer_type::sgd, mt::optimizer_type::lion})
     for (int stage : {0, 1, 2}) {
       INFO("stage " << stage << ", " << mt::optimizer_name(opt));
       CHECK(has(dtype::fp32, dtype::fp32, dtype::fp32, dtype::fp32, false, stage, false, opt));
@@ -519,25 +519,28 @@ TEST_CASE("torch: every configuration of the CUDA bit-identity test is valid and
   }
 }
 
-TEST_CASE("torch: a CUDA configuration that is not compiled names itself and the CUDA table", "[torch]") {
+TEST_CASE("torch: a CUDA configuration the engine cannot run names itself", "[torch]") {
+  // A precision no named policy has is refused before any CUDA call (no GPU needed).
   mt::core_spec s;
-  s.optimizer = mt::optimizer_type::lion;  // in no table
+  s.param = s.master = s.grad = mpzero::dtype::bf16;
+  s.state = mpzero::dtype::fp32;
+  s.stochastic_rounding = true;
+  s.optimizer = mt::optimizer_type::lion;
   s.device = mt::core_device::cuda;
   const std::uint64_t numels[] = {4};
   try {
     (void)mt::make_zero_core(s, {}, numels, {}, {});
-    FAIL("make_zero_core accepted a combination no table has");
+    FAIL("make_zero_core accepted a precision no named policy has");
   } catch (const mt::config_error& e) {
     const std::string what = e.what();
-    if (mt::cuda_cores_compiled()) {
-      CHECK_THAT(what, Catch::Contains("Lion, ZeRO stage 0, CUDA") && Catch::Contains("add_table_part") &&
-                           Catch::Contains("core_impl.hpp"));
-      // It lists the CUDA table, not the host one.
-      CHECK_THAT(what, Catch::Contains("AdamW, ZeRO stage 2, CUDA"));
-      CHECK_THAT(what, !Catch::Contains("stage 2\n"));
-    } else {
-      CHECK_THAT(what, Catch::Contains("no CUDA cores") && Catch::Contains("MPZERO_TORCH_CUDA"));
-    }
+    CHECK_THAT(what, Catch::Contains("Lion, ZeRO stage 0, CUDA") && Catch::Contains("none of the named policies"));
+  }
+  // A named one on a build without the CUDA cores: the build is named.
+  if (!mt::cuda_cores_compiled()) {
+    mt::core_spec ok;
+    ok.device = mt::core_device::cuda;
+    CHECK_THROWS_WITH(mt::make_zero_core(ok, {}, numels, {}, {}),
+                      Catch::Contains("no CUDA cores") && Catch::Contains("MPZERO_TORCH_CUDA"));
   }
 }
 

@@ -45,23 +45,3 @@ if(TARGET mpzero_torch AND MPI_CXX_FOUND)
     endif()
   endif()
 endif()
-
-# The engine's policy table compiles under -fsanitize=undefined, as in a trainer built with
-# UBSan (g++ folds no comparison of function addresses in a constant expression then):
-# a compile-only case, which needs no LibTorch (core_impl.hpp is torch-free).
-if(TARGET mpzero_torch_config AND CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
-  find_package(nlohmann_json 3 REQUIRED)  # its imported target, visible in this directory too
-  get_target_property(_mpzero_json_inc nlohmann_json::nlohmann_json INTERFACE_INCLUDE_DIRECTORIES)
-  set(_mpzero_json_flags)
-  foreach(dir IN LISTS _mpzero_json_inc)
-    # (Not a directory the compiler searches anyway: -isystem /usr/include breaks libstdc++'s #include_next.)
-    if(NOT dir IN_LIST CMAKE_CXX_IMPLICIT_INCLUDE_DIRECTORIES)
-      list(APPEND _mpzero_json_flags -isystem ${dir})
-    endif()
-  endforeach()
-  add_test(NAME torch.compile_ok.ubsan_policy_table
-           COMMAND ${CMAKE_CXX_COMPILER} -std=c++20 -fsyntax-only -fsanitize=undefined -I${PROJECT_SOURCE_DIR}/include
-                   -I${PROJECT_SOURCE_DIR}/adapters/torch/include -I${PROJECT_SOURCE_DIR}/adapters/torch/src
-                   ${_mpzero_json_flags} ${CMAKE_CURRENT_SOURCE_DIR}/compile_fail/ubsan_policy_table.cpp)
-  set_tests_properties(torch.compile_ok.ubsan_policy_table PROPERTIES LABELS "torch;policy")
-endif()

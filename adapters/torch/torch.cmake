@@ -13,8 +13,7 @@
 # package's (python3 -c "import torch"), else not found: then nothing is defined.
 #
 # MPZERO_TORCH_CUDA (default: on when CUDA is built and LibTorch has CUDA): the engine's
-# CUDA cores (src/cuda_row.cuh: cuda_backend instantiations, the same combinations as
-# the host table) for CUDA parameters.
+# CUDA cores (src/cuda_cores.cu: the CUDA backend and step kernels) for CUDA parameters.
 # The engine itself needs no CUDA headers: it reaches torch's streams through c10.
 set(_mpzero_torch_fp_default OFF)
 option(MPZERO_TORCH_FIND_PACKAGE "Find LibTorch with find_package(Torch) (needs CUDA for CUDA builds of LibTorch)"
@@ -106,107 +105,27 @@ endif()
 message(STATUS "mpzero: LibTorch engine against ${_mpzero_torch_prefix} "
                "(find_package: ${MPZERO_TORCH_FIND_PACKAGE}, CUDA cores: ${MPZERO_TORCH_CUDA})")
 
-# The ZeroOptimizer instantiations (no torch headers): one generated unit per part of
-# each table (src/table_part.in; the combinations are add_table_part in src/core_impl.hpp),
-# so a parallel build compiles them side by side; zero_core.cpp concatenates the parts.
-# engine.cpp, zero_to_fp32.cpp and process_group.cpp are the translation units that include torch.
-set(_mpzero_torch_table_parts 4)  # core_impl.hpp static_asserts the same number
-# MPZERO_TORCH_POLICIES: the precision policies the tables compile. Each one costs a fused
-# step per optimizer, stage and offload choice (and a CUDA kernel with MPZERO_TORCH_CUDA),
-# so a project that trains with one or two can leave the others out of its build; the
-# engine then refuses a config that needs a left-out policy, naming it and this variable.
-# The names, in the order of core_impl.hpp's table_policies (bit i of the mask):
-set(_mpzero_torch_policy_names fp32 bf16_fp32_grads bf16_fp32_master bf16_master_fp32_states bf16_all bf16_all_sr
-    fp16_fp32_master fp16_master_fp32_states)
-set(MPZERO_TORCH_POLICIES "all" CACHE STRING
-    "Precision policies the LibTorch engine compiles: all, or a list (';' or ',') of: fp32 bf16_fp32_grads bf16_fp32_master bf16_master_fp32_states bf16_all bf16_all_sr fp16_fp32_master fp16_master_fp32_states")
-# Names separated by ';', ',' or spaces, in any case; empty items (a trailing comma) ignored.
-string(TOLOWER "${MPZERO_TORCH_POLICIES}" _mpzero_torch_selected)
-string(REGEX REPLACE "[,; \t\n]+" ";" _mpzero_torch_selected "${_mpzero_torch_selected}")
-list(REMOVE_ITEM _mpzero_torch_selected "")
-if(_mpzero_torch_selected STREQUAL "all")
-  set(_mpzero_torch_selected ${_mpzero_torch_policy_names})
-endif()
-list(REMOVE_DUPLICATES _mpzero_torch_selected)
-set(_mpzero_torch_policy_mask 0)
-foreach(_p IN LISTS _mpzero_torch_selected)
-  list(FIND _mpzero_torch_policy_names "${_p}" _i)
-  if(_i LESS 0)
-    string(JOIN ", " _names ${_mpzero_torch_policy_names})
-    message(FATAL_ERROR "mpzero: MPZERO_TORCH_POLICIES=\"${MPZERO_TORCH_POLICIES}\" names '${_p}', which is not a "
-                        "policy of the engine's tables; use all (the default) or a list of: ${_names} "
-                        "(docs/precision.md describes each)")
-  endif()
-  math(EXPR _mpzero_torch_policy_mask "${_mpzero_torch_policy_mask} | (1 << ${_i})")
-endforeach()
-if(_mpzero_torch_policy_mask EQUAL 0)
-  message(FATAL_ERROR "mpzero: MPZERO_TORCH_POLICIES=\"${MPZERO_TORCH_POLICIES}\" selects no policy; use all (the "
-                      "default) or name at least one, e.g. fp32;bf16_fp32_master")
-endif()
-list(LENGTH _mpzero_torch_policy_names _n)
-math(EXPR _mpzero_torch_all_mask "(1 << ${_n}) - 1")
-if(NOT _mpzero_torch_policy_mask EQUAL _mpzero_torch_all_mask)
-  message(STATUS "mpzero: the LibTorch engine compiles only the policies ${_mpzero_torch_selected} "
-                 "(MPZERO_TORCH_POLICIES)")
-endif()
-math(EXPR _mpzero_torch_last_part "${_mpzero_torch_table_parts} - 1")
-set(_mpzero_torch_table_units "")
-set(_mpzero_torch_tables host)
-if(MPZERO_TORCH_CUDA)
-  list(APPEND _mpzero_torch_tables cuda)
-endif()
-foreach(MPZERO_TABLE IN LISTS _mpzero_torch_tables)
-  if(MPZERO_TABLE STREQUAL "cuda")
-    set(MPZERO_ROW_HEADER "${CMAKE_CURRENT_SOURCE_DIR}/src/cuda_row.cuh")
-    set(_ext cu)
-  else()
-    set(MPZERO_ROW_HEADER "${CMAKE_CURRENT_SOURCE_DIR}/src/host_row.hpp")
-    set(_ext cpp)
-  endif()
-  foreach(MPZERO_PART RANGE 0 ${_mpzero_torch_last_part})
-    set(_unit "${CMAKE_CURRENT_BINARY_DIR}/table/${MPZERO_TABLE}_part${MPZERO_PART}.${_ext}")
-    configure_file(${CMAKE_CURRENT_SOURCE_DIR}/src/table_part.in "${_unit}" @ONLY)
-    list(APPEND _mpzero_torch_table_units "${_unit}")
-  endforeach()
-endforeach()
-# MPZERO_TORCH_TABLES_O1: the table units at -O1 in optimized builds. They instantiate
-# ZeroOptimizer once per row: bookkeeping, whose optimization bought nothing measurable,
-# and most of the adapter's build time (docs/perf.md, "Session 23 ... the engine's build"). The loops
-# that run per element (the fused host step, gradient statistics, conversions) are
-# compiled once at the build's own level in src/host_kernels.cpp, which the host units
-# (and nvcc's host pass, where it compiles the same variant) declare extern
-# (src/host_kernels.hpp); the CUDA kernels' device code keeps nvcc's full optimization
-# (nvcc's -O is for host code).
-option(MPZERO_TORCH_TABLES_O1 "Compile the LibTorch engine's table units at -O1 (the per-element loops stay optimized)"
-       ON)
-if(MPZERO_TORCH_TABLES_O1)
-  foreach(_unit IN LISTS _mpzero_torch_table_units)
-    if(_unit MATCHES "/host_part[0-9]+\\.cpp$")
-      set_source_files_properties("${_unit}" PROPERTIES COMPILE_OPTIONS "$<$<NOT:$<CONFIG:Debug>>:-O1>")
-    endif()
-  endforeach()
-  # The adapter's only CUDA sources are the table units; nvcc warns at a second -O, so the
-  # build type's own is replaced (these variables are this directory's).
-  foreach(_config RELEASE RELWITHDEBINFO)
-    string(REGEX REPLACE "(^| )-O[0-9]( |$)" "\\1-O1\\2" CMAKE_CUDA_FLAGS_${_config} "${CMAKE_CUDA_FLAGS_${_config}}")
-  endforeach()
-endif()
-add_library(mpzero_torch STATIC
+# The engine's units. zero_core.cpp compiles the run-time ZeRO core once; host_kernels.cpp
+# the host step kernels of every named policy and optimizer (src/kernel_table.hpp);
+# cuda_cores.cu, with MPZERO_TORCH_CUDA, their CUDA kernels and the CUDA backend (nvcc
+# sees no torch header). engine.cpp, zero_to_fp32.cpp and process_group.cpp include torch.
+set(_mpzero_torch_units
   ${CMAKE_CURRENT_SOURCE_DIR}/src/zero_core.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/src/host_kernels.cpp
-  ${_mpzero_torch_table_units}
   ${CMAKE_CURRENT_SOURCE_DIR}/src/engine.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/src/zero_to_fp32.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/src/process_group.cpp)
+if(MPZERO_TORCH_CUDA)
+  list(APPEND _mpzero_torch_units ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda_cores.cu)
+endif()
+add_library(mpzero_torch STATIC ${_mpzero_torch_units})
 add_library(mpzero::torch ALIAS mpzero_torch)
 target_link_libraries(mpzero_torch PUBLIC mpzero::torch_config ${_mpzero_torch_libs})
 target_compile_features(mpzero_torch PUBLIC cxx_std_20)
 target_compile_options(mpzero_torch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
-target_compile_definitions(mpzero_torch PRIVATE MPZERO_TORCH_TABLE_PARTS=${_mpzero_torch_table_parts}
-                                                 MPZERO_TORCH_POLICY_MASK=${_mpzero_torch_policy_mask})
 set_target_properties(mpzero_torch PROPERTIES POSITION_INDEPENDENT_CODE ON)
 if(MPZERO_TORCH_CUDA)
-  # nvcc sees only the CUDA table's generated units (torch-free: cuda_backend rows).
+  # nvcc sees cuda_cores.cu alone (torch-free).
   target_compile_definitions(mpzero_torch PUBLIC MPZERO_TORCH_CUDA)
   mpzero_cuda_target(mpzero_torch)
   # LibTorch's include directories are not for nvcc (it never includes them).

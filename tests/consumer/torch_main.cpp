@@ -33,24 +33,6 @@ int main() {
                   last, static_cast<unsigned long long>(engine.global_steps()));
       return 1;
     }
-#ifdef MPZERO_CONSUMER_ONLY_FP32
-    // Built with MPZERO_TORCH_POLICIES=fp32: a bf16 config is refused, naming the policy
-    // it needs and the variable that left it out.
-    try {
-      auto other = torch::nn::Linear(4, 1);
-      (void)mpzero::torch::initialize(other, R"({"train_batch_size": 16, "bf16": {"enabled": true},
-                                               "optimizer": {"type": "AdamW", "params": {"lr": 0.05}}})");
-      std::printf("mpzero consumer: a bf16 config was accepted by a build with MPZERO_TORCH_POLICIES=fp32\n");
-      return 1;
-    } catch (const mpzero::torch::config_error& e) {
-      const std::string what = e.what();
-      if (what.find("bf16_fp32_master, was left out") == std::string::npos ||
-          what.find("MPZERO_TORCH_POLICIES=\"fp32\"") == std::string::npos) {
-        std::printf("mpzero consumer: the refusal of a left-out policy does not name it and the fix:\n%s\n", e.what());
-        return 1;
-      }
-    }
-#endif
     std::printf("mpzero consumer: ok (%s; loss %.4f -> %.6f)\n", engine.describe().c_str(), first, last);
     return 0;
   } catch (const std::exception& e) {

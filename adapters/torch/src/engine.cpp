@@ -404,13 +404,12 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::unique_ptr<zero_core> core_;
   std::vector<::torch::Tensor> params_;
   std::vector<::torch::Tensor> frozen_;  // frozen floating parameters, from prepare() to start()
-  struct core_plan {
-    core_spec spec;
-    zero_options zo;
+  struct start_plan {
+    core_plan core;
     core_place place;
     std::vector<std::uint64_t> numels;
   };
-  std::optional<core_plan> plan_;  // the core start() makes
+  std::optional<start_plan> plan_;  // the core start() makes
   std::size_t bound_ = 0;  // params_[0, bound_) are views of the core's buffer
   std::vector<std::string> names_;
   std::unordered_map<const c10::TensorImpl*, std::size_t> index_;
@@ -846,17 +845,8 @@ std::pair<std::string, std::string> engine_state::prepare() {
          " parameter(s), none with requires_grad); set requires_grad on the parameters to train");
   }
 
-  core_spec spec;
-  spec.param = cfg_.param_dtype();
-  spec.master = cfg_.master_dtype();
-  spec.grad = cfg_.grad_dtype();
-  spec.state = cfg_.state_dtype();
-  spec.stochastic_rounding = cfg_.stochastic_rounding();
-  spec.optimizer = cfg_.optimizer.type;
-  spec.stage = cfg_.zero.stage;
-  spec.offload = cfg_.zero.offload_optimizer == offload_device::cpu;
-  spec.device = device_.is_cuda() ? core_device::cuda : core_device::cpu;
-  param_type_ = scalar_type_of(spec.param);
+  const core_device device = device_.is_cuda() ? core_device::cuda : core_device::cpu;
+  param_type_ = scalar_type_of(cfg_.param_dtype());
   core_place place;
   if (device_.is_cuda()) {
     // The core runs on torch's current stream of the device: what the model computes
@@ -865,18 +855,6 @@ std::pair<std::string, std::string> engine_state::prepare() {
     place.device = device_.index();
     place.stream = core_stream_->native_handle();
   }
-
-  zero_options zo;
-  zo.reduce_bucket_numel = std::max<std::uint64_t>(1, cfg_.zero.reduce_bucket_size);
-  zo.param_persistence_threshold = cfg_.zero.stage3_param_persistence_threshold;
-  zo.gradient_clipping = cfg_.gradient_clipping;
-  zo.loss_scaling = cfg_.fp16;
-  zo.loss_scale = cfg_.loss_scaler;
-  zo.check_overflow = cfg_.fp16 || !cfg_.bf16 || cfg_.check_grad_overflow;
-  zo.average_gradients = true;
-  zo.seed = cfg_.seed;
-  zo.pin_memory = cfg_.zero.offload_pin_memory;
-  if (cfg_.zero.sub_group_size) zo.offload_sub_group_numel = *cfg_.zero.sub_group_size;
   needs_scaling_ = cfg_.fp16;
 
   // The dtype each gradient is reduced in (DeepSpeed's get_comm_dtype): the autocast
@@ -913,14 +891,14 @@ std::pair<std::string, std::string> engine_state::prepare() {
            "); name a class the model has (e.g. \"torch.nn.Linear\" or \"Linear\") or remove the entry");
     }
   }
-  if (std::any_of(comm_dtypes_.begin(), comm_dtypes_.end(), [&](dtype d) { return d != spec.grad; })) {
-    zo.wire_dtypes = comm_dtypes_;
-  }
+  core_plan planned = plan_core(cfg_, device, comm_dtypes_);
+  const core_spec& spec = planned.spec;
+  const zero_options& zo = planned.zo;
 
   std::vector<std::uint64_t> numels;
   for (const auto& p : params_) numels.push_back(static_cast<std::uint64_t>(p.numel()));
   // The core is made by start(), after the ranks' agreement: its constructor is collective.
-  plan_.emplace(core_plan{spec, zo, place, std::move(numels)});
+  plan_.emplace(start_plan{planned, place, std::move(numels)});
 
   // Every rank must pass the same model and configuration: a rank-dependent one would
   // mismatch the start-up broadcast (or, with equal totals, partition differently) and
@@ -929,24 +907,16 @@ std::pair<std::string, std::string> engine_state::prepare() {
   // naming this rank's.
   std::pair<std::string, std::string> id;
   if (world > 1) {
-    std::string what = spec.describe() + "\nstage " + std::to_string(spec.stage) + ", gas " +
-                       std::to_string(cfg_.gradient_accumulation_steps) + ", bucket " +
-                       std::to_string(zo.reduce_bucket_numel) + ", sub-group " + std::to_string(zo.offload_sub_group_numel);
-    for (const dtype d : zo.wire_dtypes) what += " " + std::to_string(static_cast<int>(d));
-    // What makes the replicas (stage 0) or the shards (stages 1-2) step differently: the
-    // optimizer, its schedule, clipping, and the stochastic-rounding key (stage 0 rounds
-    // the same elements on every rank). Exact values (shortest round-trip digits). The
-    // core compares its own layout and options too (the fp16 scaler's among them).
+    // The config as it was understood (to_json: every key that sets the layout, the
+    // collectives or the step, exact values in shortest round-trip digits), except the
+    // stochastic-rounding key where nothing rounds stochastically; the parameters'
+    // device kind and their gradients' wire dtypes. The core compares its own layout
+    // and options too.
+    nlohmann::json cfg = to_json(cfg_);
+    if (!spec.stochastic_rounding) cfg.erase("seed");
+    std::string what = cfg.dump() + "\n" + spec.describe() + ", wire";
+    for (const dtype d : zo.wire_dtypes) what += " " + std::string(name_of(d));
     const auto& o = cfg_.optimizer;
-    const auto& sc = cfg_.scheduler;
-    what += "\noptimizer " + std::to_string(static_cast<int>(o.type)) + " " + format_double(o.lr) + " " + format_double(o.beta1) + " " +
-            format_double(o.beta2) + " " + format_double(o.eps) + " " + format_double(o.weight_decay) + " " + format_double(o.momentum) + " " +
-            format_double(o.dampening) + " " + std::to_string(o.nesterov) + std::to_string(o.bias_correction) +
-            "\nscheduler " + std::to_string(static_cast<int>(sc.type)) + " " + format_double(sc.warmup_min_lr) + " " +
-            format_double(sc.warmup_max_lr) + " " + std::to_string(sc.warmup_num_steps) + " " + sc.warmup_type + " " +
-            std::to_string(sc.total_num_steps) + " " + format_double(sc.warmup_min_ratio) + " " + format_double(sc.cos_min_ratio) +
-            "\nclipping " + format_double(zo.gradient_clipping) + ", overflow check " + std::to_string(zo.check_overflow);
-    if (spec.stochastic_rounding) what += "\nseed " + std::to_string(zo.seed);
     std::int64_t elements = 0;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       what += "\n" + names_[i] + " " + shape_of(params_[i].sizes());
@@ -987,7 +957,7 @@ core_place engine_state::agreement_place(const any_communicator& comm, const eng
 
 void engine_state::start() {
   // Collective: a rank whose core cannot be made (memory, say) makes every rank throw.
-  core_ = make_zero_core(plan_->spec, comm_, plan_->numels, cfg_.optimizer, plan_->zo, plan_->place);
+  core_ = make_zero_core(plan_->core.spec, comm_, plan_->numels, cfg_.optimizer, plan_->core.zo, plan_->place);
   plan_.reset();
   std::vector<::torch::Tensor> frozen = std::move(frozen_);
   ::torch::NoGradGuard no_grad;

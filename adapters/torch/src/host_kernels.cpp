@@ -1,12 +1,13 @@
-// The host backend's vectorized loops for the engine's tables, compiled once here at the
-// build's own optimization; the table units, compiled at -O1, declare them `extern`
-// (host_kernels.hpp). The list: host_kernels.inc.
-#include <cstdint>
-#include <span>
+// The host backend's step kernels: every named policy with Adam/AdamW (one rule),
+// SGD and Lion, the fused host step vectorized for this CPU (backend/host.hpp).
+#include <mpzero/backend/host_backend.hpp>
 
-#include <mpzero/backend/host.hpp>
-#include <mpzero/optim/adam.hpp>
-#include <mpzero/policy/precision.hpp>
+#include "kernel_table.hpp"
 
-#define MPZERO_TORCH_HOST_KW
-#include "host_kernels.inc"
+namespace mpzero::torch::detail {
+
+std::unique_ptr<step_kernel> make_host_kernel(const precision_spec& p, const optimizer_config& c) {
+  return make_kernel<host_backend, true>(p, c, host_backend{});
+}
+
+}  // namespace mpzero::torch::detail

@@ -1,19 +1,18 @@
-// mpzero::torch: a ZeroOptimizer chosen at run time.
+// mpzero::torch: the ZeRO core the engine runs, chosen at run time.
 //
-// The engine reads precision, optimizer and ZeRO stage from the JSON config, so it
-// cannot name the ZeroOptimizer type at compile time. zero_core is the virtual face of
-// one ZeroOptimizer<Policy, Optimizer, stage<N>, any_communicator, Backend>;
-// make_zero_core() picks the instantiation from a finite table: host_backend rows for
-// CPU parameters and cuda_backend rows for CUDA ones (built when the adapter is built
-// with CUDA: MPZERO_TORCH_CUDA), the same combinations in both (add_table_part in
-// src/core_impl.hpp). compiled_cores() lists them. A combination that is not in the
-// table is a clear error that names it and lists what is compiled.
+// The engine reads precision, optimizer and ZeRO stage from the JSON config. It runs one
+// mpzero::zero_core (the run-time ZeRO core, compiled once per backend) with the one step
+// kernel that its precision policy and optimizer select: every named policy
+// (policy/policy_list.hpp) with Adam, AdamW, SGD and Lion, at stages 0-3, with CPU
+// offload at stages 1-3, on CPU parameters and (built with MPZERO_TORCH_CUDA) on CUDA
+// ones. zero_core here adds what the engine needs around it: the CUDA device and stream
+// of its parameters, parameters loaded from host memory, and whole-model reads.
 //
 // Pointers are in the core's memory (host memory for a CPU core, device memory of its
 // CUDA device otherwise) unless a member says "host". Element types are passed as
 // mpzero::dtype values.
 //
-// Torch-free: this header and the tables need only the core and the config struct.
+// Torch-free, and light: the core itself is behind a pointer.
 #pragma once
 
 #include <cstdint>
@@ -25,14 +24,18 @@
 #include <mpzero/numeric/dtype.hpp>
 #include <mpzero/torch/communicator.hpp>
 #include <mpzero/torch/config.hpp>
-#include <mpzero/zero/zero_optimizer.hpp>
+#include <mpzero/zero/options.hpp>
+
+namespace mpzero {
+class zero_core;
+}
 
 namespace mpzero::torch {
 
 // Where a core's parameters, gradients and (without offload) optimizer states live.
 enum class core_device : std::uint8_t { cpu, cuda };
 
-// What selects an instantiation.
+// What the config selects.
 struct core_spec {
   dtype param = dtype::fp32, master = dtype::fp32, grad = dtype::fp32, state = dtype::fp32;
   bool stochastic_rounding = false;
@@ -46,64 +49,6 @@ struct core_spec {
   friend bool operator==(const core_spec&, const core_spec&) = default;
 };
 
-class zero_core {
- public:
-  virtual ~zero_core() = default;
-
-  virtual const core_spec& spec() const noexcept = 0;
-
-  // Parameter i's storage (spec().param elements), which forward reads and step()
-  // updates in place. Stage 3: a partitioned parameter's only while its group is
-  // gathered (the pointer changes with every gather); mpzero::error otherwise.
-  virtual void* param_data(std::size_t i) = 0;
-  // ZeRO-3: whether parameter i exists only as shards (stage 3, above the persistence
-  // threshold, not empty). False for every parameter at stages 0-2.
-  virtual bool partitioned(std::size_t i) const = 0;
-  // ZeRO-3: ZeroOptimizer::gather (collective) and release (local) of parameters
-  // [first, end); a range holds partitioned parameters only where it is gathered.
-  // mpzero::error below stage 3.
-  virtual void gather(std::size_t first, std::size_t end) = 0;
-  virtual void release(std::size_t first, std::size_t end) = 0;
-  // ZeRO-3: ZeroOptimizer::prefetch, the all-gather of [first, end) started without
-  // waiting (collective); gather of exactly that range waits for it, release drops it.
-  virtual void prefetch(std::size_t first, std::size_t end) = 0;
-  // Sets parameter i (and its master copy) from numel(i) elements of type `t` in host
-  // memory. Every rank passes the same values.
-  virtual void load_param(std::size_t i, const void* values, dtype t) = 0;
-  // Broadcasts n floats in host memory from rank `root` through the core's communicator
-  // (staged through device memory for a CUDA core: NCCL reads device memory). Collective.
-  virtual void broadcast(float* host_values, std::uint64_t n, int root) = 0;
-
-  // ZeroOptimizer::accumulate_grad / end_backward / zero_grad.
-  virtual void accumulate_grad(std::size_t i, const void* src, dtype t, float scale) = 0;
-  virtual void end_backward() = 0;
-  virtual void zero_grad() = 0;
-  // Parameter i's reduced, averaged, unscaled gradient (collective).
-  virtual std::vector<float> full_grad(std::size_t i) = 0;
-  // Every parameter's master weights, whole, on every rank (collective).
-  virtual std::vector<std::vector<float>> full_master() = 0;
-
-  // ZeroOptimizer::save_checkpoint / load_checkpoint into / from directory `dir`
-  // (collective; a failure throws on every rank, and a failed load changes nothing).
-  // save_checkpoint returns the save id its shard files carry.
-  virtual std::uint64_t save_checkpoint(const std::string& dir) = 0;
-  virtual void load_checkpoint(const std::string& dir) = 0;
-  // ZeroOptimizer::grads_pending: gradients reported since the last step or zero_grad.
-  virtual bool grads_pending() const = 0;
-
-  virtual step_report step() = 0;
-  virtual void set_lr(double lr) = 0;
-  virtual double loss_scale() const = 0;
-  virtual memory_report memory() const = 0;
-
-  // Stream ordering of a CUDA core (no-ops for a CPU core). The core queues its work on
-  // the stream it was made with (core_place::stream). wait_stream(s): the core's later
-  // work starts after what stream `s` (a cudaStream_t) has queued so far. join_stream(s):
-  // what `s` queues later starts after the core's work so far. Neither blocks the host.
-  virtual void wait_stream(void* /*stream*/) {}
-  virtual void join_stream(void* /*stream*/) {}
-};
-
 // Where a CUDA core runs: its device and the stream its work is ordered on (a
 // cudaStream_t; nullptr is the legacy default stream). Ignored for a CPU core.
 struct core_place {
@@ -111,8 +56,95 @@ struct core_place {
   void* stream = nullptr;
 };
 
-// The instantiation for `spec`, or config_error naming it and listing compiled_cores().
-// spec.device picks the table; a CUDA core allocates on place.device.
+// The device scope and stream ordering of a core (a CUDA core's; nothing for a CPU core).
+class core_context {
+ public:
+  virtual ~core_context() = default;
+  // Makes the core's device current; returns what leave() restores.
+  virtual int enter() const { return -1; }
+  virtual void leave(int previous) const noexcept { (void)previous; }
+  // wait_stream(s): the core's later work starts after what stream `s` (a cudaStream_t)
+  // has queued so far. join_stream(s): what `s` queues later starts after the core's work
+  // so far. Neither blocks the host.
+  virtual void wait_stream(void* stream) { (void)stream; }
+  virtual void join_stream(void* stream) { (void)stream; }
+};
+
+class zero_core {
+ public:
+  zero_core(const core_spec& spec, std::unique_ptr<core_context> ctx, std::unique_ptr<mpzero::zero_core> core);
+  ~zero_core();
+  zero_core(const zero_core&) = delete;
+  zero_core& operator=(const zero_core&) = delete;
+
+  const core_spec& spec() const noexcept { return spec_; }
+  // The run-time core (zero/core.hpp).
+  mpzero::zero_core& core() noexcept { return *z_; }
+
+  // Parameter i's storage (spec().param elements), which forward reads and step()
+  // updates in place. Stage 3: a partitioned parameter's only while its group is
+  // gathered (the pointer changes with every gather); mpzero::error otherwise.
+  void* param_data(std::size_t i);
+  // ZeRO-3: whether parameter i exists only as shards (stage 3, above the persistence
+  // threshold, not empty). False for every parameter at stages 0-2.
+  bool partitioned(std::size_t i) const;
+  // ZeRO-3: gather (collective), prefetch (collective, without waiting) and release
+  // (local) of parameters [first, end); mpzero::error below stage 3.
+  void gather(std::size_t first, std::size_t end);
+  void prefetch(std::size_t first, std::size_t end);
+  void release(std::size_t first, std::size_t end);
+  // Sets parameter i (and its master copy) from numel(i) elements of type `t` in host
+  // memory. Every rank passes the same values.
+  void load_param(std::size_t i, const void* values, dtype t);
+  // Broadcasts n floats in host memory from rank `root` through the core's communicator
+  // (staged through device memory for a CUDA core: NCCL reads device memory). Collective.
+  void broadcast(float* host_values, std::uint64_t n, int root);
+
+  void accumulate_grad(std::size_t i, const void* src, dtype t, float scale);
+  void end_backward();
+  void zero_grad();
+  // Parameter i's reduced, averaged, unscaled gradient (collective).
+  std::vector<float> full_grad(std::size_t i);
+  // Every parameter's master weights, whole, on every rank (collective).
+  std::vector<std::vector<float>> full_master();
+
+  // Checkpoints into / from directory `dir` (collective; a failure throws on every rank,
+  // and a failed load changes nothing). save_checkpoint returns the save id its shard
+  // files carry.
+  std::uint64_t save_checkpoint(const std::string& dir);
+  void load_checkpoint(const std::string& dir);
+  // Gradients reported since the last step or zero_grad.
+  bool grads_pending() const;
+
+  step_report step();
+  void set_lr(double lr);
+  double loss_scale() const;
+  memory_report memory() const;
+
+  // See core_context.
+  void wait_stream(void* stream) { ctx_->wait_stream(stream); }
+  void join_stream(void* stream) { ctx_->join_stream(stream); }
+
+ private:
+  struct scope;
+  core_spec spec_;
+  std::unique_ptr<core_context> ctx_;
+  std::unique_ptr<mpzero::zero_core> z_;
+};
+
+// What the engine runs for a config: the core's spec and options. A pure function of the
+// config, the parameters' device and the dtype each parameter's gradient travels in
+// (`wire`, DeepSpeed's get_comm_dtype: the autocast dtype for lower_precision_safe_modules,
+// communication_data_type for the others; empty: every gradient in its own dtype).
+struct core_plan {
+  core_spec spec;
+  zero_options zo;
+};
+core_plan plan_core(const config& cfg, core_device device, std::span<const dtype> wire = {});
+
+// The core for `spec`, or config_error naming what is not available (CUDA parameters in a
+// build without the CUDA cores, a precision no named policy has). A CUDA core allocates
+// on place.device.
 std::unique_ptr<zero_core> make_zero_core(const core_spec& spec, any_communicator comm,
                                           std::span<const std::uint64_t> numels, const optimizer_config& opt,
                                           const zero_options& zo, const core_place& place = {});
@@ -121,14 +153,16 @@ std::unique_ptr<zero_core> make_zero_core(const core_spec& spec, any_communicato
 // with no core: how the engine's ranks agree (at initialize, before a core exists, and
 // around checkpoints). A host communicator moves host memory; one that reads device memory
 // (NCCL, a c10d group on CUDA) gets the values through a small device buffer on
-// place.device, ordered on place.stream, and needs the CUDA table (config_error
-// without it). World size 1 returns at once.
+// place.device, ordered on place.stream, and needs the CUDA cores (config_error
+// without them). World size 1 returns at once.
 void max_over_ranks(any_communicator comm, std::span<std::int32_t> v, const core_place& place = {});
 
-// Whether this build has the CUDA table (the adapter was built with MPZERO_TORCH_CUDA).
+// Whether this build has the CUDA cores (the adapter was built with MPZERO_TORCH_CUDA).
 bool cuda_cores_compiled() noexcept;
 
-// The specs compiled into this build.
+// Every combination this build runs: each named policy with Adam, AdamW, SGD and Lion,
+// at stages 0-3, and CPU offload at stages 1-3; on CPU parameters, and on CUDA ones with
+// the CUDA cores.
 std::vector<core_spec> compiled_cores();
 
 }  // namespace mpzero::torch
