@@ -144,6 +144,7 @@ struct pass {
 };
 
 struct forward_hold;
+class engine_state;
 
 // ZeRO-3: what a backward says when it reaches parameters a step() released.
 [[noreturn]] void released_since_forward(const char* what) {
@@ -152,6 +153,79 @@ struct forward_hold;
                       "between): the parameters it saved are gone. Run backward before step(), and forward again "
                       "after it");
 }
+
+// ZeRO-3: gathering partitioned parameters. Each managed parameter has a count of holds;
+// a partitioned parameter is gathered (its tensor a view of the core's gathered copy)
+// while its count is above zero. Holds are taken and dropped in the same order on every
+// rank, so the gathers, which are collective, match. A core group (a contiguous run of
+// parameters gathered together) is released when none of its parameters is held any
+// more. One part of engine_state, which owns it: it reads the engine's core, parameters
+// and streams.
+class zero3_gatherer {
+ public:
+  explicit zero3_gatherer(engine_state& e) : e_(e) {}
+
+  void hold(const std::vector<std::size_t>& idx);
+  void unhold(const std::vector<std::size_t>& idx);
+  // Releases every group, whatever holds it (before step() and loads, which rewrite the
+  // partitions); holds taken before do nothing when dropped.
+  void release_all();
+  // The partitioned parameters; with unclaimed_only, those no gathered_forward call has
+  // covered yet, which engine.forward gathers for the whole pass.
+  std::vector<std::size_t> partitioned_params(bool unclaimed_only) const;
+  void release_backward_units();
+  // Starts the all-gather of those of idx (sorted) that no group holds or fetches yet, if
+  // stage3_prefetch_bucket_size allows their size; hold() then waits for it.
+  void prefetch(const std::vector<std::size_t>& idx);
+  // Releases the groups prefetched and not gathered since (the end of a forward or of a
+  // backward: the unit they were for did not come).
+  void drop_prefetches();
+  // core_->release(group), its error kept in `first` unless one is there already (the
+  // rest of a release loop still runs).
+  void release_keeping_first_error(std::pair<std::size_t, std::size_t> group, std::exception_ptr& first);
+  // An error where nothing can throw (forward_scope's destructor), kept for the engine's
+  // next call: defer_error (in a catch block) keeps the first, prefixed with `where`;
+  // rethrow_deferred throws it once.
+  void defer_error(const std::string& where);
+  void rethrow_deferred();
+  // `sorted` in ranges of one all-gather each: neighbours join when only parameters that
+  // are never gathered (persistent, empty) lie between them, as a block's biases between
+  // its weights.
+  std::vector<std::pair<std::size_t, std::size_t>> runs_of(const std::vector<std::size_t>& sorted) const;
+  // Whether parameter i is in a group gathered now (live) or being fetched (prefetched).
+  // group_of_[i] is the last group it was in, which may be gone.
+  bool member(std::size_t i) const {
+    const auto& g = group_of_[i];
+    return g.first <= i && i < g.second;
+  }
+  bool in_live_group(std::size_t i) const { return member(i) && live_groups_.count(group_of_[i]) > 0; }
+  bool in_prefetch(std::size_t i) const { return member(i) && prefetched_.count(group_of_[i]) > 0; }
+  // Points parameter i at the core's storage of it (a gathered copy at ZeRO-3), or at
+  // nothing (unbind: partitioned).
+  void bind(std::size_t i);
+  void unbind(std::size_t i);
+
+  std::vector<std::uint32_t> holds_;
+  std::vector<c10::Storage> storages_;  // per managed parameter, once bound: kept across gathers
+  std::vector<std::pair<std::size_t, std::size_t>> group_of_;  // the core group a held parameter is gathered in
+  std::map<std::pair<std::size_t, std::size_t>, std::size_t> live_groups_;  // group -> its held parameters
+  std::vector<char> claimed_;  // covered by a gathered_forward call
+  std::uint64_t generation_ = 0;  // release_all() count
+  ::torch::Tensor placeholder_;  // what a partitioned parameter's tensor holds between gathers
+  std::shared_ptr<forward_hold> forward_hold_;  // engine.forward's hold on the unclaimed partitioned parameters, while it runs
+  std::vector<std::weak_ptr<unit_call>> backward_units_;  // calls gathered for their backward
+  std::set<std::pair<std::size_t, std::size_t>> prefetched_;  // groups whose all-gather runs, not gathered yet
+  std::uint64_t prefetch_hits_ = 0;                           // gathers a prefetch had started
+  std::exception_ptr deferred_error_;  // see defer_error
+  // The order of the units (gathered_forward calls) in the last forward: the parameters of
+  // the unit that began after a module's, which its next call prefetches.
+  std::unordered_map<const ::torch::nn::Module*, std::vector<std::size_t>> next_unit_;
+  const ::torch::nn::Module* last_module_ = nullptr;  // this forward's last unit
+  std::weak_ptr<unit_call> last_unit_;
+
+ private:
+  engine_state& e_;
+};
 
 class engine_state : public std::enable_shared_from_this<engine_state> {
  public:
@@ -171,7 +245,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     }
     for (std::size_t i = 0; i < bound_; ++i) {
       try {
-        if (core_->partitioned(i) && holds_[i] == 0) continue;
+        if (core_->partitioned(i) && z3_.holds_[i] == 0) continue;
         // (A parameter that something else rebound since keeps its storage.)
         if (params_[i].data_ptr() == core_->param_data(i)) params_[i].set_data(params_[i].detach().clone());
       } catch (...) {
@@ -208,8 +282,8 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     core_waits();
     core_->end_backward();
     ++epilogues_;
-    release_backward_units();
-    drop_prefetches();
+    z3_.release_backward_units();
+    z3_.drop_prefetches();
   }
   // Ends the open passes `pred` selects: done, their graph tasks forgotten. (Open and
   // not done are the same thing: a pass leaves open_ only here.)
@@ -320,83 +394,10 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     if (s != *core_stream_) core_->join_stream(s.native_handle());
   }
 
-  // ---- ZeRO-3: gathering partitioned parameters ---------------------------------------
-  // Each managed parameter has a count of holds; a partitioned parameter is gathered (its
-  // tensor a view of the core's gathered copy) while its count is above zero. Holds are
-  // taken and dropped in the same order on every rank, so the gathers, which are
-  // collective, match. A core group (a contiguous run of parameters gathered together)
-  // is released when none of its parameters is held any more.
-  void hold(const std::vector<std::size_t>& idx);
-  void unhold(const std::vector<std::size_t>& idx);
-  // Releases every group, whatever holds it (before step() and loads, which rewrite the
-  // partitions); holds taken before do nothing when dropped.
-  void release_all();
-  // The partitioned parameters; with unclaimed_only, those no gathered_forward call has
-  // covered yet, which engine.forward gathers for the whole pass.
-  std::vector<std::size_t> partitioned_params(bool unclaimed_only) const;
-  void release_backward_units();
-  // Starts the all-gather of those of idx (sorted) that no group holds or fetches yet, if
-  // stage3_prefetch_bucket_size allows their size; hold() then waits for it.
-  void prefetch(const std::vector<std::size_t>& idx);
-  // Releases the groups prefetched and not gathered since (the end of a forward or of a
-  // backward: the unit they were for did not come).
-  void drop_prefetches();
-  // core_->release(group), its error kept in `first` unless one is there already (the
-  // rest of a release loop still runs).
-  void release_keeping_first_error(std::pair<std::size_t, std::size_t> group, std::exception_ptr& first);
-  // An error where nothing can throw (forward_scope's destructor), kept for the engine's
-  // next call: defer_error (in a catch block) keeps the first, prefixed with `where`;
-  // rethrow_deferred throws it once.
-  void defer_error(const std::string& where);
-  void rethrow_deferred();
-  // `sorted` in ranges of one all-gather each: neighbours join when only parameters that
-  // are never gathered (persistent, empty) lie between them, as a block's biases between
-  // its weights.
-  std::vector<std::pair<std::size_t, std::size_t>> runs_of(const std::vector<std::size_t>& sorted) const {
-    std::vector<std::pair<std::size_t, std::size_t>> out;
-    for (std::size_t i : sorted) {
-      bool join = !out.empty();
-      for (std::size_t k = join ? out.back().second : 0; join && k < i; ++k) join = !core_->partitioned(k);
-      if (join) {
-        out.back().second = i + 1;
-      } else {
-        out.emplace_back(i, i + 1);
-      }
-    }
-    return out;
-  }
-  // Whether parameter i is in a group gathered now (live) or being fetched (prefetched).
-  // group_of_[i] is the last group it was in, which may be gone.
-  bool member(std::size_t i) const {
-    const auto& g = group_of_[i];
-    return g.first <= i && i < g.second;
-  }
-  bool in_live_group(std::size_t i) const { return member(i) && live_groups_.count(group_of_[i]) > 0; }
-  bool in_prefetch(std::size_t i) const { return member(i) && prefetched_.count(group_of_[i]) > 0; }
-  // Points parameter i at the core's storage of it (a gathered copy at ZeRO-3), or at
-  // nothing (unbind: partitioned).
-  void bind(std::size_t i);
-  void unbind(std::size_t i);
-
+  // ZeRO-3: gathering partitioned parameters (zero3_gatherer).
   bool zero3_ = false;
   std::vector<std::vector<std::int64_t>> shapes_;  // per managed parameter (its tensor is empty while partitioned)
-  std::vector<std::uint32_t> holds_;
-  std::vector<c10::Storage> storages_;  // per managed parameter, once bound: kept across gathers
-  std::vector<std::pair<std::size_t, std::size_t>> group_of_;  // the core group a held parameter is gathered in
-  std::map<std::pair<std::size_t, std::size_t>, std::size_t> live_groups_;  // group -> its held parameters
-  std::vector<char> claimed_;  // covered by a gathered_forward call
-  std::uint64_t generation_ = 0;  // release_all() count
-  ::torch::Tensor placeholder_;  // what a partitioned parameter's tensor holds between gathers
-  std::shared_ptr<forward_hold> forward_hold_;  // engine.forward's hold on the unclaimed partitioned parameters, while it runs
-  std::vector<std::weak_ptr<unit_call>> backward_units_;  // calls gathered for their backward
-  std::set<std::pair<std::size_t, std::size_t>> prefetched_;  // groups whose all-gather runs, not gathered yet
-  std::uint64_t prefetch_hits_ = 0;                           // gathers a prefetch had started
-  std::exception_ptr deferred_error_;  // see defer_error
-  // The order of the units (gathered_forward calls) in the last forward: the parameters of
-  // the unit that began after a module's, which its next call prefetches.
-  std::unordered_map<const ::torch::nn::Module*, std::vector<std::size_t>> next_unit_;
-  const ::torch::nn::Module* last_module_ = nullptr;  // this forward's last unit
-  std::weak_ptr<unit_call> last_unit_;
+  zero3_gatherer z3_{*this};
 
   mpzero::torch::config cfg_;
   any_communicator comm_;
@@ -486,7 +487,7 @@ class unit_call {
   unit_call& operator=(const unit_call&) = delete;
 
   void hold_forward(engine_state& s) {
-    s.hold(params_);
+    s.z3_.hold(params_);
     forward_held_ = true;
   }
   void end_forward() noexcept { drop(forward_held_); }
@@ -496,13 +497,13 @@ class unit_call {
     if (backward_held_) return;
     auto s = st_.lock();
     if (!s) return;
-    if (s->generation_ != generation_) released_since_forward("a gathered_forward call");
-    s->hold(params_);
+    if (s->z3_.generation_ != generation_) released_since_forward("a gathered_forward call");
+    s->z3_.hold(params_);
     backward_held_ = true;
     pending_ = inputs_;
-    s->backward_units_.push_back(self);  // the epilogue releases it if no input does
+    s->z3_.backward_units_.push_back(self);  // the epilogue releases it if no input does
     // The unit that ran before this one in forward is the next one backward reaches.
-    if (auto p = prev_.lock()) s->prefetch(p->params_);
+    if (auto p = prev_.lock()) s->z3_.prefetch(p->params_);
   }
   // An input's gradient is complete: once all are, the submodule's backward is over.
   void on_input_grad() noexcept {
@@ -515,7 +516,7 @@ class unit_call {
     if (!held) return;
     held = false;
     try {
-      if (auto s = st_.lock(); s && s->generation_ == generation_) s->unhold(params_);
+      if (auto s = st_.lock(); s && s->z3_.generation_ == generation_) s->z3_.unhold(params_);
     } catch (...) {
     }
   }
@@ -535,42 +536,42 @@ struct forward_hold {
   std::vector<std::size_t> params;
   ~forward_hold() {
     try {
-      if (auto s = st.lock(); s && s->generation_ == generation) s->unhold(params);
+      if (auto s = st.lock(); s && s->z3_.generation_ == generation) s->z3_.unhold(params);
     } catch (...) {
     }
   }
 };
 
-void engine_state::bind(std::size_t i) {
-  void* data = core_->param_data(i);
+void zero3_gatherer::bind(std::size_t i) {
+  void* data = e_.core_->param_data(i);
   if (!storages_[i]) {
     // target_device: no driver lookup of the pointer (which fails on the null pointer of
     // an empty model's buffer).
-    params_[i].set_data(at::for_blob(data, shapes_[i])
-                            .options(::torch::TensorOptions().dtype(param_type_).device(device_))
-                            .target_device(device_)
+    e_.params_[i].set_data(at::for_blob(data, e_.shapes_[i])
+                            .options(::torch::TensorOptions().dtype(e_.param_type_).device(e_.device_))
+                            .target_device(e_.device_)
                             .make_tensor());
-    storages_[i] = params_[i].storage();
+    storages_[i] = e_.params_[i].storage();
     return;
   }
   // ZeRO-3, gathered again: the parameter keeps its storage, re-pointed at the new copy,
   // so that views of it that forward saved for backward (Linear saves weight.t()) read
   // the copy backward gathers, not the one released after forward.
-  storages_[i].set_data_ptr_noswap(c10::DataPtr(data, device_));
-  storages_[i].set_nbytes(static_cast<std::size_t>(c10::multiply_integers(shapes_[i])) * c10::elementSize(param_type_));
-  params_[i].set_data(
-      ::torch::empty({0}, ::torch::TensorOptions().dtype(param_type_).device(device_)).set_(storages_[i], 0, shapes_[i]));
+  storages_[i].set_data_ptr_noswap(c10::DataPtr(data, e_.device_));
+  storages_[i].set_nbytes(static_cast<std::size_t>(c10::multiply_integers(e_.shapes_[i])) * c10::elementSize(e_.param_type_));
+  e_.params_[i].set_data(
+      ::torch::empty({0}, ::torch::TensorOptions().dtype(e_.param_type_).device(e_.device_)).set_(storages_[i], 0, e_.shapes_[i]));
 }
 
-void engine_state::unbind(std::size_t i) {
-  params_[i].set_data(placeholder_);
+void zero3_gatherer::unbind(std::size_t i) {
+  e_.params_[i].set_data(placeholder_);
   if (!storages_[i]) return;
   // Views of the parameter still in a graph point nowhere until the next gather.
-  storages_[i].set_data_ptr_noswap(c10::DataPtr(nullptr, device_));
+  storages_[i].set_data_ptr_noswap(c10::DataPtr(nullptr, e_.device_));
   storages_[i].set_nbytes(0);
 }
 
-void engine_state::hold(const std::vector<std::size_t>& idx) {
+void zero3_gatherer::hold(const std::vector<std::size_t>& idx) {
   // Parameters not held yet: rebind those whose group is still gathered, wait for those
   // a prefetch fetches, gather the others in contiguous runs (idx is sorted).
   auto bind_in = [&](std::size_t i, const std::pair<std::size_t, std::size_t>& group) {
@@ -590,12 +591,12 @@ void engine_state::hold(const std::vector<std::size_t>& idx) {
     }
   }
   if (fresh.empty() && fetched.empty()) return;
-  core_waits();
+  e_.core_waits();
   try {
     for (std::size_t i : fetched) {
       const auto group = group_of_[i];
       if (prefetched_.erase(group) > 0) {  // the first of its parameters: wait for it
-        core_->gather(group.first, group.second);
+        e_.core_->gather(group.first, group.second);
         live_groups_[group] = 0;
         ++prefetch_hits_;
       }
@@ -603,7 +604,7 @@ void engine_state::hold(const std::vector<std::size_t>& idx) {
     }
     std::size_t k = 0;
     for (const auto& group : runs_of(fresh)) {
-      core_->gather(group.first, group.second);
+      e_.core_->gather(group.first, group.second);
       live_groups_[group] = 0;
       for (; k < fresh.size() && fresh[k] < group.second; ++k) bind_in(fresh[k], group);
     }
@@ -617,28 +618,28 @@ void engine_state::hold(const std::vector<std::size_t>& idx) {
     }
     throw;
   }
-  join_core();  // torch's stream reads what the gathers wrote
+  e_.join_core();  // torch's stream reads what the gathers wrote
 }
 
-void engine_state::prefetch(const std::vector<std::size_t>& idx) {
-  const std::uint64_t limit = cfg_.zero.stage3_prefetch_bucket_size;
+void zero3_gatherer::prefetch(const std::vector<std::size_t>& idx) {
+  const std::uint64_t limit = e_.cfg_.zero.stage3_prefetch_bucket_size;
   std::vector<std::size_t> fresh;
   std::uint64_t n = 0;
   for (std::size_t i : idx) {
     if (holds_[i] > 0 || in_live_group(i) || in_prefetch(i)) continue;
     fresh.push_back(i);
-    n += static_cast<std::uint64_t>(c10::multiply_integers(shapes_[i]));
+    n += static_cast<std::uint64_t>(c10::multiply_integers(e_.shapes_[i]));
   }
   if (fresh.empty() || n > limit) return;  // limit 0: no prefetch
   std::size_t k = 0;
   for (const auto& group : runs_of(fresh)) {
-    core_->prefetch(group.first, group.second);
+    e_.core_->prefetch(group.first, group.second);
     prefetched_.insert(group);
     for (; k < fresh.size() && fresh[k] < group.second; ++k) group_of_[fresh[k]] = group;
   }
 }
 
-void engine_state::drop_prefetches() {
+void zero3_gatherer::drop_prefetches() {
   // Each group leaves the list before its release: one whose release throws (its
   // all-gather failed) must not leave those released before it listed, which the next
   // release_all would release a second time. The rest are still released; the first
@@ -652,15 +653,15 @@ void engine_state::drop_prefetches() {
   if (first) std::rethrow_exception(first);
 }
 
-void engine_state::release_keeping_first_error(std::pair<std::size_t, std::size_t> group, std::exception_ptr& first) {
+void zero3_gatherer::release_keeping_first_error(std::pair<std::size_t, std::size_t> group, std::exception_ptr& first) {
   try {
-    core_->release(group.first, group.second);
+    e_.core_->release(group.first, group.second);
   } catch (...) {
     if (!first) first = std::current_exception();
   }
 }
 
-void engine_state::defer_error(const std::string& where) {
+void zero3_gatherer::defer_error(const std::string& where) {
   if (deferred_error_) return;  // the first one says most
   try {
     throw;
@@ -673,31 +674,31 @@ void engine_state::defer_error(const std::string& where) {
   }
 }
 
-void engine_state::rethrow_deferred() {
+void zero3_gatherer::rethrow_deferred() {
   if (!deferred_error_) return;
   std::exception_ptr e = std::exchange(deferred_error_, nullptr);  // reported once
   std::rethrow_exception(e);
 }
 
-void engine_state::unhold(const std::vector<std::size_t>& idx) {
+void zero3_gatherer::unhold(const std::vector<std::size_t>& idx) {
   bool waited = false;
   for (std::size_t i : idx) {
     if (holds_[i] == 0 || --holds_[i] > 0) continue;
     unbind(i);
     auto g = live_groups_.find(group_of_[i]);
     if (g == live_groups_.end() || --g->second > 0) continue;
-    if (!waited) waited = true, core_waits();  // the copy is freed after torch's reads of it
-    core_->release(g->first.first, g->first.second);
+    if (!waited) waited = true, e_.core_waits();  // the copy is freed after torch's reads of it
+    e_.core_->release(g->first.first, g->first.second);
     live_groups_.erase(g);
   }
 }
 
-void engine_state::release_all() {
-  if (!zero3_) return;
+void zero3_gatherer::release_all() {
+  if (!e_.zero3_) return;
   ++generation_;  // first: the holds dropped below (and any taken before) do nothing
   backward_units_.clear();
   forward_hold_.reset();
-  if (!live_groups_.empty() || !prefetched_.empty()) core_waits();  // freed after torch's reads
+  if (!live_groups_.empty() || !prefetched_.empty()) e_.core_waits();  // freed after torch's reads
   // Everything is released and forgotten even if a release throws (a failed all-gather,
   // see drop_prefetches); the first error is rethrown at the end.
   std::exception_ptr first;
@@ -711,25 +712,39 @@ void engine_state::release_all() {
     live_groups_.erase(live_groups_.begin());
     release_keeping_first_error(g, first);
   }
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    if (holds_[i] > 0 && core_->partitioned(i)) unbind(i);
+  for (std::size_t i = 0; i < e_.params_.size(); ++i) {
+    if (holds_[i] > 0 && e_.core_->partitioned(i)) unbind(i);
     holds_[i] = 0;
   }
   if (first) std::rethrow_exception(first);
 }
 
-std::vector<std::size_t> engine_state::partitioned_params(bool unclaimed_only) const {
+std::vector<std::size_t> zero3_gatherer::partitioned_params(bool unclaimed_only) const {
   std::vector<std::size_t> out;
-  for (std::size_t i = 0; i < params_.size(); ++i)
-    if (core_->partitioned(i) && !(unclaimed_only && claimed_[i])) out.push_back(i);
+  for (std::size_t i = 0; i < e_.params_.size(); ++i)
+    if (e_.core_->partitioned(i) && !(unclaimed_only && claimed_[i])) out.push_back(i);
   return out;
 }
 
-void engine_state::release_backward_units() {
+void zero3_gatherer::release_backward_units() {
   auto units = std::move(backward_units_);
   backward_units_.clear();
   for (auto& w : units)
     if (auto c = w.lock()) c->end_backward();
+}
+
+std::vector<std::pair<std::size_t, std::size_t>> zero3_gatherer::runs_of(const std::vector<std::size_t>& sorted) const {
+  std::vector<std::pair<std::size_t, std::size_t>> out;
+  for (std::size_t i : sorted) {
+    bool join = !out.empty();
+    for (std::size_t k = join ? out.back().second : 0; join && k < i; ++k) join = !e_.core_->partitioned(k);
+    if (join) {
+      out.back().second = i + 1;
+    } else {
+      out.emplace_back(i, i + 1);
+    }
+  }
+  return out;
 }
 
 std::shared_ptr<unit_call> begin_unit(const ::torch::nn::Module& m) {
@@ -750,15 +765,15 @@ std::shared_ptr<unit_call> begin_unit(const ::torch::nn::Module& m) {
   std::sort(idx.begin(), idx.end());
   idx.erase(std::unique(idx.begin(), idx.end()), idx.end());
   if (idx.empty()) return nullptr;
-  for (std::size_t i : idx) st->claimed_[i] = 1;
+  for (std::size_t i : idx) st->z3_.claimed_[i] = 1;
   // The order of the units: what began after the last one is what its next call prefetches.
-  if (st->last_module_ != nullptr) st->next_unit_[st->last_module_] = idx;
-  st->last_module_ = &m;
-  auto c = std::make_shared<unit_call>(st, st->generation_, idx, st->last_unit_);
-  st->last_unit_ = c;
+  if (st->z3_.last_module_ != nullptr) st->z3_.next_unit_[st->z3_.last_module_] = idx;
+  st->z3_.last_module_ = &m;
+  auto c = std::make_shared<unit_call>(st, st->z3_.generation_, idx, st->z3_.last_unit_);
+  st->z3_.last_unit_ = c;
   c->hold_forward(*st);
   // The next unit's all-gather runs while this one computes.
-  if (auto next = st->next_unit_.find(&m); next != st->next_unit_.end()) st->prefetch(next->second);
+  if (auto next = st->z3_.next_unit_.find(&m); next != st->z3_.next_unit_.end()) st->z3_.prefetch(next->second);
   return c;
 }
 
@@ -1038,19 +1053,19 @@ void engine_state::start() {
   flat = {};
 
   zero3_ = cfg_.zero.stage == 3;
-  holds_.assign(params_.size(), 0);
-  storages_.assign(params_.size(), c10::Storage());
-  group_of_.assign(params_.size(), {0, 0});
-  claimed_.assign(params_.size(), 0);
-  placeholder_ = ::torch::empty({0}, ::torch::TensorOptions().dtype(param_type_).device(device_));
+  z3_.holds_.assign(params_.size(), 0);
+  z3_.storages_.assign(params_.size(), c10::Storage());
+  z3_.group_of_.assign(params_.size(), {0, 0});
+  z3_.claimed_.assign(params_.size(), 0);
+  z3_.placeholder_ = ::torch::empty({0}, ::torch::TensorOptions().dtype(param_type_).device(device_));
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
     // The parameter becomes a view of the core's buffer: forward reads it, step() writes
     // it. ZeRO-3: a partitioned one is empty until gathered.
     if (core_->partitioned(i)) {
-      p.set_data(placeholder_);
+      p.set_data(z3_.placeholder_);
     } else {
-      bind(i);
+      z3_.bind(i);
     }
     bound_ = i + 1;
     p.mutable_grad().reset();
@@ -1070,7 +1085,7 @@ pass* engine_state::acquire(event e) {
     if (e == event::scale_root) cache_->scaled = true;
     return cache_;
   }
-  rethrow_deferred();  // a backward's first event (a new graph task) reports it, not every hook
+  z3_.rethrow_deferred();  // a backward's first event (a new graph task) reports it, not every hook
   ++lookups_;
   if (auto it = passes_.find(task); it != passes_.end()) {
     cache_task_ = task;
@@ -1176,7 +1191,7 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
 }
 
 ::torch::Tensor engine_state::backward(const ::torch::Tensor& loss, bool retain_graph, bool scale_wrt_gas) {
-  rethrow_deferred();
+  z3_.rethrow_deferred();
   if (!loss.defined() || loss.numel() != 1) {
     fail("engine.backward: the loss has shape " + (loss.defined() ? shape_of(loss.sizes()) : std::string("(undefined)")) +
          "; it takes a scalar (one-element) loss. For a non-scalar output call out.backward(grad) directly (bf16, fp32), "
@@ -1233,10 +1248,10 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
 }
 
 void engine_state::step() {
-  rethrow_deferred();
+  z3_.rethrow_deferred();
   if (is_boundary()) {
     drop_stale_passes();
-    release_all();  // ZeRO-3: the step rewrites the partitions the gathered copies came from
+    z3_.release_all();  // ZeRO-3: the step rewrites the partitions the gathered copies came from
     core_->set_lr(next_lr());
     core_waits();
     try {
@@ -1334,10 +1349,10 @@ void engine_state::save_checkpoint(const std::string& save_dir, const std::strin
   // ZeRO-3: model_states.pt holds whole parameters, so every rank gathers them for it
   // (DeepSpeed's stage3_gather_16bit_weights_on_model_save), one at a time.
   std::vector<::torch::Tensor> whole(params_.size());  // rank 0: the partitioned parameters' values
-  for (std::size_t i : partitioned_params(/*unclaimed_only=*/false)) {
-    hold({i});
+  for (std::size_t i : z3_.partitioned_params(/*unclaimed_only=*/false)) {
+    z3_.hold({i});
     if (comm_.rank() == 0) whole[i] = params_[i].detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
-    unhold({i});
+    z3_.unhold({i});
   }
   agree("save_checkpoint", "the shard files were written, but the checkpoint is incomplete", [&] {
     if (comm_.rank() == 0) {
@@ -1462,7 +1477,7 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
     }
   });
 
-  release_all();  // ZeRO-3: the load rewrites the partitions
+  z3_.release_all();  // ZeRO-3: the load rewrites the partitions
   core_waits();
   if (module_only) {
     for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -1532,18 +1547,18 @@ mpzero::torch::config config_from_string(const std::string& s, int world_size) {
 // ---- engine_base: forwards to the state ------------------------------------------------
 
 engine_base::forward_scope::forward_scope(detail::engine_state& st) : st_(st) {
-  if (st_.forward_depth_ == 0) st_.rethrow_deferred();
+  if (st_.forward_depth_ == 0) st_.z3_.rethrow_deferred();
   if (st_.zero3_ && st_.forward_depth_ == 0) {
     // ZeRO-3: the partitioned parameters no gathered_forward call covers, for this
     // forward and its backward (the outputs' graph keeps the hold; see watch()).
     auto h = std::make_shared<detail::forward_hold>();
     h->st = st_.weak_from_this();
-    h->generation = st_.generation_;
-    h->params = st_.partitioned_params(/*unclaimed_only=*/true);
-    st_.hold(h->params);
-    st_.forward_hold_ = std::move(h);
-    st_.last_module_ = nullptr;  // the units' order starts again
-    st_.last_unit_.reset();
+    h->generation = st_.z3_.generation_;
+    h->params = st_.z3_.partitioned_params(/*unclaimed_only=*/true);
+    st_.z3_.hold(h->params);
+    st_.z3_.forward_hold_ = std::move(h);
+    st_.z3_.last_module_ = nullptr;  // the units' order starts again
+    st_.z3_.last_unit_.reset();
   }
   ++st_.forward_depth_;
   const auto& ac = st_.cfg_.torch_autocast;
@@ -1566,15 +1581,15 @@ engine_base::forward_scope::~forward_scope() {
   }
   // Released here unless an output that requires grad keeps it for the backward.
   if (--st_.forward_depth_ == 0) {
-    st_.forward_hold_.reset();
+    st_.z3_.forward_hold_.reset();
     if (st_.zero3_) {
       try {
-        st_.drop_prefetches();  // a unit that was to follow the last one and did not
+        st_.z3_.drop_prefetches();  // a unit that was to follow the last one and did not
       } catch (...) {
         // A destructor must not throw: the engine's next call reports it (forward,
         // backward, step, the hooks), unless an exception is already on its way out.
         if (std::uncaught_exceptions() == 0) {
-          st_.defer_error("mpzero: the end of an earlier engine forward could not release a prefetched all-gather");
+          st_.z3_.defer_error("mpzero: the end of an earlier engine forward could not release a prefetched all-gather");
         }
       }
     }
@@ -1585,11 +1600,11 @@ void engine_base::watch(const ::torch::Tensor& out) {
   // A leaf (a parameter or an input returned as is) would keep the hook for good, one
   // more per forward; the parameter hooks cover it.
   if (!out.defined() || !out.requires_grad() || !out.grad_fn()) return;
-  out.register_hook([w = std::weak_ptr<detail::engine_state>(st_), hold = st_->forward_hold_](const ::torch::Tensor&) {
+  out.register_hook([w = std::weak_ptr<detail::engine_state>(st_), hold = st_->z3_.forward_hold_](const ::torch::Tensor&) {
     // ZeRO-3: engine.forward's gathered parameters live as long as this graph.
     auto s = w.lock();
     if (!s) return;
-    if (hold && hold->generation != s->generation_) detail::released_since_forward("an engine.forward output");
+    if (hold && hold->generation != s->z3_.generation_) detail::released_since_forward("an engine.forward output");
     s->on_output();
   });
 }
@@ -1652,10 +1667,10 @@ std::vector<std::int64_t> engine_base::parameter_shape(const ::torch::Tensor& pa
 std::uint64_t engine_base::gathered_numel() const {
   std::uint64_t n = 0;
   for (std::size_t i = 0; i < st_->params_.size(); ++i)
-    if (st_->holds_[i] > 0 && st_->core_->partitioned(i)) n += static_cast<std::uint64_t>(st_->params_[i].numel());
+    if (st_->z3_.holds_[i] > 0 && st_->core_->partitioned(i)) n += static_cast<std::uint64_t>(st_->params_[i].numel());
   return n;
 }
-std::uint64_t engine_base::prefetched_gathers() const { return st_->prefetch_hits_; }
+std::uint64_t engine_base::prefetched_gathers() const { return st_->z3_.prefetch_hits_; }
 std::string engine_base::describe() const { return st_->core_->spec().describe(); }
 
 }  // namespace mpzero::torch
