@@ -223,8 +223,8 @@ BENCHMARK_TEMPLATE(BM_cuda_step, policies::bf16_all_sr, optim::adamw)->Apply(ste
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::fp16_fp32_master, optim::adamw)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::fp16_master_fp32_states, optim::adamw)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::bf16_fp32_grads, optim::adamw)->Apply(step_sizes);
-// adam_runtime (the engine's tables; AdamW mode here): the kernel branches per element on
-// the mode, a kernel argument. Against adamw's rows above.
+// adam_runtime (the engine's Adam/AdamW kernel, one kernel per mode; AdamW mode here),
+// against adamw's rows above.
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::bf16_all, optim::adam_runtime)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::bf16_all_sr, optim::adam_runtime)->Apply(step_sizes);
 BENCHMARK_TEMPLATE(BM_cuda_step, policies::fp32, optim::sgd)->Apply(step_sizes);
