@@ -45,6 +45,8 @@
 #include "checkpoint.hpp"
 #include "clipping.hpp"
 #include "core_checkpoint.hpp"
+#include "core_gather.hpp"
+#include "core_layout.hpp"
 #include "core_reducer.hpp"
 #include "core_state.hpp"
 #include "loss_scaler.hpp"
@@ -69,6 +71,7 @@ class zero_core {
         kernel_(std::move(kernel)),
         s_(std::move(comm), *backend_, *host_backend_, spec, zo, kernel_->n_states()),
         reducer_(s_),
+        groups_(s_),
         io_(s_) {
     spec.validate();
     if (kernel_->precision() != spec.precision) {
@@ -89,15 +92,6 @@ class zero_core {
   }
 
   ~zero_core() {
-    // Stage 3: gathers prefetched and never gathered write into buffers freed here.
-    for (auto& [key, g] : groups_) {
-      if (g.request) {
-        try {
-          g.request->wait();
-        } catch (...) {  // timed out or failed: nothing runs on
-        }
-      }
-    }
     try {
       wait_uploads();
     } catch (...) {  // a failed device: nothing left to protect
@@ -118,15 +112,16 @@ class zero_core {
     const std::size_t sl = s_.slot(i);
     const std::uint64_t off = s_.layout.offset(sl);
     if (s_.stage() < 3 || off >= s_.persistent_begin) return s_.param_ptr(off);
-    if (gathered_[sl] == nullptr) {
+    void* g = groups_.gathered(sl);
+    if (g == nullptr) {
       detail::throw_invalid("ZeroOptimizer::param(" + std::to_string(i) +
                     "): the parameter is partitioned (ZeRO stage 3); gather() its group first");
     }
-    return gathered_[sl];
+    return g;
   }
 
   void load_param(std::size_t i, const void* values, dtype t) {
-    require_no_gathered_groups("load_param");
+    groups_.require_none("load_param");
     const std::size_t sl = s_.slot(i);
     check_source(values, i, "load_param");
     if (s_.offloaded()) wait_uploads();  // they read the host master this rewrites
@@ -238,7 +233,7 @@ class zero_core {
 
   // ---- the step -----------------------------------------------------------------
   step_report step() {
-    require_no_gathered_groups("step");
+    groups_.require_none("step");
     reduce_gradients();
     const double W = static_cast<double>(s_.world);
     const grad_stats local = s_.offloaded() ? s_.host.stats(s_.h_grads.data(), s_.grad_t(), s_.shard.size())
@@ -289,68 +284,9 @@ class zero_core {
   }
 
   // ---- ZeRO-3 parameter gathering -----------------------------------------------
-  void prefetch(std::size_t first, std::size_t end) {
-    require_stage3("prefetch");
-    const auto key = std::make_pair(first, end);
-    if (groups_.count(key)) return;
-    const flat_range r = gather_range(first, end);
-    // A partitioned parameter belongs to one gathered group at a time: its param() points
-    // into that group's copy, and releasing either of two groups would drop the other's
-    // pointer. (Persistent and empty parameters are never gathered: ranges may share them.)
-    for (const auto& [other, g] : groups_) {
-      for (std::size_t i = std::max(first, other.first); i < std::min(end, other.second); ++i) {
-        const flat_range p = s_.layout.param_range(s_.slot(i));
-        if (p.empty() || p.begin >= s_.persistent_begin) continue;
-        detail::throw_invalid("ZeroOptimizer::gather/prefetch(" + std::to_string(first) + ", " + std::to_string(end) +
-                      "): parameter " + std::to_string(i) + " is already in the gathered group [" +
-                      std::to_string(other.first) + ", " + std::to_string(other.second) +
-                      "); release() that group first, or gather exactly that range");
-      }
-    }
-    gathered_group g;
-    g.range = r;
-    // One rank holds every element: its partition is the gathered parameters (no copy).
-    if (!r.empty() && s_.world > 1) {
-      g.data = s_.be.allocate(s_.param_t(), r.size());
-      const std::vector<std::uint64_t> counts = s_.layout.rank_counts(r);
-      const flat_range own = intersect(r, s_.shard);
-      const void* in = s_.params.at(own.empty() ? 0 : own.begin - s_.shard.begin);
-      s_.be.before_comm(s_.comm);
-      g.request.emplace(s_.comm.base().iall_gather_v(in, counts[static_cast<std::size_t>(s_.rank)], g.data.data(),
-                                                     counts, detail::grad_reducer::wire_of(s_.param_t())));
-    }
-    groups_.emplace(key, std::move(g));
-  }
-
-  void gather(std::size_t first, std::size_t end) {
-    require_stage3("gather");
-    prefetch(first, end);
-    const auto it = groups_.find(std::make_pair(first, end));
-    gathered_group& g = it->second;
-    if (g.request) {
-      wait_or_abandon(it);
-      g.request.reset();
-    }
-    for (std::size_t i = first; i < end; ++i) {
-      const std::size_t sl = s_.slot(i);
-      const std::uint64_t off = s_.layout.offset(sl);
-      if (off < s_.persistent_begin) {
-        gathered_[sl] = s_.world > 1 ? g.data.at(off - g.range.begin) : s_.params.at(off - s_.shard.begin);
-      }
-    }
-  }
-
-  void release(std::size_t first, std::size_t end) {
-    require_stage3("release");
-    auto it = groups_.find(std::make_pair(first, end));
-    if (it == groups_.end()) {
-      detail::throw_invalid("ZeroOptimizer::release(" + std::to_string(first) + ", " + std::to_string(end) +
-                    "): that group is not gathered; release exactly the ranges you gathered");
-    }
-    if (it->second.request) wait_or_abandon(it);
-    unbind_group(first, end);
-    groups_.erase(it);
-  }
+  void prefetch(std::size_t first, std::size_t end) { groups_.prefetch(first, end); }
+  void gather(std::size_t first, std::size_t end) { groups_.gather(first, end); }
+  void release(std::size_t first, std::size_t end) { groups_.release(first, end); }
 
   // ---- inspection -----------------------------------------------------------------
   const zero_spec& spec() const noexcept { return s_.spec; }
@@ -406,7 +342,7 @@ class zero_core {
     // Everything is read and checked first; the core changes only once every rank has its part.
     agree("load_checkpoint", "nothing was loaded on this rank", [&] {
       require_no_pending_grads("load_checkpoint");
-      require_no_gathered_groups("load_checkpoint");
+      groups_.require_none("load_checkpoint");
       io_.read(dir, kernel_->optimizer_name(), scaler_, pieces, steps, scaler);
     });
     if (s_.offloaded()) wait_uploads();  // they read the host buffers rewritten here
@@ -423,7 +359,7 @@ class zero_core {
     m.master = s_.master.bytes();
     for (const auto& st : s_.states) m.states += st.bytes();
     m.buckets = reducer_.device_bytes();
-    for (const auto& [k, g] : groups_) m.buckets += g.data.bytes();
+    m.buckets += groups_.bytes();
     m.host_master = s_.h_master.bytes();
     m.host_grads = s_.h_grads.bytes();
     for (const auto& st : s_.h_states) m.host_states += st.bytes();
@@ -437,13 +373,6 @@ class zero_core {
   }
 
  private:
-  struct gathered_group {
-    flat_range range;
-    raw_buffer data;
-    std::optional<comm::any_request> request;
-  };
-  using group_map = std::map<std::pair<std::size_t, std::size_t>, gathered_group>;
-
   void check_communicator() {
     const bool needs_device = s_.be.device_memory() && !s_.be.host_addressable();
     if (needs_device == s_.comm.reads_device_memory()) return;
@@ -485,154 +414,22 @@ class zero_core {
     kernel_->validate();  // the hyperparameters now, not at the first step
     if (zo.loss_scaling) scaler_.emplace(zo.loss_scale);
     threads_ = s_.be.host_threads().value_or(0);
-    build_layout(numels);
-    allocate();
+    const std::size_t n_large = detail::build_layout(s_, numels);
+    if (s_.stage() >= 2) reducer_.plan(n_large);
+    detail::allocate(s_);
+    groups_.init();
     if (s_.offloaded()) {
       // One stepper per sub-group: a sub-group's upload overlaps the next one's update.
-      for (const step_buffers& t : sub_groups(shard_tensors())) host_steppers_.push_back(make_host_stepper(t));
+      for (const step_buffers& t : detail::sub_groups(s_, detail::shard_tensors(s_)))
+        host_steppers_.push_back(make_host_stepper(t));
     } else {
-      stepper_ = kernel_->make_stepper(shard_tensors(), false, threads_);
+      stepper_ = kernel_->make_stepper(detail::shard_tensors(s_), false, threads_);
     }
     if (s_.world == 1) return {};
-    return identity(numels);
+    return detail::core_identity(s_, kernel_->optimizer_name(), numels);
   }
 
   std::unique_ptr<stepper> make_host_stepper(const step_buffers& t) { return kernel_->make_stepper({t}, true, threads_); }
-
-  std::pair<std::string, std::string> identity(std::span<const std::uint64_t> numels) const {
-    const zero_options& zo = s_.zo;
-    const precision_spec& p = s_.spec.precision;
-    std::uint64_t elements = 0;
-    std::string id = std::string(kernel_->optimizer_name()) + " " + std::to_string(s_.stage()) + " " +
-                     std::to_string(static_cast<int>(p.param)) + std::to_string(static_cast<int>(p.master)) +
-                     std::to_string(static_cast<int>(p.grad)) + std::to_string(static_cast<int>(p.state)) +
-                     std::to_string(p.stochastic_rounding) + std::to_string(s_.offloaded()) + "\n";
-    for (const std::uint64_t n : numels) {
-      id += std::to_string(n) + " ";
-      elements += n;
-    }
-    id += "\nbucket " + std::to_string(zo.reduce_bucket_numel) + ", persistence " +
-          std::to_string(zo.param_persistence_threshold) + ", sub-group " + std::to_string(zo.offload_sub_group_numel) +
-          ", align " + std::to_string(zo.layout.align_elements) + ", clipping " +
-          detail::format_double(zo.gradient_clipping) + ", flags " + std::to_string(zo.loss_scaling) +
-          std::to_string(zo.check_overflow) + std::to_string(zo.average_gradients) + ", wire " +
-          std::to_string(static_cast<int>(s_.spec.wire));
-    for (const dtype d : zo.wire_dtypes) id += " " + std::to_string(static_cast<int>(d));
-    if (zo.loss_scaling) {
-      const loss_scale_options& l = zo.loss_scale;
-      id += "\nscaler " + std::to_string(l.dynamic) + " " + detail::format_double(l.static_scale) + " " +
-            std::to_string(l.initial_scale_power) + " " + std::to_string(l.loss_scale_window) + " " +
-            std::to_string(l.hysteresis) + " " + std::to_string(l.consecutive_hysteresis) + " " +
-            detail::format_double(l.min_loss_scale);
-    }
-    return {std::move(id), std::to_string(numels.size()) + " parameters of " + std::to_string(elements) +
-                               " elements, stage " + std::to_string(s_.stage()) + ", reduce_bucket_numel " +
-                               std::to_string(zo.reduce_bucket_numel) + ", gradient_clipping " +
-                               detail::format_double(zo.gradient_clipping)};
-  }
-
-  void build_layout(std::span<const std::uint64_t> numels) {
-    const std::size_t n = numels.size();
-    std::vector<std::size_t> order;
-    order.reserve(n);
-    for (std::size_t i = 0; i < n; ++i)
-      if (numels[i] > s_.zo.param_persistence_threshold) order.push_back(i);
-    const std::size_t n_large = order.size();
-    for (std::size_t i = 0; i < n; ++i)
-      if (numels[i] <= s_.zo.param_persistence_threshold) order.push_back(i);
-    s_.slot_of.assign(n, 0);
-    std::vector<std::uint64_t> slot_numels(n);
-    for (std::size_t sl = 0; sl < n; ++sl) {
-      s_.slot_of[order[sl]] = sl;
-      slot_numels[sl] = numels[order[sl]];
-    }
-    s_.layout = flat_layout(slot_numels, s_.world, s_.zo.layout);
-    s_.persistent_begin = n_large < n ? s_.layout.offset(n_large) : s_.layout.total_numel();
-    // Nothing is persistent below stage 3, nor when only empty parameters are small:
-    // the padding then stays partitioned with the rest.
-    if (s_.stage() < 3 || s_.persistent_begin == s_.layout.total_numel()) s_.persistent_begin = s_.layout.padded_numel();
-    s_.shard = s_.stage() == 0 ? flat_range{0, s_.layout.padded_numel()} : s_.layout.partition(s_.rank);
-    plan_wire_runs(order);
-    if (s_.stage() >= 2) reducer_.plan(n_large);
-  }
-
-  // Validates zero_options::wire_dtypes and splits [0, padded) into runs of equal wire
-  // dtype, in flat order. The padding tail travels with the last run (it is zero).
-  void plan_wire_runs(const std::vector<std::size_t>& order) {
-    const std::vector<dtype>& wd = s_.zo.wire_dtypes;
-    const dtype fallback = s_.spec.wire;
-    if (!wd.empty() && wd.size() != order.size()) {
-      detail::throw_invalid("ZeroOptimizer: zero_options::wire_dtypes has " + std::to_string(wd.size()) + " entries for " +
-                    std::to_string(order.size()) +
-                    " parameters; give one mpzero::dtype per parameter, in the order of numels, or leave it "
-                    "empty (every gradient then travels in " + std::string(name_of(fallback)) + ")");
-    }
-    for (std::size_t i = 0; i < wd.size(); ++i) {
-      if (wd[i] != dtype::fp32 && wd[i] != dtype::bf16 && wd[i] != dtype::fp16) {
-        detail::throw_invalid("ZeroOptimizer: zero_options::wire_dtypes[" + std::to_string(i) + "] = " +
-                      std::to_string(static_cast<int>(wd[i])) +
-                      " is not a dtype; use mpzero::dtype::fp32, dtype::bf16 or dtype::fp16");
-      }
-      // The Wire rule, for the run-time list.
-      for (const dtype own : {s_.param_t(), s_.grad_t()}) {
-        if (detail::mixes_16bit(wd[i], own)) {
-          detail::throw_invalid("ZeroOptimizer: zero_options::wire_dtypes[" + std::to_string(i) + "] = " +
-                        std::string(name_of(wd[i])) + " mixes bf16 and fp16 with this policy's " +
-                        std::string(name_of(own)) + " (fp16 overflows above 65504 and nothing scales it); use " +
-                        std::string(name_of(own)) + " or fp32");
-        }
-      }
-    }
-    auto& runs = s_.runs;
-    runs.clear();
-    const std::uint64_t padded = s_.layout.padded_numel();
-    for (std::size_t sl = 0; sl < order.size(); ++sl) {
-      const flat_range r = s_.layout.param_range(sl);
-      if (r.empty()) continue;
-      const dtype d = wd.empty() ? fallback : wd[order[sl]];
-      if (!runs.empty() && runs.back().wire == d) {
-        runs.back().range.end = r.end;  // parameters are contiguous in the flat buffer
-      } else {
-        runs.push_back(detail::wire_run{r, d});
-      }
-    }
-    if (runs.empty()) {
-      runs.push_back(detail::wire_run{flat_range{0, padded}, fallback});
-    } else {
-      runs.front().range.begin = 0;
-      runs.back().range.end = padded;
-    }
-    for (const detail::wire_run& x : runs) {
-      std::uint64_t& l = s_.longest_run[static_cast<std::size_t>(x.wire)];
-      l = std::max(l, x.range.size());
-    }
-  }
-
-  void allocate() {
-    const std::uint64_t padded = s_.layout.padded_numel();
-    backend_base& be = s_.be;
-    if (s_.stage() < 3) {
-      s_.params = be.allocate(s_.param_t(), padded);
-    } else {
-      s_.params = be.allocate(s_.param_t(), intersect(s_.shard, flat_range{0, s_.persistent_begin}).size());
-      s_.persistent = be.allocate(s_.param_t(), padded - s_.persistent_begin);
-      gathered_.assign(s_.layout.num_params(), nullptr);
-    }
-    const std::uint64_t shard = s_.shard.size();
-    if (s_.offloaded()) {
-      // Pinned when the backend can pin (and pin_memory): transfers then run on the copy engines.
-      const host_allocator mem = be.host_memory(s_.zo.pin_memory);
-      s_.h_master = allocate_host(s_.master_t(), shard, mem);
-      for (int k = 0; k < s_.n_states; ++k) s_.h_states.push_back(allocate_host(s_.state_t(), shard, mem));
-      s_.h_grads = allocate_host(s_.grad_t(), shard, mem);
-      if (!s_.master_is_param()) s_.h_params = allocate_host(s_.param_t(), shard, mem);
-      if (s_.stage() == 1) s_.grads = be.allocate(s_.grad_t(), padded);
-    } else {
-      if (!s_.master_is_param()) s_.master = be.allocate(s_.master_t(), shard);
-      s_.grads = be.allocate(s_.grad_t(), s_.stage() >= 2 ? shard : padded);
-      for (int k = 0; k < s_.n_states; ++k) s_.states.push_back(be.allocate(s_.state_t(), shard));
-    }
-  }
 
   void zero_all_grads() {
     grads_pending_ = false;
@@ -640,61 +437,6 @@ class zero_core {
     s_.be.zero(s_.grads.data(), s_.grads.bytes());
     // Stage 1 overwrites the host partition with each step's reduced shard instead.
     if (s_.offloaded() && s_.stage() >= 2) s_.host.zero(s_.h_grads.data(), s_.h_grads.bytes());
-  }
-
-  // The shard as step tensors: one per shard_pieces() entry (offload: one, the host
-  // buffers). Global offsets are flat offsets.
-  std::vector<step_buffers> shard_tensors() const {
-    std::vector<step_buffers> out;
-    const auto states = [&](const std::vector<raw_buffer>& v, std::uint64_t at, step_buffers& t) {
-      for (std::size_t k = 0; k < v.size(); ++k) t.states[k] = v[k].at(at);
-    };
-    if (s_.offloaded()) {
-      if (s_.shard.empty()) return out;
-      step_buffers t;
-      t.param = s_.master_is_param() ? s_.h_master.data() : s_.h_params.data();
-      t.master = s_.master_is_param() ? nullptr : s_.h_master.data();
-      t.grad = s_.h_grads.data();
-      states(s_.h_states, 0, t);
-      t.numel = s_.shard.size();
-      t.global_offset = s_.shard.begin;
-      out.push_back(t);
-      return out;
-    }
-    for (const flat_range& p : s_.shard_pieces()) {
-      const std::uint64_t in_shard = p.begin - s_.shard.begin;
-      step_buffers t;
-      t.param = s_.param_ptr(p.begin);
-      t.master = s_.master_is_param() ? nullptr : s_.master.at(in_shard);
-      t.grad = s_.shard_grads(in_shard);
-      states(s_.states, in_shard, t);
-      t.numel = p.size();
-      t.global_offset = p.begin;
-      out.push_back(t);
-    }
-    return out;
-  }
-
-  // Splits tensors into pieces of at most offload_sub_group_numel elements.
-  std::vector<step_buffers> sub_groups(const std::vector<step_buffers>& tensors) const {
-    std::vector<step_buffers> out;
-    const std::uint64_t g = s_.zo.offload_sub_group_numel;
-    const auto skip = [](void* p, std::uint64_t k, dtype t) -> void* {
-      return p == nullptr ? nullptr : static_cast<unsigned char*>(p) + k * size_of(t);
-    };
-    for (const step_buffers& t : tensors) {
-      for (std::uint64_t off = 0; off < t.numel; off += g) {
-        step_buffers piece = t;
-        piece.param = skip(t.param, off, s_.master_is_param() ? s_.master_t() : s_.param_t());
-        piece.master = skip(t.master, off, s_.master_t());
-        piece.grad = skip(const_cast<void*>(t.grad), off, s_.grad_t());
-        for (int k = 0; k < s_.n_states; ++k) piece.states[static_cast<std::size_t>(k)] = skip(t.states[static_cast<std::size_t>(k)], off, s_.state_t());
-        piece.numel = std::min(g, t.numel - off);
-        piece.global_offset = t.global_offset + off;
-        out.push_back(piece);
-      }
-    }
-    return out;
   }
 
   // Offload: the host step in sub-groups. Each sub-group's parameters (written by the
@@ -756,47 +498,6 @@ class zero_core {
     }
   }
 
-  // Waits for a group's all-gather; if that throws, forgets the group (see release()).
-  void wait_or_abandon(group_map::iterator it) {
-    try {
-      it->second.request->wait();
-    } catch (...) {
-      unbind_group(it->first.first, it->first.second);
-      abandoned_groups_.push_back(std::move(it->second));
-      groups_.erase(it);
-      throw;
-    }
-  }
-  void unbind_group(std::size_t first, std::size_t end) {
-    for (std::size_t i = first; i < end; ++i) {
-      const std::size_t sl = s_.slot(i);
-      if (s_.layout.offset(sl) < s_.persistent_begin) gathered_[sl] = nullptr;
-    }
-  }
-
-  flat_range gather_range(std::size_t first, std::size_t end) const {
-    if (first > end || end > num_params()) {
-      detail::throw_invalid("ZeroOptimizer::gather(" + std::to_string(first) + ", " + std::to_string(end) +
-                    "): not a range of parameters [first, end) within [0, " + std::to_string(num_params()) + ")");
-    }
-    flat_range r{0, 0};
-    bool any = false;
-    for (std::size_t i = first; i < end; ++i) {
-      const flat_range p = s_.layout.param_range(s_.slot(i));
-      if (p.begin >= s_.persistent_begin || p.empty()) continue;
-      r = any ? flat_range{std::min(r.begin, p.begin), std::max(r.end, p.end)} : p;
-      any = true;
-    }
-    return r;
-  }
-
-  void require_stage3(const char* who) const {
-    if (s_.stage() != 3) {
-      detail::throw_invalid("ZeroOptimizer::" + std::string(who) + " gathers ZeRO-3 parameters; this optimizer is stage " +
-                    std::to_string(s_.stage()) + ", whose parameters are whole on every rank");
-    }
-  }
-
   // Gradients already reduced for this step take no more additions.
   void require_not_reduced(const char* who, std::size_t i) const {
     if (reduced_) {
@@ -815,19 +516,6 @@ class zero_core {
                     std::to_string(numel(i)) + " values");
     }
     s_.be.check_readable(p, "ZeroOptimizer::" + std::string(who) + "(" + std::to_string(i) + ")");
-  }
-
-  // Stage 3: what rewrites the partitions (step, load_param, load_checkpoint) needs
-  // every group released: a gathered copy would keep the old values, and a prefetch
-  // still in flight reads the partitions while they are written. Groups are gathered
-  // collectively, so every rank refuses alike.
-  void require_no_gathered_groups(const char* who) const {
-    if (groups_.empty()) return;
-    const auto& [first, end] = groups_.begin()->first;
-    detail::throw_invalid("ZeroOptimizer::" + std::string(who) + ": " + std::to_string(groups_.size()) +
-                  " parameter group(s) are gathered (e.g. [" + std::to_string(first) + ", " + std::to_string(end) +
-                  ")); release() them first: this rewrites the partitions they were gathered from, and a gathered "
-                  "copy would keep the old values");
   }
 
   void require_no_pending_grads(const char* who) const {
@@ -903,6 +591,7 @@ class zero_core {
   std::unique_ptr<step_kernel> kernel_;  // outlives its steppers (declared before them)
   detail::core_state s_;
   detail::grad_reducer reducer_;
+  detail::param_groups groups_;  // stage 3's gathers
   detail::core_checkpoint io_;
   std::optional<loss_scaler> scaler_;
   std::uint64_t steps_ = 0;
@@ -914,10 +603,6 @@ class zero_core {
   std::unique_ptr<stepper> stepper_;
   std::vector<std::unique_ptr<stepper>> host_steppers_;  // offload: one per sub-group of the shard
   std::vector<async_transfer> uploads_;                  // offload: the last step's parameter uploads
-  // stage 3
-  std::vector<void*> gathered_;
-  group_map groups_;
-  std::vector<gathered_group> abandoned_groups_;  // whose all-gather failed (see release())
 };
 
 }  // namespace mpzero
