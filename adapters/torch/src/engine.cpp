@@ -260,6 +260,12 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   // {what is hashed across ranks, how a mismatch message names this rank's side}
   std::pair<std::string, std::string> prepare();
   void start();
+  // prepare()'s parts: each managed parameter's gradient reduction dtype (DeepSpeed's
+  // get_comm_dtype), and what the ranks compare.
+  std::vector<dtype> reduction_dtypes() const;
+  std::pair<std::string, std::string> rank_identity(const core_spec& spec, const zero_options& zo,
+                                                    const std::vector<::torch::Tensor>& frozen,
+                                                    const std::vector<std::pair<std::string, ::torch::Tensor>>& kept) const;
   // Where max_over_ranks stages the agreement: a communicator that reads device memory
   // gets its device (else the parameters', else the current one) and torch's current
   // stream there.
@@ -872,12 +878,31 @@ std::pair<std::string, std::string> engine_state::prepare() {
   }
   needs_scaling_ = cfg_.fp16;
 
+  comm_dtypes_ = reduction_dtypes();
+  core_plan planned = plan_core(cfg_, device, comm_dtypes_);
+  const core_spec& spec = planned.spec;
+  const zero_options& zo = planned.zo;
+
+  std::vector<std::uint64_t> numels;
+  for (const auto& p : params_) numels.push_back(static_cast<std::uint64_t>(p.numel()));
+  // The core is made by start(), after the ranks' agreement: its constructor is collective.
+  plan_.emplace(start_plan{planned, place, std::move(numels)});
+
+  // Every rank must pass the same model and configuration (make_engine_state compares).
+  std::pair<std::string, std::string> id;
+  if (world > 1) id = rank_identity(spec, zo, frozen, kept);
+  frozen_ = std::move(frozen);
+  return id;
+}
+
+// The dtype each gradient is reduced in, per managed parameter.
+std::vector<dtype> engine_state::reduction_dtypes() const {
   // The dtype each gradient is reduced in (DeepSpeed's get_comm_dtype): the autocast
   // dtype for the parameters of lower_precision_safe_modules, communication_data_type
   // for the others, else their own (accumulation) dtype. Passed to the core at run
   // time, so no instantiation is added for it; all in the gradient dtype is the
   // core's default path (no list).
-  comm_dtypes_.assign(params_.size(), cfg_.comm_dtype());
+  std::vector<dtype> out(params_.size(), cfg_.comm_dtype());
   if (cfg_.torch_autocast.enabled) {
     const auto& entries = cfg_.torch_autocast.lower_precision_safe_modules;
     std::vector<bool> matched(entries.size(), false);
@@ -889,7 +914,7 @@ std::pair<std::string, std::string> engine_state::prepare() {
       if (!safe) continue;
       for (const auto& p : m->parameters(/*recurse=*/false)) {
         auto it = index_.find(p.unsafeGetTensorImpl());
-        if (it != index_.end()) comm_dtypes_[it->second] = cfg_.torch_autocast.dtype_;
+        if (it != index_.end()) out[it->second] = cfg_.torch_autocast.dtype_;
       }
     }
     // A class the user named that the model lacks is a typo or a module of another
@@ -906,55 +931,48 @@ std::pair<std::string, std::string> engine_state::prepare() {
            "); name a class the model has (e.g. \"torch.nn.Linear\" or \"Linear\") or remove the entry");
     }
   }
-  core_plan planned = plan_core(cfg_, device, comm_dtypes_);
-  const core_spec& spec = planned.spec;
-  const zero_options& zo = planned.zo;
+  return out;
+}
 
-  std::vector<std::uint64_t> numels;
-  for (const auto& p : params_) numels.push_back(static_cast<std::uint64_t>(p.numel()));
-  // The core is made by start(), after the ranks' agreement: its constructor is collective.
-  plan_.emplace(start_plan{planned, place, std::move(numels)});
-
-  // Every rank must pass the same model and configuration: a rank-dependent one would
-  // mismatch the start-up broadcast (or, with equal totals, partition differently) and
-  // every collective after it. The ranks compare a hash of what sets the layout and
-  // the collectives (make_engine_state), so a mismatch is refused on every rank,
-  // naming this rank's.
+// What every rank must have alike, compared by hash across the ranks: a rank-dependent
+// model or configuration would mismatch the start-up broadcast (or, with equal totals,
+// partition differently) and every collective after it; and how a mismatch message names
+// this rank's side.
+std::pair<std::string, std::string> engine_state::rank_identity(
+    const core_spec& spec, const zero_options& zo, const std::vector<::torch::Tensor>& frozen,
+    const std::vector<std::pair<std::string, ::torch::Tensor>>& kept) const {
   std::pair<std::string, std::string> id;
-  if (world > 1) {
-    // The config as it was understood (to_json: every key that sets the layout, the
-    // collectives or the step, exact values in shortest round-trip digits), except the
-    // stochastic-rounding key where nothing rounds stochastically; the parameters'
-    // device kind and their gradients' wire dtypes. The core compares its own layout
-    // and options too.
-    nlohmann::json cfg = to_json(cfg_);
-    if (!spec.stochastic_rounding) cfg.erase("seed");
-    std::string what = cfg.dump() + "\n" + spec.describe() + ", wire";
-    for (const dtype d : zo.wire_dtypes) what += " " + std::string(name_of(d));
-    const auto& o = cfg_.optimizer;
-    std::int64_t elements = 0;
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      what += "\n" + names_[i] + " " + shape_of(params_[i].sizes());
-      elements += params_[i].numel();
-    }
-    for (const auto& t : frozen) what += "\nfrozen " + shape_of(t.sizes());
-    // Frozen integer or bool parameters are not broadcast (they keep their dtype): every
-    // rank must hold the same values, so the values are compared too.
-    for (const auto& [name, t] : kept) {
-      const ::torch::Tensor c = t.detach().to(at::kCPU).contiguous();
-      what += "\nkept " + name + " " + shape_of(t.sizes()) + " " +
-              std::string(static_cast<const char*>(c.const_data_ptr()), c.nbytes());
-    }
-    for (const auto& b : module_->buffers(/*recurse=*/true))
-      if (b.is_floating_point()) what += "\nbuffer " + shape_of(b.sizes());
-    id.first = std::move(what);
-    id.second = std::to_string(params_.size()) + " trainable parameters of " + std::to_string(elements) +
-               " elements, " + std::to_string(frozen.size()) + " frozen; " + spec.describe() +
-               ", gradient_accumulation_steps " + std::to_string(cfg_.gradient_accumulation_steps) + ", lr " +
-               format_double(o.lr) + ", gradient_clipping " + format_double(zo.gradient_clipping) +
-               (spec.stochastic_rounding ? ", seed " + std::to_string(zo.seed) : "");
+  // The config as it was understood (to_json: every key that sets the layout, the
+  // collectives or the step, exact values in shortest round-trip digits), except the
+  // stochastic-rounding key where nothing rounds stochastically; the parameters'
+  // device kind and their gradients' wire dtypes. The core compares its own layout
+  // and options too.
+  nlohmann::json cfg = to_json(cfg_);
+  if (!spec.stochastic_rounding) cfg.erase("seed");
+  std::string what = cfg.dump() + "\n" + spec.describe() + ", wire";
+  for (const dtype d : zo.wire_dtypes) what += " " + std::string(name_of(d));
+  const auto& o = cfg_.optimizer;
+  std::int64_t elements = 0;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    what += "\n" + names_[i] + " " + shape_of(params_[i].sizes());
+    elements += params_[i].numel();
   }
-  frozen_ = std::move(frozen);
+  for (const auto& t : frozen) what += "\nfrozen " + shape_of(t.sizes());
+  // Frozen integer or bool parameters are not broadcast (they keep their dtype): every
+  // rank must hold the same values, so the values are compared too.
+  for (const auto& [name, t] : kept) {
+    const ::torch::Tensor c = t.detach().to(at::kCPU).contiguous();
+    what += "\nkept " + name + " " + shape_of(t.sizes()) + " " +
+            std::string(static_cast<const char*>(c.const_data_ptr()), c.nbytes());
+  }
+  for (const auto& b : module_->buffers(/*recurse=*/true))
+    if (b.is_floating_point()) what += "\nbuffer " + shape_of(b.sizes());
+  id.first = std::move(what);
+  id.second = std::to_string(params_.size()) + " trainable parameters of " + std::to_string(elements) +
+             " elements, " + std::to_string(frozen.size()) + " frozen; " + spec.describe() +
+             ", gradient_accumulation_steps " + std::to_string(cfg_.gradient_accumulation_steps) + ", lr " +
+             format_double(o.lr) + ", gradient_clipping " + format_double(zo.gradient_clipping) +
+             (spec.stochastic_rounding ? ", seed " + std::to_string(zo.seed) : "");
   return id;
 }
 

@@ -65,8 +65,9 @@ class grad_reducer {
     }
     // One rank reduces nothing: a bucket whose gradients travel in the gradient dtype (no
     // wire rounding to keep) accumulates straight into the partition, which at world size
-    // 1 is the whole gradient. With offload the partition is in host memory and the
-    // reports are not: the staged bucket goes there as it is (send_to_host).
+    // 1 is the whole gradient (adds_in_place). With offload on a device backend the
+    // partition is in host memory and the reports are not: the staged bucket goes there as
+    // it is (send_to_host).
     direct_.assign(nb, 0);
     for (std::size_t b = 0; b < nb; ++b) {
       direct_[b] = s_.world == 1 && std::all_of(bucket_runs_[b].begin(), bucket_runs_[b].end(),
@@ -98,8 +99,13 @@ class grad_reducer {
       const bucket& bk = buckets_.buckets()[b];
       const flat_range piece = intersect(r, bk.range);
       const void* from = static_cast<const unsigned char*>(src) + (piece.begin - r.begin) * size_of(t);
-      if (!s_.offloaded() && direct_[b]) {
-        s_.be.accumulate(s_.grads.at(piece.begin - s_.shard.begin), s_.grad_t(), from, t, piece.size(), scale);
+      if (adds_in_place(b)) {
+        const std::uint64_t at = piece.begin - s_.shard.begin;
+        if (s_.offloaded()) {
+          s_.host.accumulate(s_.h_grads.at(at), s_.grad_t(), from, t, piece.size(), scale);
+        } else {
+          s_.be.accumulate(s_.grads.at(at), s_.grad_t(), from, t, piece.size(), scale);
+        }
       } else {
         if (staging_of_[b] < 0) staging_of_[b] = acquire_staging(b);
         s_.be.accumulate(offset(staging_.data(staging_of_[b]), piece.begin - bk.range.begin, s_.grad_t()), s_.grad_t(),
@@ -107,7 +113,7 @@ class grad_reducer {
       }
       if (!again) {
         if (--remaining_[b] == 0) launch_ready();
-      } else if (launched_[b] && (s_.offloaded() || !direct_[b])) {
+      } else if (launched_[b] && !adds_in_place(b)) {
         dirty_[b] = 1;  // reported again after its bucket went: reduce (or send) it once more at end_pass()
       }
     }
@@ -181,7 +187,7 @@ class grad_reducer {
     // wire-typed copies of the buckets in flight; nothing at all for direct buckets.
     std::uint64_t large = 0, small = 0, wire = 0, all = 0;
     for (std::size_t b = 0; b < buckets_.num_buckets(); ++b) {
-      if (direct_[b] && !s_.offloaded()) continue;
+      if (adds_in_place(b)) continue;
       const bucket& bk = buckets_.buckets()[b];
       const std::uint64_t n = bk.range.size();
       all += n;
@@ -264,7 +270,7 @@ class grad_reducer {
   void launch(std::size_t b) {
     launched_[b] = 1;
     if (direct_[b]) {
-      if (s_.offloaded()) send_to_host(b);
+      if (!adds_in_place(b)) send_to_host(b);
       return;
     }
     while (pending_.size() >= max_in_flight) complete_oldest();
@@ -322,27 +328,25 @@ class grad_reducer {
   static comm::wire_dtype wire_of(dtype d) { return wire_dtype_of(d); }
 
  private:
-  // Offload at world size 1, a direct bucket: its staged gradients are added to the host
-  // partition as they are, with no reduction; on a device backend through a download that
-  // holds the staging buffer until retire_downloads. A bucket that got no gradient this
-  // pass adds nothing (stage 0 adds nothing either).
+  // Offload on a device backend at world size 1, a direct bucket: its staged gradients go
+  // to the host partition as they are, with no reduction, through a download that holds
+  // the staging buffer until retire_downloads. A bucket that got no gradient this pass
+  // adds nothing (stage 0 adds nothing either).
   void send_to_host(std::size_t b) {
     const int st = staging_of_[b];
     if (st < 0) return;
     staging_of_[b] = -1;
     const flat_range r = buckets_.buckets()[b].range;  // within the shard: one rank holds it all
-    if (s_.be.device_memory()) {
-      const dtype g = s_.grad_t();
-      const int h = host_[g].acquire(r.size(), [&](dtype t, std::uint64_t m) { return s_.host_scratch(t, m); });
-      downloads_.push_back(download{s_.be.download_async(host_[g].data(h), staging_.data(st), r.size() * size_of(g)), g,
-                                    h, r.begin - s_.shard.begin, r.size(), st, {-1, -1, -1}});
-      retire_downloads(max_in_flight);
-    } else {
-      s_.host.accumulate(s_.h_grads.at(r.begin - s_.shard.begin), s_.grad_t(), staging_.data(st), s_.grad_t(),
-                         r.size(), 1.0f);
-      staging_.release(st);
-    }
+    const dtype g = s_.grad_t();
+    const int h = host_[g].acquire(r.size(), [&](dtype t, std::uint64_t m) { return s_.host_scratch(t, m); });
+    downloads_.push_back(download{s_.be.download_async(host_[g].data(h), staging_.data(st), r.size() * size_of(g)), g,
+                                  h, r.begin - s_.shard.begin, r.size(), st, {-1, -1, -1}});
+    retire_downloads(max_in_flight);
   }
+
+  // A direct bucket whose partition its reports can reach: added in place, never staged
+  // (without offload, or with offload on a backend whose memory is host memory).
+  bool adds_in_place(std::size_t b) const { return direct_[b] && (!s_.offloaded() || !s_.be.device_memory()); }
 
   void complete_oldest() {
     in_flight f = std::move(pending_.front());

@@ -87,7 +87,8 @@
 
 #include <mpzero/torch/communicator.hpp>
 #include <mpzero/torch/config.hpp>
-#include <mpzero/zero/zero_optimizer.hpp>
+#include <mpzero/numeric/dtype.hpp>
+#include <mpzero/zero/options.hpp>
 
 namespace mpzero::torch {
 
