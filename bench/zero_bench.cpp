@@ -34,6 +34,17 @@ struct options {
   int iters = 5;
 };
 
+// The most communication-buffer bytes held at once: memory_report::peak_buckets where the
+// library reports it, else the most this program saw after a backward pass.
+template <class Report>
+std::uint64_t peak_of(const Report& m, std::uint64_t seen) {
+  if constexpr (requires { m.peak_buckets; }) {
+    return std::max<std::uint64_t>(seen, m.peak_buckets);
+  } else {
+    return seen;
+  }
+}
+
 template <class Policy, int Stage>
 void run(mpzero::comm::mpi_communicator& c, const options& o, const char* name) {
   using G = typename Policy::grad_type;
@@ -63,7 +74,7 @@ void run(mpzero::comm::mpi_communicator& c, const options& o, const char* name) 
   }
   std::sort(times.begin(), times.end());
   const mpzero::memory_report m = z.memory();
-  if constexpr (requires { m.peak_buckets; }) peak_buckets = std::max<std::uint64_t>(peak_buckets, m.peak_buckets);
+  peak_buckets = peak_of(m, peak_buckets);
   const double model = mpzero::bytes_per_param<Policy, mpzero::optim::adamw, mpzero::stage<Stage>>(c.size()).device_bytes;
   const double n = static_cast<double>(m.model_numel);
   const double states = static_cast<double>(m.model_state_bytes());
