@@ -415,8 +415,8 @@ class zero_core {
     if (zo.loss_scaling) scaler_.emplace(zo.loss_scale);
     threads_ = s_.be.host_threads().value_or(0);
     const std::size_t n_large = detail::build_layout(s_, numels);
+    detail::allocate(s_);  // first: a model that cannot be held fails here, before its buckets are planned
     if (s_.stage() >= 2) reducer_.plan(n_large);
-    detail::allocate(s_);
     groups_.init();
     if (s_.offloaded()) {
       // One stepper per sub-group: a sub-group's upload overlaps the next one's update.

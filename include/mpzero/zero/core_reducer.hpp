@@ -51,6 +51,14 @@ class grad_reducer {
   void plan(std::size_t n_large) {
     const std::size_t n = s_.layout.num_params();
     small_from_ = n_large;
+    // A bucket per reduce_bucket_numel elements (and per parameter at most): refuse a plan
+    // whose bookkeeping alone would be larger than the buffers it bounds.
+    const std::uint64_t most = s_.layout.total_numel() / s_.zo.reduce_bucket_numel + n + 1;
+    if (most > (std::uint64_t{1} << 26)) {
+      throw_invalid("ZeroOptimizer: reduce_bucket_numel = " + std::to_string(s_.zo.reduce_bucket_numel) + " cuts " +
+                    std::to_string(s_.layout.total_numel()) + " elements into up to " + std::to_string(most) +
+                    " buckets; use a larger bucket (DeepSpeed's default is 5e8 elements)");
+    }
     buckets_ = bucket_plan(s_.layout, s_.zo.reduce_bucket_numel, n_large, /*pieces=*/true);
     const std::size_t nb = buckets_.num_buckets();
     bucket_runs_.assign(nb, {});
