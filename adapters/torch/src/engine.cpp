@@ -227,6 +227,25 @@ class zero3_gatherer {
   engine_state& e_;
 };
 
+// Checkpoints: DeepSpeed's layout (`<dir>/<tag>/`: the core's shard files, the module's
+// states, the engine's counters and names; `<dir>/latest`), saved and loaded collectively.
+// One part of engine_state, which owns it: it reads the engine's core, parameters,
+// counters and agreement.
+class engine_checkpoints {
+ public:
+  explicit engine_checkpoints(engine_state& e) : e_(e) {}
+  void save(const std::string& save_dir, const std::string& tag, const nlohmann::json& client_state, bool save_latest);
+  std::optional<engine_base::loaded_checkpoint> load(const std::string& load_dir, const std::string& tag,
+                                                     bool module_only);
+
+ private:
+  nlohmann::json engine_json(const std::string& tag, const nlohmann::json& client_state, std::uint64_t save_id) const;
+  // whole[i]: managed parameter i's values where its tensor is partitioned (ZeRO-3).
+  c10::IValue module_states(std::uint64_t save_id, const std::vector<::torch::Tensor>& whole) const;
+
+  engine_state& e_;
+};
+
 class engine_state : public std::enable_shared_from_this<engine_state> {
  public:
   engine_state(std::shared_ptr<::torch::nn::Module> module, mpzero::torch::config cfg, any_communicator comm)
@@ -342,11 +361,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     return ::torch::tensor(at::ArrayRef<float>(g), ::torch::kFloat).reshape(shapes_[i]).to(device_);
   }
 
-  // ---- checkpoints ---------------------------------------------------------------------
-  void save_checkpoint(const std::string& save_dir, const std::string& tag, const nlohmann::json& client_state,
-                       bool save_latest);
-  std::optional<engine_base::loaded_checkpoint> load_checkpoint(const std::string& load_dir, const std::string& tag,
-                                                                bool module_only);
+  // ---- agreement between the ranks ------------------------------------------------------
   // The n values at v become their largest over the ranks (collective).
   void all_reduce_max(std::int32_t* v, int n) {
     max_over_ranks(comm_, std::span<std::int32_t>(v, static_cast<std::size_t>(n)), agreement_place(comm_, this));
@@ -375,9 +390,6 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
            "or drop them with zero_grad() first");
     }
   }
-  nlohmann::json engine_json(const std::string& tag, const nlohmann::json& client_state, std::uint64_t save_id) const;
-  // whole[i]: managed parameter i's values where its tensor is partitioned (ZeRO-3).
-  c10::IValue module_states(std::uint64_t save_id, const std::vector<::torch::Tensor>& whole) const;
 
   // ---- streams (CUDA parameters) ------------------------------------------------------
   // The core queues its work on torch's current stream of the parameters' device as it
@@ -404,6 +416,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   bool zero3_ = false;
   std::vector<std::vector<std::int64_t>> shapes_;  // per managed parameter (its tensor is empty while partitioned)
   zero3_gatherer z3_{*this};
+  engine_checkpoints checkpoints_{*this};
 
   mpzero::torch::config cfg_;
   any_communicator comm_;
@@ -1293,30 +1306,30 @@ void engine_state::step() {
   ++micro_steps_;
 }
 
-nlohmann::json engine_state::engine_json(const std::string& tag, const nlohmann::json& client_state,
+nlohmann::json engine_checkpoints::engine_json(const std::string& tag, const nlohmann::json& client_state,
                                          std::uint64_t save_id) const {
   // Tied weights are managed once, under their first name; their other names are
   // "aliases" (the fp32 export gives every name the master weights).
-  std::vector<std::vector<std::string>> aliases(params_.size());
-  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
-    const auto it = index_.find(item.value().unsafeGetTensorImpl());
-    if (it != index_.end() && item.key() != names_[it->second]) aliases[it->second].push_back(item.key());
+  std::vector<std::vector<std::string>> aliases(e_.params_.size());
+  for (const auto& item : e_.module_->named_parameters(/*recurse=*/true)) {
+    const auto it = e_.index_.find(item.value().unsafeGetTensorImpl());
+    if (it != e_.index_.end() && item.key() != e_.names_[it->second]) aliases[it->second].push_back(item.key());
   }
   nlohmann::json params = nlohmann::json::array();
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    params.push_back({{"name", names_[i]}, {"shape", shapes_[i]}});
+  for (std::size_t i = 0; i < e_.params_.size(); ++i) {
+    params.push_back({{"name", e_.names_[i]}, {"shape", e_.shapes_[i]}});
     if (!aliases[i].empty()) params.back()["aliases"] = aliases[i];
   }
   return {{"format", "mpzero engine checkpoint"},
           {"version", 1},
           {"tag", tag},
-          {"global_steps", global_steps_},
-          {"micro_steps", micro_steps_},
-          {"skipped_steps", skipped_steps_},
-          {"scheduler_steps", scheduler_steps_},
-          {"world_size", comm_.size()},
-          {"zero_stage", cfg_.zero.stage},
-          {"precision", core_->spec().describe()},
+          {"global_steps", e_.global_steps_},
+          {"micro_steps", e_.micro_steps_},
+          {"skipped_steps", e_.skipped_steps_},
+          {"scheduler_steps", e_.scheduler_steps_},
+          {"world_size", e_.comm_.size()},
+          {"zero_stage", e_.cfg_.zero.stage},
+          {"precision", e_.core_->spec().describe()},
           {"save_id", save_id},
           {"parameters", params},
           {"client_state", client_state}};
@@ -1324,34 +1337,34 @@ nlohmann::json engine_state::engine_json(const std::string& tag, const nlohmann:
 
 // The module's parameters and buffers as DeepSpeed's model_states file holds them:
 // {"module": {name: tensor}, "global_steps": N}, and the save id that ties it to its shards.
-c10::IValue engine_state::module_states(std::uint64_t save_id, const std::vector<::torch::Tensor>& whole) const {
+c10::IValue engine_checkpoints::module_states(std::uint64_t save_id, const std::vector<::torch::Tensor>& whole) const {
   c10::Dict<std::string, at::Tensor> state;
-  for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
-    const auto managed = index_.find(item.value().unsafeGetTensorImpl());
-    if (managed != index_.end() && whole[managed->second].defined()) {
+  for (const auto& item : e_.module_->named_parameters(/*recurse=*/true)) {
+    const auto managed = e_.index_.find(item.value().unsafeGetTensorImpl());
+    if (managed != e_.index_.end() && whole[managed->second].defined()) {
       state.insert(item.key(), whole[managed->second]);  // ZeRO-3: gathered for the save
     } else {
       state.insert(item.key(), item.value().detach().cpu());
     }
   }
-  for (const auto& item : module_->named_buffers(/*recurse=*/true)) state.insert(item.key(), item.value().detach().cpu());
+  for (const auto& item : e_.module_->named_buffers(/*recurse=*/true)) state.insert(item.key(), item.value().detach().cpu());
   c10::impl::GenericDict top(c10::StringType::get(), c10::AnyType::get());
   top.insert("module", state);
-  top.insert("global_steps", static_cast<std::int64_t>(global_steps_));
+  top.insert("global_steps", static_cast<std::int64_t>(e_.global_steps_));
   top.insert("mpzero_save_id", static_cast<std::int64_t>(save_id));  // < 2^52
   return top;
 }
 
-void engine_state::save_checkpoint(const std::string& save_dir, const std::string& tag_arg,
+void engine_checkpoints::save(const std::string& save_dir, const std::string& tag_arg,
                                    const nlohmann::json& client_state, bool save_latest) {
-  const std::string tag = tag_arg.empty() ? "global_step" + std::to_string(global_steps_) : tag_arg;
+  const std::string tag = tag_arg.empty() ? "global_step" + std::to_string(e_.global_steps_) : tag_arg;
   // Equal arguments everywhere, or the ranks would issue different collectives below.
-  same_on_every_rank("save_checkpoint", "arguments", tag + (save_latest ? "\n1" : "\n0"),
+  e_.same_on_every_rank("save_checkpoint", "arguments", tag + (save_latest ? "\n1" : "\n0"),
                      "tag '" + tag + "', save_latest " + (save_latest ? "true" : "false"));
   const fs::path dir = fs::path(save_dir) / tag;
-  agree("save_checkpoint", "nothing was saved", [&] {
+  e_.agree("save_checkpoint", "nothing was saved", [&] {
     check_tag("engine.save_checkpoint", tag);
-    require_boundary("save_checkpoint");
+    e_.require_boundary("save_checkpoint");
     std::error_code ec;
     fs::create_directories(dir, ec);
     if (ec) {
@@ -1359,41 +1372,41 @@ void engine_state::save_checkpoint(const std::string& save_dir, const std::strin
            "); pass a save_dir that is writable and reachable from every rank");
     }
   });
-  core_waits();  // the core reads its buffers after what torch's current stream queued
-  join_core();   // and module_states reads the parameters after the core's last step
+  e_.core_waits();  // the core reads its buffers after what torch's current stream queued
+  e_.join_core();   // and module_states reads the parameters after the core's last step
   // The shards first, then the files that name their save id: a load refuses engine files
   // of another save than the shards beside them.
-  const std::uint64_t id = core_->save_checkpoint(dir.string());
+  const std::uint64_t id = e_.core_->save_checkpoint(dir.string());
   // ZeRO-3: model_states.pt holds whole parameters, so every rank gathers them for it
   // (DeepSpeed's stage3_gather_16bit_weights_on_model_save), one at a time.
-  std::vector<::torch::Tensor> whole(params_.size());  // rank 0: the partitioned parameters' values
-  for (std::size_t i : z3_.partitioned_params(/*unclaimed_only=*/false)) {
-    z3_.hold({i});
-    if (comm_.rank() == 0) whole[i] = params_[i].detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
-    z3_.unhold({i});
+  std::vector<::torch::Tensor> whole(e_.params_.size());  // rank 0: the partitioned parameters' values
+  for (std::size_t i : e_.z3_.partitioned_params(/*unclaimed_only=*/false)) {
+    e_.z3_.hold({i});
+    if (e_.comm_.rank() == 0) whole[i] = e_.params_[i].detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    e_.z3_.unhold({i});
   }
-  agree("save_checkpoint", "the shard files were written, but the checkpoint is incomplete", [&] {
-    if (comm_.rank() == 0) {
+  e_.agree("save_checkpoint", "the shard files were written, but the checkpoint is incomplete", [&] {
+    if (e_.comm_.rank() == 0) {
       detail::write_torch_file(dir / "model_states.pt", module_states(id, whole));
       write_atomically(dir / "mpzero_engine.json", engine_json(tag, client_state, id).dump(2));
     }
   });
   if (save_latest) {
-    agree("save_checkpoint", "the checkpoint is complete, but 'latest' does not name it", [&] {
-      if (comm_.rank() == 0) write_atomically(fs::path(save_dir) / "latest", tag);
+    e_.agree("save_checkpoint", "the checkpoint is complete, but 'latest' does not name it", [&] {
+      if (e_.comm_.rank() == 0) write_atomically(fs::path(save_dir) / "latest", tag);
     });
   }
 }
 
-std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(const std::string& load_dir,
+std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std::string& load_dir,
                                                                             const std::string& tag_arg,
                                                                             bool module_only) {
-  same_on_every_rank("load_checkpoint", "arguments", tag_arg + (module_only ? "\n1" : "\n0"),
+  e_.same_on_every_rank("load_checkpoint", "arguments", tag_arg + (module_only ? "\n1" : "\n0"),
                      "tag '" + tag_arg + "', load_module_only " + (module_only ? "true" : "false"));
   const fs::path root(load_dir);
   std::string tag = tag_arg;
   std::int32_t no_latest = 0;
-  agree("load_checkpoint", "nothing was loaded", [&] {
+  e_.agree("load_checkpoint", "nothing was loaded", [&] {
     if (!tag.empty()) return;
     const auto latest = detail::read_latest("load_checkpoint", root);
     if (!latest) {
@@ -1404,7 +1417,7 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
   });
   if (tag_arg.empty()) {
     std::int32_t v[2] = {no_latest, -no_latest};
-    all_reduce_max(v, 2);
+    e_.all_reduce_max(v, 2);
     const std::int32_t any = v[0], all = -v[1];
     if (any != all) {
       fail("engine.load_checkpoint: " + quoted(root / "latest") + " exists on some ranks only (on this one: " +
@@ -1412,7 +1425,7 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
     }
     if (all) return std::nullopt;  // nothing saved there yet, as DeepSpeed
   }
-  same_on_every_rank("load_checkpoint", "tags", tag, "'" + tag + "', from 'latest'");
+  e_.same_on_every_rank("load_checkpoint", "tags", tag, "'" + tag + "', from 'latest'");
   const fs::path dir = root / tag;
 
   // Read and check everything before anything changes.
@@ -1420,27 +1433,27 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
     ::torch::Tensor dst, src;
   };
   std::vector<copy> copies;
-  std::vector<::torch::Tensor> trainable(params_.size());
+  std::vector<::torch::Tensor> trainable(e_.params_.size());
   nlohmann::json client_state;
   std::uint64_t counters[4] = {};
-  agree("load_checkpoint", "nothing was loaded", [&] {
+  e_.agree("load_checkpoint", "nothing was loaded", [&] {
     check_tag("engine.load_checkpoint", tag);
-    require_boundary("load_checkpoint");
+    e_.require_boundary("load_checkpoint");
     const fs::path meta_path = dir / "mpzero_engine.json", module_path = dir / "model_states.pt";
     const detail::engine_meta meta = detail::read_engine_meta("engine.load_checkpoint", meta_path);
     // A full load needs the same trainable parameters; a module-only load matches
     // model_states.pt by name below, so which ones train may differ.
-    if (!module_only && meta.params.size() != params_.size()) {
+    if (!module_only && meta.params.size() != e_.params_.size()) {
       fail("engine.load_checkpoint: " + quoted(meta_path) + " lists " + std::to_string(meta.params.size()) +
-           " trainable parameters; this engine has " + std::to_string(params_.size()) +
+           " trainable parameters; this engine has " + std::to_string(e_.params_.size()) +
            ". Load a checkpoint of this model");
     }
-    for (std::size_t i = 0; !module_only && i < params_.size(); ++i) {
+    for (std::size_t i = 0; !module_only && i < e_.params_.size(); ++i) {
       const auto& saved_param = meta.params[i];
-      if (saved_param.name != names_[i] || saved_param.shape != shapes_[i]) {
+      if (saved_param.name != e_.names_[i] || saved_param.shape != e_.shapes_[i]) {
         fail("engine.load_checkpoint: trainable parameter " + std::to_string(i) + " is '" + saved_param.name +
-             "' of shape " + shape_of(saved_param.shape) + " in " + quoted(meta_path) + ", '" + names_[i] +
-             "' of shape " + shape_of(shapes_[i]) + " here. Load a checkpoint of this model");
+             "' of shape " + shape_of(saved_param.shape) + " in " + quoted(meta_path) + ", '" + e_.names_[i] +
+             "' of shape " + shape_of(e_.shapes_[i]) + " here. Load a checkpoint of this model");
       }
     }
     counters[0] = meta.global_steps;
@@ -1468,8 +1481,8 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
              "', which this model has. Load a checkpoint of this model");
       }
       // (A ZeRO-3 partitioned parameter's tensor is empty: its shape is the engine's.)
-      const auto managed = index_.find(like.unsafeGetTensorImpl());
-      const at::IntArrayRef shape = managed != index_.end() ? at::IntArrayRef(shapes_[managed->second]) : like.sizes();
+      const auto managed = e_.index_.find(like.unsafeGetTensorImpl());
+      const at::IntArrayRef shape = managed != e_.index_.end() ? at::IntArrayRef(e_.shapes_[managed->second]) : like.sizes();
       if (it->second.sizes() != shape) {
         fail("engine.load_checkpoint: '" + name + "' has shape " + shape_of(it->second.sizes()) + " in " + quoted(module_path) +
              " and " + shape_of(shape) + " here. Load a checkpoint of this model");
@@ -1477,16 +1490,16 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
       used.insert(name);
       return it->second;
     };
-    for (const auto& item : module_->named_parameters(/*recurse=*/true)) {
+    for (const auto& item : e_.module_->named_parameters(/*recurse=*/true)) {
       const ::torch::Tensor src = take(item.key(), item.value());
-      auto managed = index_.find(item.value().unsafeGetTensorImpl());
-      if (managed == index_.end()) {
+      auto managed = e_.index_.find(item.value().unsafeGetTensorImpl());
+      if (managed == e_.index_.end()) {
         copies.push_back({item.value(), src});  // frozen
       } else if (module_only) {
         trainable[managed->second] = src;
       }
     }
-    for (const auto& item : module_->named_buffers(/*recurse=*/true)) copies.push_back({item.value(), take(item.key(), item.value())});
+    for (const auto& item : e_.module_->named_buffers(/*recurse=*/true)) copies.push_back({item.value(), take(item.key(), item.value())});
     for (const auto& [name, t] : saved) {
       if (!used.count(name)) {
         fail("engine.load_checkpoint: " + quoted(module_path) + " holds '" + name +
@@ -1495,27 +1508,27 @@ std::optional<engine_base::loaded_checkpoint> engine_state::load_checkpoint(cons
     }
   });
 
-  z3_.release_all();  // ZeRO-3: the load rewrites the partitions
-  core_waits();
+  e_.z3_.release_all();  // ZeRO-3: the load rewrites the partitions
+  e_.core_waits();
   if (module_only) {
-    for (std::size_t i = 0; i < params_.size(); ++i) {
+    for (std::size_t i = 0; i < e_.params_.size(); ++i) {
       const ::torch::Tensor v = trainable[i].to(at::kCPU, at::kFloat).contiguous();
-      core_->load_param(i, v.data_ptr<float>(), dtype::fp32);
+      e_.core_->load_param(i, v.data_ptr<float>(), dtype::fp32);
     }
   } else {
-    core_->load_checkpoint(dir.string());  // collective; throws on every rank, changing nothing, if any rank fails
-    global_steps_ = counters[0];
-    micro_steps_ = counters[1];
-    skipped_steps_ = counters[2];
-    scheduler_steps_ = counters[3];
+    e_.core_->load_checkpoint(dir.string());  // collective; throws on every rank, changing nothing, if any rank fails
+    e_.global_steps_ = counters[0];
+    e_.micro_steps_ = counters[1];
+    e_.skipped_steps_ = counters[2];
+    e_.scheduler_steps_ = counters[3];
   }
-  join_core();
+  e_.join_core();
   {
     ::torch::NoGradGuard ng;
     for (auto& c : copies) c.dst.copy_(c.src);
   }
-  stepped_ = false;
-  last_ = {};
+  e_.stepped_ = false;
+  e_.last_ = {};
   return engine_base::loaded_checkpoint{dir.string(), client_state};
 }
 
@@ -1651,12 +1664,12 @@ int engine_base::rank() const { return st_->comm_.rank(); }
 int engine_base::world_size() const { return st_->comm_.size(); }
 void engine_base::save_checkpoint(const std::string& save_dir, const std::string& tag, const nlohmann::json& client_state,
                                   bool save_latest) {
-  st_->save_checkpoint(save_dir, tag, client_state, save_latest);
+  st_->checkpoints_.save(save_dir, tag, client_state, save_latest);
 }
 std::optional<engine_base::loaded_checkpoint> engine_base::load_checkpoint(const std::string& load_dir,
                                                                            const std::string& tag,
                                                                            bool load_module_only) {
-  return st_->load_checkpoint(load_dir, tag, load_module_only);
+  return st_->checkpoints_.load(load_dir, tag, load_module_only);
 }
 const std::vector<::torch::Tensor>& engine_base::parameters() const { return st_->params_; }
 const std::vector<std::string>& engine_base::parameter_names() const { return st_->names_; }
