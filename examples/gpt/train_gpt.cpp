@@ -571,7 +571,9 @@ struct result {
   std::vector<std::uint64_t> skipped_at;  // the optimizer steps (1-based) an fp16 overflow skipped
   // On a GPU: LibTorch's caching allocator peak, and that plus the core's device bytes.
   std::uint64_t torch_peak_bytes = 0, peak_device_bytes = 0;
-  std::uint64_t bucket_bytes = 0;  // the core's reduction buffers (engine.memory().buckets), beside the states
+  // The most bytes of the core's reduction buffers held at once (engine.memory().peak_buckets;
+  // they are freed between steps), beside the states.
+  std::uint64_t bucket_bytes = 0;
   // --save: the checkpoint's directory, the save's wall time, and the held-out loss of its
   // fp32 export (rank 0's; NaN elsewhere and without --save).
   std::string checkpoint;
@@ -869,10 +871,11 @@ result train_engine(mt::engine<GPT>& engine, const run_spec& spec, const options
   r.numel = m.model_numel;
   r.padding = m.padding_numel;
   r.device_bytes = m.model_state_bytes();
-  r.bucket_bytes = m.buckets;
+  r.bucket_bytes = m.peak_buckets;
   r.host_bytes = m.host_model_state_bytes();
-  // The core's model states and buckets are allocated outside LibTorch's allocator.
-  finish(r, device, r.device_bytes + m.buckets, comm.rank(), index, total);
+  // The core's model states and buckets are allocated outside LibTorch's allocator; the
+  // buckets at their peak, during backward and the step.
+  finish(r, device, r.device_bytes + m.peak_buckets, comm.rank(), index, total);
   return r;
 }
 
