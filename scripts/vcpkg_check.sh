@@ -78,7 +78,7 @@ grep -rqs -- "$prefix/include" "$scratch/consumer/build.ninja" "$scratch/consume
   fail "the consumer does not compile with $prefix/include"
 cmake --build "$scratch/consumer" >"$scratch/consumer_build.log" 2>&1 ||
   { cat "$scratch/consumer_build.log"; fail "the consumer's build failed"; }
-out="$("$scratch/consumer/consumer")" || { echo "$out"; fail "the consumer failed"; }
-echo "$out"
-case "$out" in *"mpzero consumer: ok"*) ;; *) fail "the consumer did not report success" ;; esac
+said="$("$scratch/consumer/consumer")" || { echo "$said"; fail "the consumer failed"; }
+echo "$said"
+case "$said" in *"mpzero consumer: ok"*) ;; *) fail "the consumer did not report success" ;; esac
 echo "vcpkg_check: ok (the port's install, relocated to share/mpzero, consumed through find_package(mpzero))"

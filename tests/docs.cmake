@@ -18,20 +18,5 @@ add_test(NAME docs.changelog
 set_tests_properties(docs.changelog PROPERTIES LABELS docs)
 
 if(TARGET mpzero_torch)
-  file(READ ${PROJECT_SOURCE_DIR}/README.md _mpzero_readme)
-  string(REGEX MATCH "### With LibTorch[^`]*```cpp\n(.*)" _mpzero_m "${_mpzero_readme}")
-  string(FIND "${CMAKE_MATCH_1}" "```" _mpzero_end)
-  if(_mpzero_end LESS 0)
-    message(FATAL_ERROR "README.md has no ```cpp block under '### With LibTorch'")
-  endif()
-  string(SUBSTRING "${CMAKE_MATCH_1}" 0 ${_mpzero_end} _mpzero_snippet)
-  # Rewritten only when the snippet's text changed, so a re-configure does not rebuild it.
-  file(WRITE ${CMAKE_CURRENT_BINARY_DIR}/readme_torch_snippet.cpp.in "${_mpzero_snippet}")
-  configure_file(${CMAKE_CURRENT_BINARY_DIR}/readme_torch_snippet.cpp.in
-                 ${CMAKE_CURRENT_BINARY_DIR}/readme_torch_snippet.cpp COPYONLY)
-  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/README.md)
-  add_executable(readme_torch_snippet ${CMAKE_CURRENT_BINARY_DIR}/readme_torch_snippet.cpp)
-  target_link_libraries(readme_torch_snippet PRIVATE mpzero::torch)
-  add_test(NAME docs.readme_torch_snippet COMMAND readme_torch_snippet)
-  set_tests_properties(docs.readme_torch_snippet PROPERTIES LABELS "docs;torch" ENVIRONMENT OMP_NUM_THREADS=1)
+  mpzero_readme_snippet("### With LibTorch" readme_torch_snippet mpzero::torch "docs;torch")
 endif()

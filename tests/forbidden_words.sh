@@ -50,11 +50,11 @@ for f in "${files[@]}"; do
   [ "$f" = "$self" ] && continue
   [ -f "$f" ] || continue  # deleted in the working tree
   checked=$((checked + 1))
-  if out="$(grep -nIE "${args[@]}" -- "$f")"; then
+  if found="$(grep -nIE "${args[@]}" -- "$f")"; then
     while IFS= read -r line; do
       printf '%s:%s\n' "$f" "$line"
       hits=$((hits + 1))
-    done <<<"$out"
+    done <<<"$found"
   fi
 done
 

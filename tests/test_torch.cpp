@@ -27,6 +27,8 @@
 #include <mpzero/torch/process_group.hpp>
 #include <mpzero/torch/zero_core.hpp>
 
+#include "support/unused_communicator.hpp"
+
 using namespace mpzero::testing;  // mt, Tensor, json, world(), W(), R(), the reference helpers
 
 namespace {
@@ -1135,31 +1137,6 @@ TEST_CASE("torch: WarmupLR sets each step's learning rate; gradient clipping use
   }
 }
 
-namespace {
-// One rank whose collectives would read device memory: a CPU engine must refuse it.
-struct device_reading_rank final : mt::communicator_base {
-  int rank() const override { return 0; }
-  int size() const override { return 1; }
-  std::string name() const override { return "device-reading rank"; }
-  [[noreturn]] static std::unique_ptr<mt::request_base> unexpected() { throw std::logic_error("called"); }
-  std::unique_ptr<mt::request_base> iall_reduce(const void*, void*, std::uint64_t, mt::wire_dtype,
-                                                mpzero::comm::reduce_op) override {
-    unexpected();
-  }
-  std::unique_ptr<mt::request_base> ireduce_scatter_v(const void*, void*, std::span<const std::uint64_t>,
-                                                      mt::wire_dtype, mpzero::comm::reduce_op) override {
-    unexpected();
-  }
-  std::unique_ptr<mt::request_base> iall_gather_v(const void*, std::uint64_t, void*, std::span<const std::uint64_t>,
-                                                  mt::wire_dtype) override {
-    unexpected();
-  }
-  std::unique_ptr<mt::request_base> ibroadcast(void*, std::uint64_t, mt::wire_dtype, int) override { unexpected(); }
-  void barrier() override { unexpected(); }
-  bool reads_device_memory() const override { return true; }
-};
-}  // namespace
-
 TEST_CASE("torch: a configuration the engine cannot run is refused by name, leaving the model alone", "[torch]") {
   Net model(1);
   // What a failed initialize must leave as it was: each parameter's tensor, its storage,
@@ -1174,7 +1151,7 @@ TEST_CASE("torch: a configuration the engine cannot run is refused by name, leav
     bits.push_back(p.detach().view(torch::kInt32).clone());
   }
   // The core refuses the communicator: initialize fails after it has collected the parameters.
-  const mt::any_communicator device_comm(std::make_shared<device_reading_rank>());
+  const mt::any_communicator device_comm(std::make_shared<unused_communicator>("device-reading rank", 1, true));
   CHECK_THROWS_WITH(mt::initialize(model, make_config(1, "bf16", 1), device_comm),
                     Catch::Contains("the parameters are on the CPU, but the communicator 'device-reading rank' reads "
                                     "device memory"));

@@ -28,6 +28,8 @@
 #include <mpzero/torch/process_group.hpp>
 #include <mpzero/torch/zero_core.hpp>
 
+#include "support/unused_communicator.hpp"
+
 #include "../examples/gpt/precision_config.hpp"
 
 namespace mt = mpzero::torch;
@@ -544,30 +546,6 @@ TEST_CASE("torch: a CUDA configuration the engine cannot run names itself", "[to
   }
 }
 
-namespace {
-// A host communicator of two ranks that must never be called.
-struct two_host_ranks final : mt::communicator_base {
-  int rank() const override { return 0; }
-  int size() const override { return 2; }
-  std::string name() const override { return "two host ranks"; }
-  [[noreturn]] static std::unique_ptr<mt::request_base> unexpected() { throw std::logic_error("called"); }
-  std::unique_ptr<mt::request_base> iall_reduce(const void*, void*, std::uint64_t, mt::wire_dtype,
-                                                mpzero::comm::reduce_op) override {
-    unexpected();
-  }
-  std::unique_ptr<mt::request_base> ireduce_scatter_v(const void*, void*, std::span<const std::uint64_t>,
-                                                      mt::wire_dtype, mpzero::comm::reduce_op) override {
-    unexpected();
-  }
-  std::unique_ptr<mt::request_base> iall_gather_v(const void*, std::uint64_t, void*, std::span<const std::uint64_t>,
-                                                  mt::wire_dtype) override {
-    unexpected();
-  }
-  std::unique_ptr<mt::request_base> ibroadcast(void*, std::uint64_t, mt::wire_dtype, int) override { unexpected(); }
-  void barrier() override { unexpected(); }
-};
-}  // namespace
-
 TEST_CASE("torch: which communicators take device memory; CUDA cores refuse host ones of several ranks", "[torch]") {
   // The default (world size 1) and any wrapped host communicator move host memory; NCCL
   // orders itself on CUDA streams, which is what marks a device communicator.
@@ -607,7 +585,7 @@ TEST_CASE("torch: which communicators take device memory; CUDA cores refuse host
   s.stage = 2;
   s.device = mt::core_device::cuda;
   const std::uint64_t numels[] = {4};
-  mt::any_communicator two(std::make_shared<two_host_ranks>());
+  mt::any_communicator two(std::make_shared<mpzero::testing::unused_communicator>("two host ranks", 2, false));
   REQUIRE_THROWS_MATCHES(mt::make_zero_core(s, two, numels, {}, {}), mt::config_error,
                          Catch::Matchers::Predicate<mt::config_error>([](const mt::config_error& e) {
                            const std::string w = e.what();
