@@ -90,8 +90,8 @@ struct pair_fill_scalar {
 // ---- fp16 blocks --------------------------------------------------------------------
 //
 // fp16 <-> float in integer arithmetic (numeric/fp16.hpp) is the price of bit-identical
-// host and device results, and costs more than the whole AdamW update: it held
-// fp16_fp32_master to 0.83 Gelem/s against 1.8 for bf16_fp32_master. x86's F16C
+// host and device results, and costs more than the whole AdamW update (docs/perf.md,
+// "Host step: SIMD variants and build flags"). x86's F16C
 // instructions (vcvtph2ps, vcvtps2ph) convert exactly as IEEE says, subnormals
 // included; only NaN differs (they keep a payload; CUDA and numeric/fp16.hpp give the
 // canonical NaN), and a blend fixes that. So the vector loops convert a block's fp16
@@ -158,7 +158,7 @@ __attribute__((target("avx512f"))) inline void mul_low(const u64x8& a, const u64
 // Every lane x, lane by lane: `W{} + x` says the same, but where such a vector is
 // copied into an array (c1[u] below) GCC 12 warns -Wmaybe-uninitialized. In the round
 // loop the keys keep `W{} + x`: written lane by lane there, GCC 12 emits masked
-// broadcasts and the loop runs 2.7x slower.
+// broadcasts, which slow the loop several times over.
 template <class W>
 MPZERO_FORCEINLINE void splat(std::uint64_t x, W& out) {
   for (int l = 0; l < static_cast<int>(sizeof(W) / 8); ++l) out[l] = x;
@@ -513,7 +513,7 @@ struct step_kernel {
 // The step over one range in the widest variant, with the optimizer's mode
 // (optim::moded_rule) chosen once for the range: each mode's loop is a function of its
 // own, compiled and vectorized as a rule without modes is (inlined side by side into one
-// variant, adam_runtime's bf16_all_sr step ran 10% slower than adamw's).
+// variant they run slower: docs/perf.md, "Adam and AdamW in one instantiation").
 template <precision_policy Policy, optim::rule Optimizer>
 void step_range(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, std::uint32_t size,
                 const step_args<Optimizer>& a) {
@@ -555,7 +555,7 @@ namespace detail {
 // result is the same whatever the vector width (each accumulator is one lane, its
 // additions in element order) and, chunk partials being added in plan order, whatever
 // the thread count. Written with GCC vector types (plain loops over an accumulator
-// array stayed scalar: 0.6-1.3 Gelem/s on two cores, docs/perf.md) and compiled for
+// array stay scalar: docs/perf.md, "Host gradient statistics and accumulation") and compiled for
 // AVX2 / AVX-512 like the step; 16-bit gradients are widened to float a block at a
 // time first (fp16 with F16C where Half says so).
 using f64x8 = double __attribute__((vector_size(64)));
