@@ -481,7 +481,7 @@ class zero_core {
 
   void gather_updated_params() {
     if (s_.world == 1) return;
-    const comm::wire_dtype t = detail::grad_reducer::wire_of(s_.param_t());
+    const comm::wire_dtype t = detail::wire_of(s_.param_t());
     if (s_.stage() == 1 || s_.stage() == 2) {
       s_.be.before_comm(s_.comm);
       const std::vector<std::uint64_t> counts(static_cast<std::size_t>(s_.world), s_.layout.partition_numel());

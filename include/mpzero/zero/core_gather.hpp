@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "../error.hpp"
-#include "core_reducer.hpp"
 #include "core_state.hpp"
 
 namespace mpzero::detail {
@@ -87,7 +86,7 @@ class param_groups {
       const void* in = s_.params.at(own.empty() ? 0 : own.begin - s_.shard.begin);
       s_.be.before_comm(s_.comm);
       g.request.emplace(s_.comm.base().iall_gather_v(in, counts[static_cast<std::size_t>(s_.rank)], g.data.data(),
-                                                     counts, grad_reducer::wire_of(s_.param_t())));
+                                                     counts, wire_of(s_.param_t())));
     }
     groups_.emplace(key, std::move(g));
   }

@@ -317,25 +317,12 @@ class grad_reducer {
       s_.be.before_comm(s_.comm);
       typename in_flight::part p{run, {}, mine};
       p.request = comm::any_request(
-          s_.comm.base().ireduce_scatter_v(base, mine, counts, wire_dtype_of(run.wire), comm::reduce_op::sum));
+          s_.comm.base().ireduce_scatter_v(base, mine, counts, wire_of(run.wire), comm::reduce_op::sum));
       f.parts.push_back(std::move(p));
     }
     pending_.push_back(std::move(f));
   }
 
-  static comm::wire_dtype wire_dtype_of(dtype d) {
-    switch (d) {
-      case dtype::bf16: return comm::wire_dtype::bf16;
-      case dtype::fp16: return comm::wire_dtype::fp16;
-      case dtype::fp32: break;
-    }
-    return comm::wire_dtype::f32;
-  }
-
- public:
-  static comm::wire_dtype wire_of(dtype d) { return wire_dtype_of(d); }
-
- private:
   // Offload on a device backend at world size 1, a direct bucket: its staged gradients go
   // to the host partition as they are, with no reduction, through a download that holds
   // the staging buffer until retire_downloads. A bucket that got no gradient this pass
@@ -413,7 +400,7 @@ class grad_reducer {
   // Stages 0 and 1, a run in the gradient dtype: reduced in place.
   void reduce_in_place(flat_range r) {
     s_.be.before_comm(s_.comm);
-    const comm::wire_dtype t = wire_dtype_of(s_.grad_t());
+    const comm::wire_dtype t = wire_of(s_.grad_t());
     void* in = s_.grads.at(r.begin);
     if (s_.stage() == 0) {
       s_.comm.base().iall_reduce(in, in, r.size(), t, comm::reduce_op::sum)->wait();
@@ -435,7 +422,7 @@ class grad_reducer {
     auto make = [&](dtype t, std::uint64_t m) { return s_.device_scratch(t, m); };
     const int send = wire_[w].acquire(n, make);
     const int recv = s_.stage() == 1 ? wire_[w].acquire(n, make) : -1;
-    const comm::wire_dtype t = wire_dtype_of(w);
+    const comm::wire_dtype t = wire_of(w);
     for (std::uint64_t begin = run.begin; begin < run.end; begin += piece) {
       const flat_range r{begin, std::min(begin + piece, run.end)};
       void* sb = wire_[w].data(send);
@@ -455,13 +442,11 @@ class grad_reducer {
     if (recv >= 0) wire_[w].release(recv);
   }
 
- public:
   void drain() {
     while (!pending_.empty()) complete_oldest();
     retire_downloads(0);
   }
 
- private:
   // Adds the downloaded blocks to the host partition, oldest first (the order they were
   // reduced in, so sums are formed in the same order as without overlap): those whose
   // copies are done, and, waiting, as many more as leave at most `keep` in flight.

@@ -26,6 +26,16 @@ struct wire_run {
   dtype wire;
 };
 
+// The element type a communicator moves for a storage dtype.
+constexpr comm::wire_dtype wire_of(dtype d) noexcept {
+  switch (d) {
+    case dtype::bf16: return comm::wire_dtype::bf16;
+    case dtype::fp16: return comm::wire_dtype::fp16;
+    case dtype::fp32: break;
+  }
+  return comm::wire_dtype::f32;
+}
+
 // Bytes of one memory space (the backend's, or host memory) held by communication
 // buffers: now, and the most at any time.
 struct byte_meter {
