@@ -309,7 +309,18 @@ class zero_core {
   // this rank's shard, copied to the host.
   template <class Out>
   void read_master_shard(Out&& out) const {
-    for (const detail::host_piece& p : io_.download_shard()) emit(s_.master_is_param() ? p.params : p.master, p.range, out);
+    // One array, piece by piece: the master is the parameter storage where they are one
+    // (not offloaded), else its own buffer (always separate on the host with offload).
+    for (const flat_range& r : s_.shard_pieces()) {
+      const std::uint64_t at = r.begin - s_.shard.begin;
+      if (s_.offloaded()) {
+        emit(s_.host, s_.h_master.at(at), s_.master_t(), r, out);
+      } else if (s_.master_is_param()) {
+        emit(s_.be, s_.param_ptr(r.begin), s_.param_t(), r, out);
+      } else {
+        emit(s_.be, s_.master.at(at), s_.master_t(), r, out);
+      }
+    }
   }
   template <class Out>
   void read_state_shard(int which, Out&& out) const {
@@ -317,7 +328,11 @@ class zero_core {
       detail::throw_invalid("ZeroOptimizer::read_state_shard: state " + std::to_string(which) + " does not exist; " +
                     std::string(kernel_->optimizer_name()) + " has " + std::to_string(s_.n_states));
     }
-    for (const detail::host_piece& p : io_.download_shard()) emit(p.states[static_cast<std::size_t>(which)], p.range, out);
+    const auto k = static_cast<std::size_t>(which);
+    for (const flat_range& r : s_.shard_pieces()) {
+      const std::uint64_t at = r.begin - s_.shard.begin;
+      emit(s_.offloaded() ? s_.host : s_.be, (s_.offloaded() ? s_.h_states : s_.states)[k].at(at), s_.state_t(), r, out);
+    }
   }
 
   // ---- checkpoints ------------------------------------------------------------------
@@ -580,9 +595,12 @@ class zero_core {
   }
 
   template <class Out>
-  void emit(const raw_buffer& b, flat_range r, Out& out) const {
+  // Calls out(flat index, value) for the r.size() values of dtype t at p (memory of `from`).
+  void emit(backend_base& from, const void* p, dtype t, flat_range r, Out& out) const {
+    raw_buffer host = allocate_host(t, r.size(), pageable_host_allocator);
+    from.download(host.data(), p, host.bytes());
     std::vector<float> v(r.size());
-    s_.host.convert(v.data(), dtype::fp32, b.data(), b.type(), r.size());
+    s_.host.convert(v.data(), dtype::fp32, host.data(), t, r.size());
     for (std::uint64_t k = 0; k < r.size(); ++k) out(r.begin + k, v[k]);
   }
 

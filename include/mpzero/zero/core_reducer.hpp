@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <deque>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
