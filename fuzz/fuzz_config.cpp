@@ -16,6 +16,7 @@
 #include <typeinfo>
 
 #include <mpzero/torch/config.hpp>
+#include <nlohmann/json.hpp>
 
 extern const char* const mpzero_fuzz_target_name = "config";
 

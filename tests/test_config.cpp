@@ -4,6 +4,7 @@
 // Expected values are written out from DeepSpeed's documented defaults and rules (see
 // docs/config.md), not taken from the parser.
 #include <catch2/catch.hpp>
+#include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <filesystem>

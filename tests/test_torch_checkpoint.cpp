@@ -659,3 +659,155 @@ TEST_CASE("engine checkpoint: the mpzero_zero_to_fp32 tool writes files torch re
   WARN("no python3 with torch was found when this build was configured: Python's reading not checked");
 #endif
 }
+
+// ---- engine.save_16bit_model -------------------------------------------------------------
+
+namespace {
+
+// A safetensors file read from its definition: an 8-byte little-endian header size, a
+// JSON header {name: {dtype, shape, data_offsets}}, then the bytes.
+std::vector<std::pair<std::string, Tensor>> read_safetensors(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::uint64_t n = 0;
+  in.read(reinterpret_cast<char*>(&n), sizeof n);
+  std::string head(n, ' ');
+  in.read(head.data(), static_cast<std::streamsize>(n));
+  const std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto header = nlohmann::ordered_json::parse(head);
+  const std::map<std::string, at::ScalarType> types{
+      {"F32", ::torch::kFloat}, {"BF16", ::torch::kBFloat16}, {"F16", ::torch::kHalf}};
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& [name, v] : header.items()) {
+    if (name == "__metadata__") continue;
+    const auto begin = v["data_offsets"][0].get<std::size_t>(), end = v["data_offsets"][1].get<std::size_t>();
+    REQUIRE(end <= data.size());
+    Tensor t = ::torch::empty(v["shape"].get<std::vector<std::int64_t>>(), types.at(v["dtype"].get<std::string>()));
+    REQUIRE(static_cast<std::size_t>(t.nbytes()) == end - begin);
+    std::memcpy(t.data_ptr(), data.data() + begin, end - begin);
+    out.emplace_back(name, t);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, Tensor>> read_pt(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (const auto& item : ::torch::jit::pickle_load(bytes).toGenericDict()) {
+    out.emplace_back(item.key().toStringRef(), item.value().toTensor());
+  }
+  return out;
+}
+
+// The module's parameters then buffers, whole (ZeRO-3's partitioned parameters from an
+// engine at stage 0 trained alike: stages agree bit for bit).
+std::vector<std::pair<std::string, Tensor>> module_values(mt::engine<CkNet>& e) {
+  std::vector<std::pair<std::string, Tensor>> want;
+  for (const auto& p : e.module()->named_parameters()) want.emplace_back(p.key(), p.value().detach().cpu());
+  for (const auto& b : e.module()->named_buffers()) want.emplace_back(b.key(), b.value().detach().cpu());
+  return want;
+}
+
+json config_16bit(int stage, const std::string& prec) {
+  json c = config(stage, prec);
+  c["zero_optimization"]["stage3_param_persistence_threshold"] = 0;  // every parameter partitioned at stage 3
+  c["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = true;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("engine.save_16bit_model: the module's weights in their training dtype, at every stage", "[checkpoint]") {
+  const std::string prec = GENERATE(std::string("fp32"), std::string("bf16"), std::string("fp16"));
+  const int stage = GENERATE(0, 1, 2, 3);
+  const std::string name = GENERATE(std::string("pytorch_model.bin"), std::string("model.safetensors"));
+  INFO(prec << ", stage " << stage << ", " << name << ", world " << W());
+  shared_dir dir;
+  auto reference = mt::initialize(CkNet(7), config_16bit(0, prec), world());
+  train(reference, compute_dtype(prec), 0, 4);
+  const auto want = module_values(reference);
+  auto e = mt::initialize(CkNet(7), config_16bit(stage, prec), world());
+  train(e, compute_dtype(prec), 0, 4);
+  const std::size_t n = e.save_16bit_model((dir.path / "out").string(), name);
+  REQUIRE(n == want.size());
+  if (stage == 3) REQUIRE(e.gathered_numel() == 0);  // each gathered for the save alone, then released
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (R() == 0) {
+    const fs::path file = dir.path / "out" / name;
+    const auto got = name.ends_with(".safetensors") ? read_safetensors(file) : read_pt(file);
+    REQUIRE(got.size() == want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      INFO(want[i].first);
+      REQUIRE(got[i].first == want[i].first);  // the module's order
+      REQUIRE(same(got[i].second, want[i].second));
+    }
+    // The trainable weights are in the dtype the model trains in.
+    REQUIRE(got[0].second.scalar_type() == compute_dtype(prec));
+  }
+}
+
+TEST_CASE("engine.save_16bit_model: refusals name the fix and write nothing", "[checkpoint]") {
+  shared_dir dir;
+  json c = config(3, "bf16");
+  c["zero_optimization"]["stage3_param_persistence_threshold"] = 0;
+  auto e = mt::initialize(CkNet(7), c, world());
+  train(e, ::torch::kBFloat16, 0, 2);
+  const std::string out = (dir.path / "out").string();
+  REQUIRE_THAT(error_of([&] { e.save_16bit_model(out); }),
+               Catch::Contains("stage3_gather_16bit_weights_on_model_save is false, so nothing was saved") &&
+                   Catch::Contains("set it to true"));
+  REQUIRE_THAT(error_of([&] { e.save_16bit_model(out, "sub/model.bin"); }),
+               Catch::Contains("save_filename 'sub/model.bin' is not a file name"));
+  REQUIRE_THAT(error_of([&] { e.save_16bit_model(out, ""); }), Catch::Contains("save_filename '' is not a file name"));
+  MPI_Barrier(MPI_COMM_WORLD);
+  REQUIRE(!fs::exists(out));
+  // DeepSpeed's older spelling of the key is read too.
+  c["zero_optimization"]["stage3_gather_fp16_weights_on_model_save"] = true;
+  auto e2 = mt::initialize(CkNet(7), c, world());
+  REQUIRE(e2.save_16bit_model(out) == module_values(e2).size());
+  if (W() == 1) {
+    // A directory where the file would go: every rank learns it, and nothing else changes.
+    fs::create_directories(fs::path(out) / "taken.bin");
+    REQUIRE_THAT(error_of([&] { e2.save_16bit_model(out, "taken.bin"); }), Catch::Contains("taken.bin"));
+  }
+}
+
+TEST_CASE("engine.save_16bit_model: Python reads both formats", "[checkpoint]") {
+  if (W() != 1) return;  // one process runs Python (the np1 run)
+#if !defined(MPZERO_TEST_PYTHON) || !defined(MPZERO_TEST_SAFETENSORS)
+  WARN("no python3 with torch and safetensors was found when this build was configured: not checked");
+  return;
+#else
+  shared_dir dir;
+  auto e = mt::initialize(CkNet(7), config_16bit(3, "bf16"), world());
+  train(e, ::torch::kBFloat16, 0, 3);
+  e.save_16bit_model(dir.path.string());
+  e.save_16bit_model(dir.path.string(), "model.safetensors");
+  const std::string script =
+      "import sys, torch\n"
+      "from safetensors.torch import load_file\n"
+      "a = torch.load(sys.argv[1], weights_only=True)\n"
+      "b = load_file(sys.argv[2])\n"
+      "assert list(a) == list(b), (list(a), list(b))\n"
+      "for k, v in a.items():\n"
+      "    assert torch.equal(v, b[k]) and v.dtype == b[k].dtype, k\n"
+      "    print(k, str(v.dtype), repr(float(v.double().sum())))\n";
+  std::ofstream(dir.path / "read16.py") << script;
+  const auto [out, rc] = run_command(std::string(MPZERO_TEST_PYTHON) + " " + (dir.path / "read16.py").string() + " " +
+                                     (dir.path / "pytorch_model.bin").string() + " " +
+                                     (dir.path / "model.safetensors").string());
+  INFO(out);
+  REQUIRE(rc == 0);
+  std::istringstream lines(out);
+  auto got = parse_sums(lines);
+  auto reference = mt::initialize(CkNet(7), config_16bit(0, "bf16"), world());
+  train(reference, ::torch::kBFloat16, 0, 3);
+  const auto want = module_values(reference);
+  REQUIRE(got.size() == want.size());
+  for (const auto& [name, t] : want) {
+    INFO(name);
+    REQUIRE(got[name].first == std::string("torch.") + (t.scalar_type() == ::torch::kBFloat16 ? "bfloat16" : "float32"));
+    REQUIRE(got[name].second == t.to(::torch::kDouble).sum().item<double>());
+  }
+#endif
+}

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <cstddef>
 #include <iterator>
 #include <optional>
 #include <string>
@@ -73,14 +75,54 @@ inline std::string read_text(const std::string& who, const fs::path& path, const
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
+// A tensor of `shape` and `type` without data: it stands for a tensor in what the
+// streamed writers below describe, and their `fetch` supplies its values when they are
+// written. Its storage points at nothing that is ever read.
+inline at::Tensor placeholder(c10::IntArrayRef shape, at::ScalarType type) {
+  static std::max_align_t nothing{};
+  return at::from_blob(&nothing, shape, [](void*) {}, at::TensorOptions().dtype(type));
+}
+
+// Given a tensor of what is written (a placeholder or a real tensor), the tensor whose
+// values go to the file; called once per tensor, in file order, on every rank.
+using fetch_fn = std::function<at::Tensor(const at::Tensor&)>;
+inline at::Tensor as_is(const at::Tensor& t) { return t; }
+
+// A collective write: every rank calls it alike; `fetch` (which may gather, collectively)
+// runs on every rank for every tensor in the same order, and only where `writer` is
+// true do the bytes go to a new file at `path` (whole or absent, as write_atomically).
+// emit(put) writes the file through put(bytes, n); a file that cannot be written does
+// not stop the fetches (the other ranks' gathers still need this one's): the error is
+// thrown after them.
+template <class Emit, class FetchAll>
+void write_collectively(const fs::path& path, bool writer, Emit&& emit, FetchAll&& fetch_all) {
+  if (!writer) {
+    fetch_all();
+    return;
+  }
+  bool ran = false;
+  try {
+    checkpoint::write_atomically(path, [&](std::ofstream& out) {
+      ran = true;
+      // A failed stream ignores further writes; write_atomically reports it at the end.
+      emit([&](const void* bytes, std::size_t n) { out.write(static_cast<const char*>(bytes), static_cast<std::streamsize>(n)); });
+      return static_cast<bool>(out);
+    });
+  } catch (...) {
+    if (!ran) fetch_all();  // the file could not be opened
+    throw;
+  }
+}
+
 // `value` in the format torch.save writes (a zip of data.pkl and one record per tensor
-// storage), as a new file at `path` (checkpoint::write_atomically). The tensors' bytes go
-// from their storages straight to the file (a CUDA tensor through one host copy at a
-// time), so no serialized copy of them is held in memory. Dictionaries are plain, without
-// TorchScript's type tags (torch.jit._pickle.restore_type_tag), so Python's
-// torch.load(path, weights_only=True) reads the file as is; torch::pickle_load and
-// read_torch_file read it in C++.
-inline void write_torch_file(const fs::path& path, const c10::IValue& value) {
+// storage), collectively (write_collectively). The tensors' bytes go from their storages
+// straight to the file (a CUDA tensor through one host copy at a time), so no serialized
+// copy of them is held in memory; with placeholders and a gathering fetch, not even the
+// tensors. Dictionaries are plain, without TorchScript's type tags
+// (torch.jit._pickle.restore_type_tag), so Python's torch.load(path, weights_only=True)
+// reads the file as is; torch::pickle_load and read_torch_file read it in C++.
+inline void write_torch_file(const fs::path& path, const c10::IValue& value, bool writer = true,
+                             const fetch_fn& fetch = as_is) {
   std::string pickle;
   ::torch::jit::Pickler pickler([&](const char* bytes, std::size_t n) { pickle.append(bytes, n); },
                                 /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
@@ -88,27 +130,112 @@ inline void write_torch_file(const fs::path& path, const c10::IValue& value) {
   pickler.protocol();
   pickler.pushIValue(value);
   pickler.stop();
-  checkpoint::write_atomically(path, [&](std::ofstream& out) {
-    try {
-      caffe2::serialize::PyTorchStreamWriter zip([&](const void* bytes, std::size_t n) -> std::size_t {
-        return out.write(static_cast<const char*>(bytes), static_cast<std::streamsize>(n)) ? n : 0;
-      });
-      zip.writeRecord("data.pkl", pickle.data(), pickle.size());
-      const std::string order = std::endian::native == std::endian::little ? "little" : "big";
-      zip.writeRecord("byteorder", order.data(), order.size());  // as torch.save: the storages' byte order
-      // The pickler names the i-th storage it met "i"; torch.load finds it at data/i.
-      const std::vector<at::Tensor>& storages = pickler.tensorData();
-      for (std::size_t i = 0; i < storages.size(); ++i) {
-        const auto w = ::torch::jit::getWriteableTensorData(storages[i]);
-        zip.writeRecord("data/" + std::to_string(i), w.data(), w.sizeInBytes());
-      }
-      zip.writeEndOfFile();
-    } catch (const c10::Error&) {
-      if (!out) return false;  // the file system's refusal: write_atomically names it
-      throw;
+  // The pickler names the i-th storage it met "i"; torch.load finds it at data/i.
+  const std::vector<at::Tensor>& storages = pickler.tensorData();
+  const auto record = [&](std::size_t i, const auto& write) {
+    const at::Tensor& described = storages[i];
+    at::Tensor t = fetch(described);
+    if (t.is_same(described)) {
+      const auto w = ::torch::jit::getWriteableTensorData(t);
+      write(w.data(), w.sizeInBytes());
+      return;
     }
-    return static_cast<bool>(out);
-  });
+    t = t.to(at::kCPU).contiguous();
+    if (t.nbytes() != described.storage().nbytes()) {
+      fail("write_torch_file: tensor " + std::to_string(i) + " has " + std::to_string(t.nbytes()) +
+           " bytes where the file describes " + std::to_string(described.storage().nbytes()));
+    }
+    write(t.data_ptr(), t.nbytes());
+  };
+  write_collectively(
+      path, writer,
+      [&](const auto& put) {
+        caffe2::serialize::PyTorchStreamWriter zip([&](const void* bytes, std::size_t n) -> std::size_t {
+          put(bytes, n);
+          return n;
+        });
+        zip.writeRecord("data.pkl", pickle.data(), pickle.size());
+        const std::string order = std::endian::native == std::endian::little ? "little" : "big";
+        zip.writeRecord("byteorder", order.data(), order.size());  // as torch.save: the storages' byte order
+        for (std::size_t i = 0; i < storages.size(); ++i) {
+          record(i, [&](const void* data, std::size_t n) { zip.writeRecord("data/" + std::to_string(i), data, n); });
+        }
+        zip.writeEndOfFile();
+      },
+      [&] {
+        for (const at::Tensor& t : storages) (void)fetch(t);
+      });
+}
+
+// safetensors' name of a dtype; nullptr for one it has no name for.
+inline const char* safetensors_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "F32";
+    case at::kDouble: return "F64";
+    case at::kBFloat16: return "BF16";
+    case at::kHalf: return "F16";
+    case at::kLong: return "I64";
+    case at::kInt: return "I32";
+    case at::kShort: return "I16";
+    case at::kChar: return "I8";
+    case at::kByte: return "U8";
+    case at::kBool: return "BOOL";
+    case at::kUInt16: return "U16";
+    case at::kUInt32: return "U32";
+    case at::kUInt64: return "U64";
+    default: return nullptr;
+  }
+}
+
+// The safetensors format (huggingface/safetensors), collectively (write_collectively): an
+// 8-byte little-endian header size, a JSON header {name: {dtype, shape, data_offsets:
+// [begin, end)}, "__metadata__": {...}} padded with spaces to a multiple of 8 bytes, then
+// the tensors' bytes, in order, little-endian, with no gaps. The tensors of `described`
+// may be placeholders: only their names, shapes and dtypes are read before fetch.
+inline void write_safetensors(const fs::path& path, const std::vector<std::pair<std::string, at::Tensor>>& described,
+                              const nlohmann::ordered_json& metadata, bool writer = true,
+                              const fetch_fn& fetch = as_is) {
+  if constexpr (std::endian::native != std::endian::little) {
+    fail("safetensors files are little-endian and this machine is not; write a .pt file instead");
+  }
+  nlohmann::ordered_json header;
+  header["__metadata__"] = metadata;
+  std::uint64_t offset = 0;
+  for (const auto& [name, t] : described) {
+    const char* dt = safetensors_dtype(t.scalar_type());
+    if (dt == nullptr) {
+      fail("'" + name + "' has dtype " + std::string(c10::toString(t.scalar_type())) +
+           ", which this safetensors writer does not support; write a .pt file instead");
+    }
+    const std::uint64_t bytes = static_cast<std::uint64_t>(t.numel()) * t.element_size();
+    header[name] = {{"dtype", dt}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  const std::uint64_t n = text.size();
+  // Any device and layout: one tensor at a time goes through a contiguous host copy
+  // when it is not one already.
+  const auto values = [&](const auto& put) {
+    for (const auto& [name, t] : described) {
+      const at::Tensor host = fetch(t).to(at::kCPU).contiguous();
+      if (host.nbytes() != t.nbytes()) {
+        fail("write_safetensors: '" + name + "' has " + std::to_string(host.nbytes()) + " bytes where the header says " +
+             std::to_string(t.nbytes()));
+      }
+      put(host.data_ptr(), host.nbytes());
+    }
+  };
+  write_collectively(
+      path, writer,
+      [&](const auto& put) {
+        put(&n, sizeof n);
+        put(text.data(), text.size());
+        values(put);
+      },
+      [&] {
+        for (const auto& item : described) (void)fetch(item.second);
+      });
 }
 
 // What write_torch_file (or torch::pickle_save, or torch.save of plain containers) wrote

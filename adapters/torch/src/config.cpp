@@ -6,6 +6,8 @@
 // difference is listed there. Errors are config_error with the full key path.
 #include <mpzero/torch/config.hpp>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -635,7 +637,9 @@ void parse_zero(const json& j, config& c) {
   check_keys(j, p,
              {"stage", "offload_optimizer", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "sub_group_size",
               "contiguous_gradients", "reduce_scatter", "stage3_param_persistence_threshold",
-              "stage3_prefetch_bucket_size", "leaf_module", "param_persistence_threshold", "prefetch_bucket_size"},
+              "stage3_prefetch_bucket_size", "leaf_module", "param_persistence_threshold", "prefetch_bucket_size",
+              "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+              "stage3_gather_fp16_weights_on_model_save"},
              {{"offload_param", nullptr, "parameters stay on the device (offload_optimizer offloads the optimizer)",
                "device", "\"none\""},
               {.name = "cpu_offload",
@@ -658,9 +662,6 @@ void parse_zero(const json& j, config& c) {
               {"max_reuse_distance", "*", "a DeepSpeed prefetch knob"},
               {"stage3_model_persistence_threshold", "*", "a DeepSpeed prefetch knob"},
               {"model_persistence_threshold", "*", "a DeepSpeed prefetch knob"},
-              {"stage3_gather_16bit_weights_on_model_save", "*", "saving is done in code"},
-              {"gather_16bit_weights_on_model_save", "*", "saving is done in code"},
-              {"stage3_gather_fp16_weights_on_model_save", "*", "saving is done in code"},
               {"stage3_module_granularity_threshold", "*", "a DeepSpeed stage-3 fetch-grouping knob"},
               {"module_granularity_threshold", "*", "a DeepSpeed stage-3 fetch-grouping knob"},
               {"stage3_use_all_reduce_for_fetch_params", "*", "how DeepSpeed's stage 3 fetches parameters"},
@@ -702,7 +703,10 @@ void parse_zero(const json& j, config& c) {
   // DeepSpeed accepts each stage-3 key under its field name too (pydantic aliases).
   for (auto [name, alias] : {std::pair<std::string_view, std::string_view>{"stage3_param_persistence_threshold",
                                                                             "param_persistence_threshold"},
-                             {"stage3_prefetch_bucket_size", "prefetch_bucket_size"}}) {
+                             {"stage3_prefetch_bucket_size", "prefetch_bucket_size"},
+                             {"stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"},
+                             {"stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"},
+                             {"gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"}}) {
     if (r.has(name) && r.has(alias)) {
       fail("'zero_optimization." + std::string(name) + "' and its alias 'zero_optimization." + std::string(alias) +
            "' are both given; keep one");
@@ -714,6 +718,11 @@ void parse_zero(const json& j, config& c) {
   const bool alias2 = r.has("prefetch_bucket_size");
   c.zero.stage3_prefetch_bucket_size =
       r.unsigned_integer(alias2 ? "prefetch_bucket_size" : "stage3_prefetch_bucket_size", 50'000'000, 0);
+  // DeepSpeed's older spelling (stage3_gather_fp16_weights_on_model_save) means the same.
+  const char* gather16 = "stage3_gather_16bit_weights_on_model_save";
+  if (r.has("gather_16bit_weights_on_model_save")) gather16 = "gather_16bit_weights_on_model_save";
+  if (r.has("stage3_gather_fp16_weights_on_model_save")) gather16 = "stage3_gather_fp16_weights_on_model_save";
+  c.zero.stage3_gather_16bit_weights_on_model_save = r.boolean(gather16, false);
   if (const json* o = r.object("leaf_module")) parse_leaf_module(*o, c);
 }
 
@@ -1249,6 +1258,7 @@ json to_json(const config& c) {
       {"reduce_scatter", z.reduce_scatter},
       {"stage3_param_persistence_threshold", z.stage3_param_persistence_threshold},
       {"stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size},
+      {"stage3_gather_16bit_weights_on_model_save", z.stage3_gather_16bit_weights_on_model_save},
       {"leaf_module",
        {{"classes", z.leaf_module_classes}, {"names", z.leaf_module_names}, {"name_suffixes", z.leaf_module_name_suffixes}}}};
   if (z.sub_group_size) j["zero_optimization"]["sub_group_size"] = *z.sub_group_size;

@@ -93,7 +93,7 @@ std::atomic<int>& scaled_task() {
 // member of the current GraphTask (its exec_info_), whose layout the installed headers
 // describe; the result is trusted only if the task id read through it matches the
 // exported id. Otherwise the engine falls back to "an outer backward of this engine is
-// still open" (see engine_state::acquire).
+// still open" (see backward_tracker::acquire).
 int current_reentrant_depth() {
   const auto* info = ag::get_current_graph_task_exec_info();
   if (info == nullptr) return -1;
@@ -237,11 +237,89 @@ class engine_checkpoints {
   void save(const std::string& save_dir, const std::string& tag, const nlohmann::json& client_state, bool save_latest);
   std::optional<engine_base::loaded_checkpoint> load(const std::string& load_dir, const std::string& tag,
                                                      bool module_only);
+  std::size_t save_16bit(const std::string& save_dir, const std::string& filename);
 
  private:
   nlohmann::json engine_json(const std::string& tag, const nlohmann::json& client_state, std::uint64_t save_id) const;
-  // whole[i]: managed parameter i's values where its tensor is partitioned (ZeRO-3).
-  c10::IValue module_states(std::uint64_t save_id, const std::vector<::torch::Tensor>& whole) const;
+  // The module's parameters, then its buffers, by name, each as a placeholder that
+  // fetch() turns into its values (detail::write_torch_file), so that a save holds one
+  // tensor at a time: at ZeRO-3 a partitioned parameter is gathered for it, then released.
+  std::vector<std::pair<std::string, at::Tensor>> module_tensors();
+  c10::IValue module_states(std::uint64_t save_id);
+  // Collective: every rank fetches every tensor in file order; rank 0 gets the values
+  // (on the CPU), the others an undefined tensor.
+  at::Tensor fetch(const at::Tensor& placeholder);
+
+  struct source {
+    at::Tensor tensor;     // what the module holds
+    std::ptrdiff_t managed;  // its index among the managed parameters, or -1
+  };
+  std::unordered_map<const c10::StorageImpl*, source> sources_;  // by placeholder, during a save
+
+  engine_state& e_;
+};
+
+// Backward-pass tracking: which graph tasks make up one backward pass as this engine
+// sees it, whether it was scaled (fp16), and when its epilogue runs (reducing the last
+// buckets). Parameter hooks, output hooks and engine.scale()'s root call in here. One
+// part of engine_state, which owns it: it reads the engine's core, names and streams.
+class backward_tracker {
+ public:
+  explicit backward_tracker(engine_state& e) : e_(e) {}
+
+  enum class event { scale_root, output, param };
+
+  // The pass of the current graph task; nullptr for an output or scale-root event in a
+  // graph task that opens none (see acquire).
+  pass* acquire(event e);
+  void on_param_grad(std::size_t i, const ::torch::Tensor& param);
+  void on_output() { (void)acquire(event::output); }
+  void on_scale_root();
+  void on_callback(const std::shared_ptr<pass>& p);
+  void epilogue();
+  // Passes without a live callback (started in forward or nested only) end at the next step.
+  void drop_stale_passes() {
+    retire_if([](const pass& q) { return !q.has_callback || q.alive.expired(); });
+  }
+  ::torch::Tensor backward(const ::torch::Tensor& loss, bool retain_graph, bool scale_wrt_gas);
+  ::torch::Tensor scale(const ::torch::Tensor& loss);
+
+  int forward_depth_ = 0;      // engine forwards running (nested ones counted)
+  std::uint64_t epilogues_ = 0;
+  std::uint64_t lookups_ = 0;  // acquire() calls past the one-entry cache
+
+ private:
+  // Ends the open passes `pred` selects: done, their graph tasks forgotten. (Open and
+  // not done are the same thing: a pass leaves open_ only here.)
+  template <class Pred>
+  void retire_if(Pred pred) {
+    open_.erase(std::remove_if(open_.begin(), open_.end(),
+                               [&](const std::shared_ptr<pass>& q) {
+                                 if (!pred(*q)) return false;
+                                 q->done = true;
+                                 for (int t : q->tasks) passes_.erase(t);
+                                 return true;
+                               }),
+                open_.end());
+    cache_task_ = std::numeric_limits<int>::min();
+    cache_ = nullptr;
+  }
+  void close(pass& p) {
+    retire_if([&](const pass& q) { return &q == &p; });
+  }
+
+  std::unordered_map<int, std::shared_ptr<pass>> passes_;  // graph task id -> pass
+  std::vector<std::shared_ptr<pass>> open_;                // passes not yet ended
+  int cache_task_ = std::numeric_limits<int>::min();       // the last lookup, for O(1) hooks
+  pass* cache_ = nullptr;
+  int own_scaled_task_ = std::numeric_limits<int>::min();  // the graph task this engine's scale() root last ran in
+  struct direct_backward {
+    bool scale_wrt_gas;
+  };
+  std::optional<direct_backward> pending_;  // engine.backward is running
+  std::shared_ptr<pass> manual_;            // the pass engine.backward started
+  // The last tensor scale() returned (fp16), so that engine.backward refuses it.
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> last_scaled_;
 
   engine_state& e_;
 };
@@ -290,55 +368,10 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   // stream there.
   static core_place agreement_place(const any_communicator& comm, const engine_state* st);
 
-  // ---- hooks ----------------------------------------------------------------------
-  enum class event { scale_root, output, param };
-
-  // The pass of the current graph task; nullptr for an output or scale-root event in a
-  // graph task that opens none (see acquire).
-  pass* acquire(event e);
-  void on_param_grad(std::size_t i, const ::torch::Tensor& param);
-  void on_output() { (void)acquire(event::output); }
-  void on_scale_root() {
-    own_scaled_task_ = scaled_task() = ag::get_current_graph_task_id();
-    (void)acquire(event::scale_root);
-  }
-  void on_callback(const std::shared_ptr<pass>& p);
-  void epilogue() {
-    core_waits();
-    core_->end_backward();
-    ++epilogues_;
-    z3_.release_backward_units();
-    z3_.drop_prefetches();
-  }
-  // Ends the open passes `pred` selects: done, their graph tasks forgotten. (Open and
-  // not done are the same thing: a pass leaves open_ only here.)
-  template <class Pred>
-  void retire_if(Pred pred) {
-    open_.erase(std::remove_if(open_.begin(), open_.end(),
-                               [&](const std::shared_ptr<pass>& q) {
-                                 if (!pred(*q)) return false;
-                                 q->done = true;
-                                 for (int t : q->tasks) passes_.erase(t);
-                                 return true;
-                               }),
-                open_.end());
-    cache_task_ = std::numeric_limits<int>::min();
-    cache_ = nullptr;
-  }
-  void close(pass& p) {
-    retire_if([&](const pass& q) { return &q == &p; });
-  }
-  // Passes without a live callback (started in forward or nested only) end at the next step.
-  void drop_stale_passes() {
-    retire_if([](const pass& q) { return !q.has_callback || q.alive.expired(); });
-  }
-
   // ---- API ------------------------------------------------------------------------
-  ::torch::Tensor backward(const ::torch::Tensor& loss, bool retain_graph, bool scale_wrt_gas);
-  ::torch::Tensor scale(const ::torch::Tensor& loss);
   void step();
   void zero_grad() {
-    drop_stale_passes();
+    bw_.drop_stale_passes();
     core_->zero_grad();
     for (auto& p : params_) p.mutable_grad().reset();
   }
@@ -417,6 +450,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::vector<std::vector<std::int64_t>> shapes_;  // per managed parameter (its tensor is empty while partitioned)
   zero3_gatherer z3_{*this};
   engine_checkpoints checkpoints_{*this};
+  backward_tracker bw_{*this};
 
   mpzero::torch::config cfg_;
   any_communicator comm_;
@@ -437,25 +471,8 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   c10::Device device_ = c10::Device(c10::kCPU);  // where the managed parameters live
   std::optional<c10::Stream> core_stream_;       // a CUDA core's stream
   bool needs_scaling_ = false;
-  // The last tensor scale() returned (fp16), so that engine.backward refuses it.
-  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> last_scaled_;
   float inv_gas_ = 1.0f;
   at::ScalarType param_type_ = at::kFloat;
-
-  // Backward bookkeeping.
-  std::unordered_map<int, std::shared_ptr<pass>> passes_;  // graph task id -> pass
-  std::vector<std::shared_ptr<pass>> open_;                // passes not yet ended
-  int cache_task_ = std::numeric_limits<int>::min();       // the last lookup, for O(1) hooks
-  pass* cache_ = nullptr;
-  int own_scaled_task_ = std::numeric_limits<int>::min();  // the graph task this engine's scale() root last ran in
-  int forward_depth_ = 0;
-  struct direct_backward {
-    bool scale_wrt_gas;
-  };
-  std::optional<direct_backward> pending_;  // engine.backward is running
-  std::shared_ptr<pass> manual_;            // the pass engine.backward started
-  std::uint64_t epilogues_ = 0;
-  std::uint64_t lookups_ = 0;  // acquire() calls past the one-entry cache
 
   // Steps.
   std::uint64_t micro_steps_ = 0, global_steps_ = 0, skipped_steps_ = 0, scheduler_steps_ = 0;
@@ -474,7 +491,7 @@ struct grad_hook final : ag::PostAccumulateGradHook {
   std::unique_ptr<ag::PostAccumulateGradHook> prev;
   void operator()(const ag::Variable& v) override {
     if (prev) (*prev)(v);
-    if (auto s = st.lock()) s->on_param_grad(index, v);
+    if (auto s = st.lock()) s->bw_.on_param_grad(index, v);
   }
 };
 
@@ -1110,13 +1127,13 @@ void engine_state::start() {
   join_core();  // the forward reads what load_param wrote on the core's stream
 }
 
-pass* engine_state::acquire(event e) {
+pass* backward_tracker::acquire(event e) {
   const int task = ag::get_current_graph_task_id();
   if (task == cache_task_ && cache_ != nullptr) {
     if (e == event::scale_root) cache_->scaled = true;
     return cache_;
   }
-  z3_.rethrow_deferred();  // a backward's first event (a new graph task) reports it, not every hook
+  e_.z3_.rethrow_deferred();  // a backward's first event (a new graph task) reports it, not every hook
   ++lookups_;
   if (auto it = passes_.find(task); it != passes_.end()) {
     cache_task_ = task;
@@ -1167,7 +1184,7 @@ pass* engine_state::acquire(event e) {
   // The epilogue belongs to the outermost user backward: not to a nested one, nor to a
   // backward run inside forward (that one's gradients join the next pass).
   if (!p->has_callback && !nested && forward_depth_ == 0) {
-    if (needs_scaling_ && !p->scaled) {
+    if (e_.needs_scaling_ && !p->scaled) {
       close(*p);
       if (scaled_task() == task) {
         throw mpzero::error(
@@ -1187,8 +1204,8 @@ pass* engine_state::acquire(event e) {
     p->alive = token;
     p->has_callback = true;
     ag::Engine::get_default_engine().queue_callback(
-        [w = weak_from_this(), p, token] {
-          if (auto s = w.lock()) s->on_callback(p);
+        [w = e_.weak_from_this(), p, token] {
+          if (auto s = w.lock()) s->bw_.on_callback(p);
         });
   }
   passes_[task] = p;
@@ -1197,17 +1214,17 @@ pass* engine_state::acquire(event e) {
   return p.get();
 }
 
-void engine_state::on_callback(const std::shared_ptr<pass>& p) {
+void backward_tracker::on_callback(const std::shared_ptr<pass>& p) {
   if (p->done) return;
   close(*p);
   if (!p->manual) epilogue();  // engine.backward runs it itself once backward returns
 }
 
-void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
+void backward_tracker::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
   const pass& p = *acquire(event::param);  // never nullptr for a parameter
   ::torch::Tensor g = param.grad();
   if (!g.defined()) return;
-  if (g.is_sparse()) fail("parameter '" + names_[i] + "' got a sparse gradient; the engine supports dense gradients only");
+  if (g.is_sparse()) fail("parameter '" + e_.names_[i] + "' got a sparse gradient; the engine supports dense gradients only");
   auto t = dtype_of(g.scalar_type());
   if (!t) {
     g = g.to(at::kFloat);
@@ -1215,14 +1232,14 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
   }
   g = g.contiguous();
   // Produced on another stream: the caching allocator must not reuse g before the core has read it.
-  if (core_waits()) g.record_stream(*core_stream_);
-  core_->accumulate_grad(i, g.data_ptr(), *t, p.scale_wrt_gas ? inv_gas_ : 1.0f);
+  if (e_.core_waits()) g.record_stream(*e_.core_stream_);
+  e_.core_->accumulate_grad(i, g.data_ptr(), *t, p.scale_wrt_gas ? e_.inv_gas_ : 1.0f);
   // The core holds the gradient now; release autograd's copy.
   param.mutable_grad().reset();
 }
 
-::torch::Tensor engine_state::backward(const ::torch::Tensor& loss, bool retain_graph, bool scale_wrt_gas) {
-  z3_.rethrow_deferred();
+::torch::Tensor backward_tracker::backward(const ::torch::Tensor& loss, bool retain_graph, bool scale_wrt_gas) {
+  e_.z3_.rethrow_deferred();
   if (!loss.defined() || loss.numel() != 1) {
     fail("engine.backward: the loss has shape " + (loss.defined() ? shape_of(loss.sizes()) : std::string("(undefined)")) +
          "; it takes a scalar (one-element) loss. For a non-scalar output call out.backward(grad) directly (bf16, fp32), "
@@ -1232,13 +1249,13 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
     fail("engine.backward: the loss does not require grad (no graph to run backward on); compute it from the "
          "engine's forward outside torch::NoGradGuard");
   }
-  if (needs_scaling_ && last_scaled_ && last_scaled_->lock().get() == loss.unsafeGetTensorImpl()) {
+  if (e_.needs_scaling_ && last_scaled_ && last_scaled_->lock().get() == loss.unsafeGetTensorImpl()) {
     fail("engine.backward: the loss is engine.scale()'s result, and engine.backward scales the loss itself, so "
          "its gradients would be scaled twice; pass the unscaled loss: engine.backward(loss), or call "
          "engine.scale(loss).backward()");
   }
-  ::torch::Tensor root = needs_scaling_ ? loss.to(at::kFloat) * core_->loss_scale() : loss;
-  if (needs_scaling_) {  // for another engine's message when this backward reaches it unscaled
+  ::torch::Tensor root = e_.needs_scaling_ ? loss.to(at::kFloat) * e_.core_->loss_scale() : loss;
+  if (e_.needs_scaling_) {  // for another engine's message when this backward reaches it unscaled
     root.register_hook([](const ::torch::Tensor&) { scaled_task() = ag::get_current_graph_task_id(); });
   }
   pending_ = direct_backward{scale_wrt_gas};
@@ -1257,31 +1274,44 @@ void engine_state::on_param_grad(std::size_t i, const ::torch::Tensor& param) {
     epilogue();
   }
   ::torch::NoGradGuard ng;
-  return scale_wrt_gas ? loss.detach() / static_cast<double>(cfg_.gradient_accumulation_steps) : loss.detach();
+  return scale_wrt_gas ? loss.detach() / static_cast<double>(e_.cfg_.gradient_accumulation_steps) : loss.detach();
 }
 
-::torch::Tensor engine_state::scale(const ::torch::Tensor& loss) {
+::torch::Tensor backward_tracker::scale(const ::torch::Tensor& loss) {
   if (!loss.defined() || loss.numel() != 1) {
     fail("engine.scale: the loss has shape " + (loss.defined() ? shape_of(loss.sizes()) : std::string("(undefined)")) +
          "; scale() takes a scalar (one-element) loss, as the loss scale applies to the loss. For a non-scalar "
          "output out with gradient grad, scale the loss whose gradients those are: "
          "engine.scale((out * grad).sum()).backward(), or engine.backward((out * grad).sum())");
   }
-  if (!needs_scaling_) return loss;
+  if (!e_.needs_scaling_) return loss;
   if (!loss.requires_grad()) fail("engine.scale: the loss does not require grad; there is no backward to scale");
-  ::torch::Tensor scaled = loss.to(at::kFloat) * core_->loss_scale();
+  ::torch::Tensor scaled = loss.to(at::kFloat) * e_.core_->loss_scale();
   last_scaled_.emplace(scaled.getIntrusivePtr());
   // Marks the backward that starts here as scaled: the hook fires first, at the root.
-  scaled.register_hook([w = weak_from_this()](const ::torch::Tensor&) {
-    if (auto s = w.lock()) s->on_scale_root();
+  scaled.register_hook([w = e_.weak_from_this()](const ::torch::Tensor&) {
+    if (auto s = w.lock()) s->bw_.on_scale_root();
   });
   return scaled;
+}
+
+void backward_tracker::on_scale_root() {
+  own_scaled_task_ = scaled_task() = ag::get_current_graph_task_id();
+  (void)acquire(event::scale_root);
+}
+
+void backward_tracker::epilogue() {
+  e_.core_waits();
+  e_.core_->end_backward();
+  ++epilogues_;
+  e_.z3_.release_backward_units();
+  e_.z3_.drop_prefetches();
 }
 
 void engine_state::step() {
   z3_.rethrow_deferred();
   if (is_boundary()) {
-    drop_stale_passes();
+    bw_.drop_stale_passes();
     z3_.release_all();  // ZeRO-3: the step rewrites the partitions the gathered copies came from
     core_->set_lr(next_lr());
     core_waits();
@@ -1337,22 +1367,95 @@ nlohmann::json engine_checkpoints::engine_json(const std::string& tag, const nlo
 
 // The module's parameters and buffers as DeepSpeed's model_states file holds them:
 // {"module": {name: tensor}, "global_steps": N}, and the save id that ties it to its shards.
-c10::IValue engine_checkpoints::module_states(std::uint64_t save_id, const std::vector<::torch::Tensor>& whole) const {
-  c10::Dict<std::string, at::Tensor> state;
+std::vector<std::pair<std::string, at::Tensor>> engine_checkpoints::module_tensors() {
+  sources_.clear();
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  const auto add = [&](const std::string& name, const at::Tensor& t, std::ptrdiff_t managed) {
+    const auto shape = managed >= 0 ? c10::IntArrayRef(e_.shapes_[static_cast<std::size_t>(managed)]) : t.sizes();
+    at::Tensor ph = detail::placeholder(shape, t.scalar_type());
+    sources_.emplace(ph.storage().unsafeGetStorageImpl(), source{t, managed});
+    out.emplace_back(name, std::move(ph));
+  };
   for (const auto& item : e_.module_->named_parameters(/*recurse=*/true)) {
     const auto managed = e_.index_.find(item.value().unsafeGetTensorImpl());
-    if (managed != e_.index_.end() && whole[managed->second].defined()) {
-      state.insert(item.key(), whole[managed->second]);  // ZeRO-3: gathered for the save
-    } else {
-      state.insert(item.key(), item.value().detach().cpu());
-    }
+    add(item.key(), item.value(),
+        managed != e_.index_.end() ? static_cast<std::ptrdiff_t>(managed->second) : std::ptrdiff_t{-1});
   }
-  for (const auto& item : e_.module_->named_buffers(/*recurse=*/true)) state.insert(item.key(), item.value().detach().cpu());
+  for (const auto& item : e_.module_->named_buffers(/*recurse=*/true)) add(item.key(), item.value(), -1);
+  return out;
+}
+
+at::Tensor engine_checkpoints::fetch(const at::Tensor& placeholder) {
+  const source& src = sources_.at(placeholder.storage().unsafeGetStorageImpl());
+  const bool writer = e_.comm_.rank() == 0;
+  const auto copy = [&] { return src.tensor.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true); };
+  if (src.managed < 0 || !e_.core_->partitioned(static_cast<std::size_t>(src.managed))) {
+    return writer ? copy() : at::Tensor();
+  }
+  // ZeRO-3: gathered for this tensor only (collective), then released.
+  const std::vector<std::size_t> one{static_cast<std::size_t>(src.managed)};
+  e_.z3_.hold(one);
+  at::Tensor values;
+  try {
+    if (writer) values = copy();
+  } catch (...) {
+    e_.z3_.unhold(one);
+    throw;
+  }
+  e_.z3_.unhold(one);
+  return values;
+}
+
+c10::IValue engine_checkpoints::module_states(std::uint64_t save_id) {
+  c10::Dict<std::string, at::Tensor> state;
+  for (auto& [name, t] : module_tensors()) state.insert(name, t);
   c10::impl::GenericDict top(c10::StringType::get(), c10::AnyType::get());
   top.insert("module", state);
   top.insert("global_steps", static_cast<std::int64_t>(e_.global_steps_));
   top.insert("mpzero_save_id", static_cast<std::int64_t>(save_id));  // < 2^52
   return top;
+}
+
+std::size_t engine_checkpoints::save_16bit(const std::string& save_dir, const std::string& filename) {
+  e_.same_on_every_rank("save_16bit_model", "arguments", filename, "save_filename '" + filename + "'");
+  if (filename.empty() || fs::path(filename).filename() != fs::path(filename)) {
+    fail("engine.save_16bit_model: save_filename '" + filename +
+         "' is not a file name; pass a name without directories (e.g. \"pytorch_model.bin\" or "
+         "\"model.safetensors\") and the directory as save_dir");
+  }
+  if (e_.zero3_ && !e_.cfg_.zero.stage3_gather_16bit_weights_on_model_save) {
+    fail("engine.save_16bit_model: at ZeRO stage 3 the parameters are partitioned and "
+         "zero_optimization.stage3_gather_16bit_weights_on_model_save is false, so nothing was saved; set it to true "
+         "(each parameter is then gathered for the save alone, so no rank holds the whole model), or save a "
+         "checkpoint and export it with mpzero_zero_to_fp32");
+  }
+  const fs::path path = fs::path(save_dir) / filename;
+  e_.agree("save_16bit_model", "nothing was saved", [&] {
+    std::error_code ec;
+    fs::create_directories(path.parent_path(), ec);
+    if (ec) {
+      fail("engine.save_16bit_model: cannot create " + quoted(path.parent_path()) + " (" + ec.message() +
+           "); pass a save_dir that is writable");
+    }
+  });
+  e_.core_waits();
+  e_.join_core();  // the parameters as the last step left them
+  const bool writer = e_.comm_.rank() == 0;
+  const auto fetch_one = [this](const at::Tensor& t) { return fetch(t); };
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  e_.agree("save_16bit_model", "nothing was saved", [&] {
+    tensors = module_tensors();
+    if (path.extension() == ".safetensors") {
+      detail::write_safetensors(path, tensors, {{"format", "pt"}, {"source", "mpzero save_16bit_model"}}, writer,
+                                fetch_one);
+    } else {
+      c10::Dict<std::string, at::Tensor> dict;
+      for (const auto& [name, t] : tensors) dict.insert(name, t);
+      detail::write_torch_file(path, dict, writer, fetch_one);
+    }
+  });
+  sources_.clear();
+  return tensors.size();
 }
 
 void engine_checkpoints::save(const std::string& save_dir, const std::string& tag_arg,
@@ -1377,19 +1480,14 @@ void engine_checkpoints::save(const std::string& save_dir, const std::string& ta
   // The shards first, then the files that name their save id: a load refuses engine files
   // of another save than the shards beside them.
   const std::uint64_t id = e_.core_->save_checkpoint(dir.string());
-  // ZeRO-3: model_states.pt holds whole parameters, so every rank gathers them for it
-  // (DeepSpeed's stage3_gather_16bit_weights_on_model_save), one at a time.
-  std::vector<::torch::Tensor> whole(e_.params_.size());  // rank 0: the partitioned parameters' values
-  for (std::size_t i : e_.z3_.partitioned_params(/*unclaimed_only=*/false)) {
-    e_.z3_.hold({i});
-    if (e_.comm_.rank() == 0) whole[i] = e_.params_[i].detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
-    e_.z3_.unhold({i});
-  }
+  // model_states.pt holds whole parameters: at ZeRO-3 every rank gathers them for it, one
+  // at a time, while rank 0 writes (fetch).
   e_.agree("save_checkpoint", "the shard files were written, but the checkpoint is incomplete", [&] {
-    if (e_.comm_.rank() == 0) {
-      detail::write_torch_file(dir / "model_states.pt", module_states(id, whole));
-      write_atomically(dir / "mpzero_engine.json", engine_json(tag, client_state, id).dump(2));
-    }
+    const bool writer = e_.comm_.rank() == 0;
+    detail::write_torch_file(dir / "model_states.pt", module_states(id), writer,
+                             [this](const at::Tensor& t) { return fetch(t); });
+    sources_.clear();
+    if (writer) write_atomically(dir / "mpzero_engine.json", engine_json(tag, client_state, id).dump(2));
   });
   if (save_latest) {
     e_.agree("save_checkpoint", "the checkpoint is complete, but 'latest' does not name it", [&] {
@@ -1578,8 +1676,8 @@ mpzero::torch::config config_from_string(const std::string& s, int world_size) {
 // ---- engine_base: forwards to the state ------------------------------------------------
 
 engine_base::forward_scope::forward_scope(detail::engine_state& st) : st_(st) {
-  if (st_.forward_depth_ == 0) st_.z3_.rethrow_deferred();
-  if (st_.zero3_ && st_.forward_depth_ == 0) {
+  if (st_.bw_.forward_depth_ == 0) st_.z3_.rethrow_deferred();
+  if (st_.zero3_ && st_.bw_.forward_depth_ == 0) {
     // ZeRO-3: the partitioned parameters no gathered_forward call covers, for this
     // forward and its backward (the outputs' graph keeps the hold; see watch()).
     auto h = std::make_shared<detail::forward_hold>();
@@ -1591,7 +1689,7 @@ engine_base::forward_scope::forward_scope(detail::engine_state& st) : st_(st) {
     st_.z3_.last_module_ = nullptr;  // the units' order starts again
     st_.z3_.last_unit_.reset();
   }
-  ++st_.forward_depth_;
+  ++st_.bw_.forward_depth_;
   const auto& ac = st_.cfg_.torch_autocast;
   if (ac.enabled) {
     autocast_ = true;
@@ -1611,7 +1709,7 @@ engine_base::forward_scope::~forward_scope() {
     at::autocast::set_autocast_dtype(st_.device_.type(), prev_dtype_);
   }
   // Released here unless an output that requires grad keeps it for the backward.
-  if (--st_.forward_depth_ == 0) {
+  if (--st_.bw_.forward_depth_ == 0) {
     st_.z3_.forward_hold_.reset();
     if (st_.zero3_) {
       try {
@@ -1636,14 +1734,14 @@ void engine_base::watch(const ::torch::Tensor& out) {
     auto s = w.lock();
     if (!s) return;
     if (hold && hold->generation != s->z3_.generation_) detail::released_since_forward("an engine.forward output");
-    s->on_output();
+    s->bw_.on_output();
   });
 }
 
 ::torch::Tensor engine_base::backward(const ::torch::Tensor& loss, bool retain_graph, bool scale_wrt_gas) {
-  return st_->backward(loss, retain_graph, scale_wrt_gas);
+  return st_->bw_.backward(loss, retain_graph, scale_wrt_gas);
 }
-::torch::Tensor engine_base::scale(const ::torch::Tensor& loss) { return st_->scale(loss); }
+::torch::Tensor engine_base::scale(const ::torch::Tensor& loss) { return st_->bw_.scale(loss); }
 void engine_base::step() { st_->step(); }
 void engine_base::zero_grad() { st_->zero_grad(); }
 bool engine_base::is_gradient_accumulation_boundary() const { return st_->is_boundary(); }
@@ -1671,6 +1769,9 @@ std::optional<engine_base::loaded_checkpoint> engine_base::load_checkpoint(const
                                                                            bool load_module_only) {
   return st_->checkpoints_.load(load_dir, tag, load_module_only);
 }
+std::size_t engine_base::save_16bit_model(const std::string& save_dir, const std::string& save_filename) {
+  return st_->checkpoints_.save_16bit(save_dir, save_filename);
+}
 const std::vector<::torch::Tensor>& engine_base::parameters() const { return st_->params_; }
 const std::vector<std::string>& engine_base::parameter_names() const { return st_->names_; }
 ::torch::Tensor engine_base::full_grad(const ::torch::Tensor& param) { return st_->full_grad(st_->index_of(param, "full_grad")); }
@@ -1689,8 +1790,8 @@ std::vector<::torch::Tensor> engine_base::master_weights() {
   return out;
 }
 dtype engine_base::comm_dtype(const ::torch::Tensor& param) const { return st_->comm_dtypes_[st_->index_of(param, "comm_dtype")]; }
-std::uint64_t engine_base::epilogues() const { return st_->epilogues_; }
-std::uint64_t engine_base::bookkeeping_lookups() const { return st_->lookups_; }
+std::uint64_t engine_base::epilogues() const { return st_->bw_.epilogues_; }
+std::uint64_t engine_base::bookkeeping_lookups() const { return st_->bw_.lookups_; }
 memory_report engine_base::memory() const { return st_->core_->memory(); }
 std::vector<std::int64_t> engine_base::parameter_shape(const ::torch::Tensor& param) const {
   return st_->shapes_[st_->index_of(param, "parameter_shape")];

@@ -43,67 +43,6 @@ fs::path checkpoint_path(const std::string& checkpoint_dir, const std::string& t
   return fs::path(checkpoint_dir) / tag;
 }
 
-// safetensors' name of a dtype; nullptr for one it has no name for.
-const char* safetensors_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "F32";
-    case at::kDouble: return "F64";
-    case at::kBFloat16: return "BF16";
-    case at::kHalf: return "F16";
-    case at::kLong: return "I64";
-    case at::kInt: return "I32";
-    case at::kShort: return "I16";
-    case at::kChar: return "I8";
-    case at::kByte: return "U8";
-    case at::kBool: return "BOOL";
-    case at::kUInt16: return "U16";
-    case at::kUInt32: return "U32";
-    case at::kUInt64: return "U64";
-    default: return nullptr;
-  }
-}
-
-// The safetensors format (huggingface/safetensors): an 8-byte little-endian header size,
-// a JSON header {name: {dtype, shape, data_offsets: [begin, end)}, "__metadata__": {...}}
-// padded with spaces to a multiple of 8 bytes, then the tensors' bytes, in order,
-// little-endian, with no gaps.
-void write_safetensors(const fs::path& path, const ::torch::OrderedDict<std::string, ::torch::Tensor>& sd,
-                       const nlohmann::ordered_json& metadata) {
-  if constexpr (std::endian::native != std::endian::little) {
-    fail("save_state_dict: safetensors files are little-endian and this machine is not; write a .pt file instead");
-  }
-  nlohmann::ordered_json header;
-  header["__metadata__"] = metadata;
-  std::vector<::torch::Tensor> data;
-  std::uint64_t offset = 0;
-  for (const auto& item : sd) {
-    const ::torch::Tensor& t = item.value();
-    const char* dt = safetensors_dtype(t.scalar_type());
-    if (dt == nullptr) {
-      fail("save_state_dict: '" + item.key() + "' has dtype " + std::string(c10::toString(t.scalar_type())) +
-           ", which this safetensors writer does not support; write a .pt file instead");
-    }
-    const std::uint64_t bytes = static_cast<std::uint64_t>(t.numel()) * t.element_size();
-    header[item.key()] = {{"dtype", dt}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
-    offset += bytes;
-    data.push_back(t);
-  }
-  std::string text = header.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');
-  const std::uint64_t n = text.size();
-  checkpoint::write_atomically(path, [&](std::ofstream& out) {
-    out.write(reinterpret_cast<const char*>(&n), sizeof n);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const ::torch::Tensor& t : data) {
-      // Any device and layout: one tensor at a time goes through a contiguous host copy
-      // when it is not one already.
-      const ::torch::Tensor host = t.to(at::kCPU).contiguous();
-      out.write(static_cast<const char*>(host.data_ptr()), static_cast<std::streamsize>(host.nbytes()));
-    }
-    return static_cast<bool>(out);
-  });
-}
-
 }  // namespace
 
 ::torch::OrderedDict<std::string, ::torch::Tensor> fp32_state_dict_from_checkpoint(const std::string& checkpoint_dir,
@@ -166,7 +105,9 @@ std::size_t save_state_dict(const ::torch::OrderedDict<std::string, ::torch::Ten
                             const std::string& output_file) {
   const fs::path out(output_file);
   if (out.extension() == ".safetensors") {
-    write_safetensors(out, state_dict, {{"format", "pt"}, {"source", "mpzero checkpoint"}});
+    std::vector<std::pair<std::string, at::Tensor>> items;
+    for (const auto& item : state_dict) items.emplace_back(item.key(), item.value());
+    detail::write_safetensors(out, items, {{"format", "pt"}, {"source", "mpzero checkpoint"}});
   } else {
     c10::Dict<std::string, at::Tensor> dict;
     for (const auto& item : state_dict) dict.insert(item.key(), item.value());

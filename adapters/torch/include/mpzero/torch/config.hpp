@@ -8,7 +8,7 @@
 #include <string_view>
 #include <vector>
 
-#include <nlohmann/json.hpp>
+#include <nlohmann/json_fwd.hpp>
 
 #include <mpzero/error.hpp>
 #include <mpzero/numeric/dtype.hpp>
@@ -61,6 +61,9 @@ struct zero_config {
   // Every stage places parameters of at most this many elements last in the flat buffers
   // (zero_options::param_persistence_threshold); stage 3 keeps them whole on every rank.
   std::uint64_t stage3_param_persistence_threshold = 100'000;
+  // engine.save_16bit_model at stage 3 gathers the partitioned parameters (one at a time)
+  // only when this is true, as in DeepSpeed; otherwise it refuses.
+  bool stage3_gather_16bit_weights_on_model_save = false;
   // Read and kept so that DeepSpeed configs parse, but NOT USED by mpzero: they tune how
   // DeepSpeed schedules its collectives or its stage 3 and cannot change the result
   // (docs/config.md says what mpzero does instead). overlap_comm's default is DeepSpeed's

@@ -83,6 +83,7 @@
 #include <utility>
 #include <vector>
 
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <mpzero/torch/communicator.hpp>
@@ -173,6 +174,16 @@ class engine_base {
   // every rank and changes nothing.
   std::optional<loaded_checkpoint> load_checkpoint(const std::string& load_dir, const std::string& tag = "",
                                                    bool load_module_only = false);
+  // DeepSpeed's save_16bit_model: the module's state dict (parameters in the dtype the
+  // model trains in: 16-bit with bf16 or fp16, fp32 for fp32 models; then its buffers) as
+  // one file, <save_dir>/<save_filename>, written by rank 0: in the safetensors format
+  // when the name ends in ".safetensors", else in torch.save's (torch::pickle_load in C++,
+  // torch.load(path, weights_only=True) in Python). Any stage; at ZeRO-3 it needs
+  // zero_optimization.stage3_gather_16bit_weights_on_model_save = true, and gathers one
+  // parameter at a time while rank 0 writes it, so no rank holds the whole model (nor
+  // does rank 0 on the host: tensors are written as they come). Collective, with the same
+  // save_filename on every rank. Returns the number of tensors written.
+  std::size_t save_16bit_model(const std::string& save_dir, const std::string& save_filename = "pytorch_model.bin");
 
   // ---- inspection ------------------------------------------------------------------
   // The managed (trainable) parameters, in the core's order, and their names.
