@@ -358,11 +358,19 @@ void check_half_blocks(const char* name) {
     mismatches += std::bit_cast<std::uint32_t>(wide[h]) != std::bit_cast<std::uint32_t>(to_float(halves[h]));
   CHECK(mismatches == 0);
   // Every float, narrowed with nearest rounding, 2^16 at a time (the last block of
-  // each batch 13 short, for the tails).
+  // each batch 13 short, for the tails). nvcc's copy of this file (test_simd_nvcc.cu)
+  // takes every 61st batch: its host pass hands the same code to the same g++, and the
+  // stride, below the 128 batches of one exponent and sign, still reaches every exponent
+  // of both signs (about 1.6% of the floats: 0.5 s instead of 30).
+#ifdef __CUDACC__
+  constexpr std::uint64_t batch_stride = 61;
+#else
+  constexpr std::uint64_t batch_stride = 1;
+#endif
   std::vector<float> in(65536);
   std::vector<fp16> out(65536);
   mismatches = 0;
-  for (std::uint64_t hi = 0; hi < 65536; ++hi) {
+  for (std::uint64_t hi = 0; hi < 65536; hi += batch_stride) {
     for (std::uint32_t lo = 0; lo < 65536; ++lo) in[lo] = std::bit_cast<float>(static_cast<std::uint32_t>(hi << 16 | lo));
     Half::narrow(in.data(), out.data(), 65536 - 13);
     Half::narrow(in.data() + 65536 - 13, out.data() + 65536 - 13, 13);
