@@ -7,8 +7,15 @@
 // differs, so every loss, master weight and parameter must be equal bit for bit.
 #include "support/torch_mpi.hpp"  // LibTorch, then Catch and MPI
 #include "support/torch_reference.hpp"
+#include "support/shared_dir.hpp"
+
+#include <c10/core/CPUAllocator.h>
+#include <torch/csrc/jit/serialization/pickle.h>
 
 #include <algorithm>
+#include <mutex>
+#include <unordered_map>
+#include <cstring>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -44,10 +51,12 @@ struct BlockImpl : torch::nn::Module {
 TORCH_MODULE(Block);
 
 struct StackImpl : torch::nn::Module {
+  // Each block passes through mt::partitioned as it is built: under a zero_init scope it
+  // keeps this rank's slices only (the model code is the same either way).
   StackImpl(std::uint64_t seed, bool units) : units(units) {
     torch::manual_seed(seed);
     in = register_module("in", torch::nn::Linear(4, 16));
-    for (int k = 0; k < 3; ++k) blocks.push_back(register_module("block" + std::to_string(k), Block(16)));
+    for (int k = 0; k < 3; ++k) blocks.push_back(register_module("block" + std::to_string(k), mt::partitioned(Block(16))));
     out = register_module("out", torch::nn::Linear(16, 4));
   }
   Tensor forward(const Tensor& x) {
@@ -480,4 +489,271 @@ TEST_CASE("zero3: units with tuple outputs, non-tensor arguments, inputs without
     REQUIRE(l2.item<float>() == l3.item<float>());
   }
   require_equal(whole_params(z2), whole_params(z3), "master weights after 4 steps");
+}
+
+// ---- partitioned construction (zero_init) ------------------------------------------------
+
+namespace {
+
+// Counts the bytes LibTorch's CPU allocator hands out: live now, and the peak since
+// reset(). LibTorch expects a CPU pointer to be its own deleter's context, so the blocks
+// are found again by address.
+struct counting_cpu_allocator final : c10::Allocator {
+  c10::Allocator* base = c10::GetCPUAllocator();
+  std::mutex m;
+  std::unordered_map<void*, std::pair<c10::DataPtr, std::int64_t>> blocks;
+  std::int64_t live = 0, peak = 0;
+  static counting_cpu_allocator& instance();
+  static void release(void* data) {
+    counting_cpu_allocator& a = instance();
+    std::lock_guard<std::mutex> lock(a.m);
+    const auto it = a.blocks.find(data);
+    if (it == a.blocks.end()) return;  // a null pointer (empty allocation)
+    a.live -= it->second.second;
+    a.blocks.erase(it);  // frees it through the base allocator
+  }
+  c10::DataPtr allocate(std::size_t n) override {
+    c10::DataPtr inner = base->allocate(n);
+    void* data = inner.get();
+    if (data == nullptr) return {nullptr, nullptr, &release, c10::Device(c10::kCPU)};
+    std::lock_guard<std::mutex> lock(m);
+    live += static_cast<std::int64_t>(n);
+    peak = std::max(peak, live);
+    blocks.emplace(data, std::make_pair(std::move(inner), static_cast<std::int64_t>(n)));
+    return {data, data, &release, c10::Device(c10::kCPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+  void reset() {
+    std::lock_guard<std::mutex> lock(m);
+    peak = live;
+  }
+  std::int64_t live_now() {
+    std::lock_guard<std::mutex> lock(m);
+    return live;
+  }
+  std::int64_t peak_now() {
+    std::lock_guard<std::mutex> lock(m);
+    return peak;
+  }
+};
+counting_cpu_allocator& counting_cpu_allocator::instance() {
+  static counting_cpu_allocator a;
+  return a;
+}
+counting_cpu_allocator& cpu_bytes() {
+  static const bool installed = [] {
+    c10::SetCPUAllocator(&counting_cpu_allocator::instance(), /*priority=*/100);
+    return true;
+  }();
+  (void)installed;
+  return counting_cpu_allocator::instance();
+}
+
+std::int64_t bytes_of(torch::nn::Module& m) {
+  std::int64_t n = 0;
+  for (const auto& p : m.parameters()) n += p.numel() * p.element_size();
+  return n;
+}
+
+// The Stack built under zero_init(world()), and what its construction held at its peak.
+struct built {
+  Stack model{nullptr};
+  std::int64_t peak_bytes = 0, kept = 0, whole = 0;
+};
+built build_partitioned(std::uint64_t seed) {
+  counting_cpu_allocator& a = cpu_bytes();
+  built b;
+  {
+    mt::zero_init scope(world());
+    a.reset();
+    const std::int64_t before = a.live_now();
+    b.model = Stack(seed, true);
+    b.peak_bytes = a.peak_now() - before;
+    b.kept = static_cast<std::int64_t>(scope.kept_elements());
+    b.whole = static_cast<std::int64_t>(scope.partitioned_elements());
+  }
+  return b;
+}
+
+}  // namespace
+
+TEST_CASE("zero_init: a model built partitioned trains bit for bit as the model built whole", "[torch][zero3]") {
+  const int stage = GENERATE(3, 2);
+  const std::string prec = GENERATE(std::string("fp32"), std::string("bf16"));
+  INFO("stage " << stage << ", " << prec << ", world " << W());
+  auto whole = make(stage, prec, 32, /*units=*/true);
+  built b = build_partitioned(1234);
+  // Every block parameter is empty after construction; this rank kept its slices.
+  std::int64_t block_elements = 0;
+  for (auto& blk : b.model->blocks) {
+    for (const auto& p : blk->parameters()) CHECK(p.numel() == 0);
+  }
+  Stack reference(1234, true);
+  // Each block tensor of n elements is cut in slices of ceil(n / W); rank r keeps the r-th.
+  std::int64_t kept = 0;
+  for (auto& blk : reference->blocks) {
+    for (const auto& p : blk->parameters()) {
+      const std::int64_t n = p.numel(), chunk = (n + W() - 1) / W();
+      block_elements += n;
+      kept += std::max<std::int64_t>(0, std::min(n, chunk * (R() + 1)) - std::min(n, chunk * R()));
+    }
+  }
+  CHECK(b.whole == block_elements);
+  CHECK(b.kept == kept);
+  auto e = mt::initialize(b.model, config(stage, prec, 32), world());
+  for (int k = 0; k < 4; ++k) {
+    INFO("micro-step " << k);
+    REQUIRE(micro_step(whole, k) == micro_step(e, k));
+  }
+  require_equal(whole_params(whole), whole_params(e), "master weights after 4 micro-steps");
+}
+
+TEST_CASE("zero_init: construction holds the slices and one block, never the whole model", "[torch][zero3]") {
+  // Measured at LibTorch's CPU allocator, not taken from the engine's accounting.
+  built b = build_partitioned(1234);
+  counting_cpu_allocator& a = cpu_bytes();
+  a.reset();
+  const std::int64_t before = a.live_now();
+  Stack reference(1234, true);
+  const std::int64_t whole_peak = a.peak_now() - before;
+  const std::int64_t all = bytes_of(*reference);
+  std::int64_t outside = bytes_of(*reference->in) + bytes_of(*reference->out), largest_block = 0, largest_tensor = 0;
+  for (auto& blk : reference->blocks) {
+    largest_block = std::max(largest_block, bytes_of(*blk));
+    for (const auto& p : blk->parameters()) largest_tensor = std::max(largest_tensor, p.numel() * 4);
+  }
+  INFO("world " << W() << ": built whole " << whole_peak << " bytes, partitioned " << b.peak_bytes << " bytes");
+  CHECK(whole_peak >= all);
+  // The kept slices, the block being built, the modules outside the blocks, and one
+  // tensor's copy while its slice is cut.
+  CHECK(b.peak_bytes <= b.kept * 4 + largest_block + outside + largest_tensor);
+  if (W() > 1) CHECK(b.peak_bytes < whole_peak);
+}
+
+TEST_CASE("zero_init: the first forward gathers unit by unit", "[torch][zero3]") {
+  built b = build_partitioned(1234);
+  auto e = mt::initialize(b.model, config(3, "fp32", 0), world());
+  // threshold 0: in and out are partitioned too (built whole: engine.forward holds them
+  // for the pass); the blocks were built partitioned, so they are units from the start.
+  std::int64_t outside = 0, largest_block = 0;
+  for (const auto& p : e.parameters()) {
+    const bool in_block = std::any_of(b.model->blocks.begin(), b.model->blocks.end(), [&](Block& blk) {
+      for (const auto& q : blk->parameters())
+        if (q.is_same(p)) return true;
+      return false;
+    });
+    if (!in_block) outside += numel_of(e.parameter_shape(p));
+  }
+  for (auto& blk : b.model->blocks) {
+    std::int64_t n = 0;
+    for (const auto& q : blk->parameters()) n += numel_of(e.parameter_shape(q));
+    largest_block = std::max(largest_block, n);
+  }
+  std::int64_t most = 0;
+  probe = [&](const char*) { most = std::max(most, static_cast<std::int64_t>(e.gathered_numel())); };
+  const batch d = data(0, R());
+  Tensor loss = e.forward(d.x, d.y);
+  loss.backward();
+  probe = nullptr;
+  e.step();
+  INFO("outside the blocks " << outside << ", largest block " << largest_block << ", most gathered " << most);
+  // The prefetch may hold the next block while one computes.
+  CHECK(most <= outside + 2 * largest_block);
+  CHECK(most < outside + 3 * largest_block);
+}
+
+TEST_CASE("zero_init: ranks that built other values, or for another world, are refused", "[torch][zero3]") {
+  {
+    built b = build_partitioned(W() > 1 && R() == 1 ? 99 : 1234);
+    if (W() > 1) {
+      try {
+        mt::initialize(b.model, config(3, "fp32", 32), world());
+        FAIL("no error");
+      } catch (const std::exception& ex) {
+        CHECK_THAT(ex.what(), Catch::Contains("was built with other values on this rank than on the others") ||
+                                  Catch::Contains("failed (its exception says why)"));
+      }
+    }
+  }
+  Stack m{nullptr};
+  {
+    mt::zero_init scope(W() + 1, 0);
+    m = Stack(1234, true);
+  }
+  REQUIRE_THROWS_WITH(mt::initialize(m, config(3, "fp32", 32), world()),
+                      Catch::Contains("was built partitioned for rank 0 of " + std::to_string(W() + 1)) &&
+                          Catch::Contains("zero_init(comm)"));
+  REQUIRE_THROWS_WITH(mt::zero_init(2, 2), Catch::Contains("world_size 2 and rank 2 are not a rank of a world"));
+}
+
+// ---- frozen parameters at ZeRO-3 -----------------------------------------------------------
+
+namespace {
+
+// Every block's `up` layer frozen: a frozen base under trainable layers, as with LoRA.
+void freeze_up(Stack& m) {
+  for (auto& b : m->blocks)
+    for (auto& p : b->up->parameters()) p.requires_grad_(false);
+}
+
+}  // namespace
+
+TEST_CASE("zero3: frozen parameters are partitioned too, gathered around their unit, never given state",
+          "[torch][zero3]") {
+  const bool built = GENERATE(false, true);  // built whole, or under zero_init
+  INFO((built ? "built partitioned" : "built whole") << ", world " << W());
+  Stack m2(1234, true);
+  freeze_up(m2);
+  auto z2 = mt::initialize(m2, config(2, "fp32", 32), world());
+  Stack m3 = built ? build_partitioned(1234).model : Stack(1234, true);
+  freeze_up(m3);
+  json c3 = config(3, "fp32", 32);
+  c3["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = true;
+  auto z3 = mt::initialize(m3, c3, world());
+  REQUIRE(z3.parameters().size() == z2.parameters().size());  // frozen: not managed
+  // The frozen weights (32 x 16 = 512 elements) are empty between forwards; their biases
+  // (32, at the threshold) stay whole.
+  for (auto& b : m3->blocks) {
+    CHECK(b->up->weight.numel() == 0);
+    CHECK(b->up->bias.numel() == 32);
+  }
+  std::int64_t most = 0;
+  probe = [&](const char*) { most = std::max(most, static_cast<std::int64_t>(z3.gathered_numel())); };
+  for (int k = 0; k < 4; ++k) {
+    INFO("micro-step " << k);
+    REQUIRE(micro_step(z2, k) == micro_step(z3, k));
+    CHECK(z3.gathered_numel() == 0);
+    for (auto& b : m3->blocks) CHECK(b->up->weight.numel() == 0);
+  }
+  probe = nullptr;
+  CHECK(most >= 512);  // a block's frozen weight was gathered for its unit
+  require_equal(whole_params(z2), whole_params(z3), "master weights after 4 micro-steps");
+  // The frozen weights are whole, unchanged, in what save_16bit_model writes.
+  shared_dir dir;
+  z3.save_16bit_model(dir.path.string());
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (R() == 0) {
+    std::ifstream in(dir.path / "pytorch_model.bin", std::ios::binary);
+    const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto saved = torch::jit::pickle_load(bytes).toGenericDict();
+    for (int k = 0; k < 3; ++k) {
+      const std::string name = "block" + std::to_string(k) + ".up.weight";
+      INFO(name);
+      REQUIRE(torch::equal(saved.at(name).toTensor(), m2->blocks[static_cast<std::size_t>(k)]->up->weight.detach()));
+    }
+  }
+  // A checkpoint of the stage-3 engine loads into the stage-2 one and back, frozen slices included.
+  z3.save_checkpoint(dir.path.string(), "frozen");
+  {
+    torch::NoGradGuard ng;
+    for (auto& b : m2->blocks) b->up->weight.zero_();
+  }
+  z2.load_checkpoint(dir.path.string(), "frozen");
+  for (int k = 4; k < 6; ++k) REQUIRE(micro_step(z2, k) == micro_step(z3, k));
+  // And into the stage-3 engine (each rank's frozen slices from the whole saved values).
+  z2.load_checkpoint(dir.path.string(), "frozen");
+  z3.load_checkpoint(dir.path.string(), "frozen");
+  for (int k = 6; k < 8; ++k) REQUIRE(micro_step(z2, k) == micro_step(z3, k));
+  require_equal(whole_params(z2), whole_params(z3), "master weights after the loads");
 }

@@ -8,12 +8,14 @@ if(TARGET mpzero_torch AND MPI_CXX_FOUND)
   # schedules end to end; a TU of its own so that it rebuilds without test_torch.cpp.
   mpzero_add_test(test_torch_wire SOURCES test_torch_wire.cpp TAGS torch MPI 1 2 LIBS mpzero::torch)
   # ZeRO-3 in the engine ([zero3]): stage 3 against stage 2 bit for bit, gathered_forward's
-  # gathers and releases, checkpoints across stages.
-  mpzero_add_test(test_torch_zero3 SOURCES test_torch_zero3.cpp TAGS zero3 MPI 1 2 LIBS mpzero::torch)
+  # gathers and releases, checkpoints across stages, partitioned construction (zero_init;
+  # at 3 ranks too, where slices are uneven).
+  mpzero_add_test(test_torch_zero3 SOURCES test_torch_zero3.cpp TAGS zero3 MPI 1 2 3 LIBS mpzero::torch)
   foreach(np 1 2)
     set_tests_properties(test_torch.torch.np${np} test_torch.hooks.np${np} test_torch_wire.torch.np${np}
                          test_torch_zero3.zero3.np${np} PROPERTIES TIMEOUT 900)
   endforeach()
+  set_tests_properties(test_torch_zero3.zero3.np3 PROPERTIES TIMEOUT 900)
 elseif(TARGET mpzero_torch)
   message(STATUS "mpzero: MPI not found; the [torch] tests are not built")
 endif()

@@ -24,6 +24,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <set>
 #include <stdexcept>
 #include <system_error>
@@ -38,6 +39,10 @@
 #include <mpzero/zero/checkpoint.hpp>
 
 namespace mpzero::torch {
+
+namespace detail {
+class engine_state;
+}
 
 namespace {
 
@@ -125,6 +130,67 @@ bool is_lower_precision_safe(const std::string& cls, const std::vector<std::stri
     for (const auto& n : names)
       if (e == n) return true;
   return false;
+}
+
+// ---- partitioned construction (zero_init) ------------------------------------------------
+
+thread_local zero_init* current_zero_init = nullptr;
+
+// ZeRO-3: the engine that partitions each frozen parameter (a gathered_forward unit of
+// frozen parameters only finds its engine here; trainable ones carry it in their hook).
+std::mutex frozen_owners_mutex;
+std::unordered_map<const c10::TensorImpl*, std::weak_ptr<detail::engine_state>> frozen_owners;
+
+std::shared_ptr<detail::engine_state> frozen_owner(const ::torch::Tensor& p) {
+  std::lock_guard<std::mutex> lock(frozen_owners_mutex);
+  const auto it = frozen_owners.find(p.unsafeGetTensorImpl());
+  return it == frozen_owners.end() ? nullptr : it->second.lock();
+}
+
+// A parameter built under zero_init: this rank's slice of it, what it was whole.
+struct built_slice {
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> owner{
+      c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+  ::torch::Tensor slice;  // elements slice_range(numel, world, rank) of the flattened parameter, on the CPU
+  std::vector<std::int64_t> shape;
+  int world = 1, rank = 0;
+  std::uint64_t hash = 0;  // of the whole parameter as built, in fp32 (whole_hash)
+};
+
+// Rank r's elements of a parameter of n elements split over `world` ranks: equal
+// slices of ceil(n / world), the last ones shorter or empty.
+std::pair<std::int64_t, std::int64_t> slice_range(std::int64_t n, int world, int r) {
+  const std::int64_t chunk = (n + world - 1) / world;
+  const std::int64_t begin = std::min(n, chunk * r);
+  return {begin, std::min(n, begin + chunk)};
+}
+
+// 64-bit FNV-1a of n floats' bytes.
+std::uint64_t whole_hash(const float* v, std::size_t n) {
+  std::uint64_t h = 1469598103934665603ull;
+  const auto* b = reinterpret_cast<const unsigned char*>(v);
+  for (std::size_t k = 0; k < n * sizeof(float); ++k) h = (h ^ b[k]) * 1099511628211ull;
+  return h;
+}
+
+// The parameters built partitioned and not yet taken by an engine, by tensor. Entries of
+// parameters that no longer exist are dropped as they are found.
+std::mutex built_slices_mutex;
+std::unordered_map<const c10::TensorImpl*, built_slice> built_slices;
+
+void drop_dead_slices() {
+  for (auto it = built_slices.begin(); it != built_slices.end();) {
+    it = it->second.owner.expired() ? built_slices.erase(it) : std::next(it);
+  }
+}
+
+// The record of parameter p if it was built partitioned (a copy: the engine removes the
+// record only once it has started).
+std::optional<built_slice> built_slice_of(const ::torch::Tensor& p) {
+  std::lock_guard<std::mutex> lock(built_slices_mutex);
+  const auto it = built_slices.find(p.unsafeGetTensorImpl());
+  if (it == built_slices.end() || it->second.owner.expired()) return std::nullopt;
+  return it->second;
 }
 
 }  // namespace
@@ -251,8 +317,8 @@ class engine_checkpoints {
   at::Tensor fetch(const at::Tensor& placeholder);
 
   struct source {
-    at::Tensor tensor;     // what the module holds
-    std::ptrdiff_t managed;  // its index among the managed parameters, or -1
+    at::Tensor tensor;        // what the module holds
+    std::ptrdiff_t gathered;  // ZeRO-3: its zero3_gatherer index when partitioned, else -1
   };
   std::unordered_map<const c10::StorageImpl*, source> sources_;  // by placeholder, during a save
 
@@ -339,6 +405,10 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     try {
       if (core_) join_core();  // the copies below read what the core's stream wrote
     } catch (...) {
+    }
+    {
+      std::lock_guard<std::mutex> lock(frozen_owners_mutex);
+      for (const auto& [impl, f] : frozen_index_) frozen_owners.erase(impl);
     }
     for (std::size_t i = 0; i < bound_; ++i) {
       try {
@@ -458,6 +528,35 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::unique_ptr<zero_core> core_;
   std::vector<::torch::Tensor> params_;
   std::vector<::torch::Tensor> frozen_;  // frozen floating parameters, from prepare() to start()
+  // The parameters (trainable or frozen) built partitioned under zero_init, from prepare()
+  // to start(): their tensors are empty, and start() rebuilds them from the ranks' slices.
+  std::unordered_map<const c10::TensorImpl*, built_slice> built_;
+  // ZeRO-3: the frozen floating parameters above stage3_param_persistence_threshold, which
+  // the engine partitions itself (no gradient, no optimizer state): each rank keeps
+  // slice_range of their elements, and zero3_gatherer gathers them, after the managed
+  // parameters in its numbering (params_.size() + f), around their units' forwards.
+  struct frozen_part {
+    ::torch::Tensor param;  // the module's tensor: empty, or a view of `storage` while gathered
+    ::torch::Tensor slice;  // this rank's elements, in the parameter dtype, on its device
+    std::vector<std::int64_t> shape;
+    c10::Storage storage;  // kept across gathers, as zero3_gatherer::bind keeps a managed one's
+  };
+  std::vector<frozen_part> frozen_parts_;
+  std::unordered_map<const c10::TensorImpl*, std::size_t> frozen_index_;  // tensor -> frozen_parts_ index
+  // A frozen parameter's values as start() converted them: partitioned (then `converted`
+  // becomes empty) when stage 3 keeps it in slices.
+  void partition_frozen(const ::torch::Tensor& param, ::torch::Tensor& converted);
+  void gather_frozen(std::size_t f);
+  void release_frozen(std::size_t f);
+  const frozen_part* frozen_part_of(const ::torch::Tensor& t) const {
+    const auto it = frozen_index_.find(t.unsafeGetTensorImpl());
+    return it == frozen_index_.end() ? nullptr : &frozen_parts_[it->second];
+  }
+  // zero3_gatherer's numbering: the managed parameters, then the frozen parts.
+  std::size_t z3_size() const { return params_.size() + frozen_parts_.size(); }
+  bool z3_partitioned(std::size_t i) const { return i >= params_.size() || core_->partitioned(i); }
+  bool take_built(const std::string& name, const ::torch::Tensor& p);
+  void load_built(const std::vector<::torch::Tensor>& all, std::vector<::torch::Tensor>& converted);
   struct start_plan {
     core_plan core;
     core_place place;
@@ -615,10 +714,12 @@ void zero3_gatherer::hold(const std::vector<std::size_t>& idx) {
     ++live_groups_[group];
     bind(i);
   };
-  std::vector<std::size_t> fresh, fetched;
+  std::vector<std::size_t> fresh, fetched, frozen;
   for (std::size_t i : idx) {
     if (holds_[i]++ > 0) continue;
-    if (in_live_group(i)) {
+    if (i >= e_.params_.size()) {
+      frozen.push_back(i);
+    } else if (in_live_group(i)) {
       bind_in(i, group_of_[i]);
     } else if (in_prefetch(i)) {
       fetched.push_back(i);
@@ -626,9 +727,10 @@ void zero3_gatherer::hold(const std::vector<std::size_t>& idx) {
       fresh.push_back(i);
     }
   }
-  if (fresh.empty() && fetched.empty()) return;
+  if (fresh.empty() && fetched.empty() && frozen.empty()) return;
   e_.core_waits();
   try {
+    for (std::size_t i : frozen) e_.gather_frozen(i - e_.params_.size());
     for (std::size_t i : fetched) {
       const auto group = group_of_[i];
       if (prefetched_.erase(group) > 0) {  // the first of its parameters: wait for it
@@ -662,6 +764,7 @@ void zero3_gatherer::prefetch(const std::vector<std::size_t>& idx) {
   std::vector<std::size_t> fresh;
   std::uint64_t n = 0;
   for (std::size_t i : idx) {
+    if (i >= e_.params_.size()) continue;  // frozen parts gather when held
     if (holds_[i] > 0 || in_live_group(i) || in_prefetch(i)) continue;
     fresh.push_back(i);
     n += static_cast<std::uint64_t>(c10::multiply_integers(e_.shapes_[i]));
@@ -720,6 +823,10 @@ void zero3_gatherer::unhold(const std::vector<std::size_t>& idx) {
   bool waited = false;
   for (std::size_t i : idx) {
     if (holds_[i] == 0 || --holds_[i] > 0) continue;
+    if (i >= e_.params_.size()) {
+      e_.release_frozen(i - e_.params_.size());
+      continue;
+    }
     unbind(i);
     auto g = live_groups_.find(group_of_[i]);
     if (g == live_groups_.end() || --g->second > 0) continue;
@@ -748,8 +855,12 @@ void zero3_gatherer::release_all() {
     live_groups_.erase(live_groups_.begin());
     release_keeping_first_error(g, first);
   }
-  for (std::size_t i = 0; i < e_.params_.size(); ++i) {
-    if (holds_[i] > 0 && e_.core_->partitioned(i)) unbind(i);
+  for (std::size_t i = 0; i < e_.z3_size(); ++i) {
+    if (holds_[i] > 0 && i >= e_.params_.size()) {
+      e_.release_frozen(i - e_.params_.size());
+    } else if (holds_[i] > 0 && e_.core_->partitioned(i)) {
+      unbind(i);
+    }
     holds_[i] = 0;
   }
   if (first) std::rethrow_exception(first);
@@ -757,8 +868,8 @@ void zero3_gatherer::release_all() {
 
 std::vector<std::size_t> zero3_gatherer::partitioned_params(bool unclaimed_only) const {
   std::vector<std::size_t> out;
-  for (std::size_t i = 0; i < e_.params_.size(); ++i)
-    if (e_.core_->partitioned(i) && !(unclaimed_only && claimed_[i])) out.push_back(i);
+  for (std::size_t i = 0; i < e_.z3_size(); ++i)
+    if (e_.z3_partitioned(i) && !(unclaimed_only && claimed_[i])) out.push_back(i);
   return out;
 }
 
@@ -788,7 +899,7 @@ std::shared_ptr<unit_call> begin_unit(const ::torch::nn::Module& m) {
   std::shared_ptr<engine_state> st;
   const auto params = m.parameters(/*recurse=*/true);
   for (const auto& p : params) {
-    st = managing_engine(p);
+    st = p.requires_grad() ? managing_engine(p) : frozen_owner(p);
     if (st && st->zero3_) break;
     st.reset();
   }
@@ -797,6 +908,8 @@ std::shared_ptr<unit_call> begin_unit(const ::torch::nn::Module& m) {
   for (const auto& p : params) {
     auto it = st->index_.find(p.unsafeGetTensorImpl());
     if (it != st->index_.end() && st->core_->partitioned(it->second)) idx.push_back(it->second);
+    auto f = st->frozen_index_.find(p.unsafeGetTensorImpl());
+    if (f != st->frozen_index_.end()) idx.push_back(st->params_.size() + f->second);
   }
   std::sort(idx.begin(), idx.end());
   idx.erase(std::unique(idx.begin(), idx.end()), idx.end());
@@ -857,6 +970,7 @@ std::pair<std::string, std::string> engine_state::prepare() {
       // own (through float and bf16 it would lose values and its type).
       if (p.is_floating_point()) {
         check_copyable("frozen parameter", item.key(), p);
+        take_built(item.key(), p);
         frozen.push_back(p);
       } else {
         kept.emplace_back(item.key(), p);
@@ -888,7 +1002,7 @@ std::pair<std::string, std::string> engine_state::prepare() {
     index_[p.unsafeGetTensorImpl()] = params_.size();
     params_.push_back(p);
     names_.push_back(item.key());
-    shapes_.push_back(p.sizes().vec());
+    shapes_.push_back(take_built(item.key(), p) ? built_.at(p.unsafeGetTensorImpl()).shape : p.sizes().vec());
   }
 
   if (params_.empty()) {
@@ -914,7 +1028,7 @@ std::pair<std::string, std::string> engine_state::prepare() {
   const zero_options& zo = planned.zo;
 
   std::vector<std::uint64_t> numels;
-  for (const auto& p : params_) numels.push_back(static_cast<std::uint64_t>(p.numel()));
+  for (const auto& shape : shapes_) numels.push_back(static_cast<std::uint64_t>(c10::multiply_integers(shape)));
   // The core is made by start(), after the ranks' agreement: its constructor is collective.
   plan_.emplace(start_plan{planned, place, std::move(numels)});
 
@@ -980,14 +1094,21 @@ std::pair<std::string, std::string> engine_state::rank_identity(
   nlohmann::json cfg = to_json(cfg_);
   if (!spec.stochastic_rounding) cfg.erase("seed");
   std::string what = cfg.dump() + "\n" + spec.describe() + ", wire";
-  for (const dtype d : zo.wire_dtypes) what += " " + std::string(name_of(d));
+  for (const dtype d : zo.wire_dtypes) {
+    what += ' ';
+    what += name_of(d);
+  }
   const auto& o = cfg_.optimizer;
   std::int64_t elements = 0;
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    what += "\n" + names_[i] + " " + shape_of(params_[i].sizes());
-    elements += params_[i].numel();
+    what += "\n" + names_[i] + " " + shape_of(shapes_[i]) +
+            (built_.count(params_[i].unsafeGetTensorImpl()) > 0 ? " (built partitioned)" : "");
+    elements += c10::multiply_integers(shapes_[i]);
   }
-  for (const auto& t : frozen) what += "\nfrozen " + shape_of(t.sizes());
+  for (const auto& t : frozen) {
+    const auto b = built_.find(t.unsafeGetTensorImpl());
+    what += "\nfrozen " + (b != built_.end() ? shape_of(b->second.shape) + " (built partitioned)" : shape_of(t.sizes()));
+  }
   // Frozen integer or bool parameters are not broadcast (they keep their dtype): every
   // rank must hold the same values, so the values are compared too.
   for (const auto& [name, t] : kept) {
@@ -1036,12 +1157,16 @@ void engine_state::start() {
   // model at once: 4 bytes per parameter of a 7B model would be 28 GB of host memory per
   // rank. Rank 0 fills each window; the others only receive it.
   const std::uint64_t limit = detail::startup_window_elements();
+  // Parameters built partitioned have no values on rank 0 to give: load_built rebuilds them.
+  const auto count = [&](std::size_t k) -> std::uint64_t {
+    return built_.count(all[k].unsafeGetTensorImpl()) > 0 ? 0 : static_cast<std::uint64_t>(all[k].numel());
+  };
   std::vector<std::size_t> ends;  // all[ends[w-1], ends[w]) is window w
   std::uint64_t window = 0;
   {
     std::uint64_t filled = 0;
     for (std::size_t k = 0; k < all.size(); ++k) {
-      const auto n = static_cast<std::uint64_t>(all[k].numel());
+      const auto n = count(k);
       if (filled > 0 && filled + n > limit) {
         ends.push_back(k);
         filled = 0;
@@ -1056,7 +1181,7 @@ void engine_state::start() {
   auto first = [&](std::size_t w) { return w == 0 ? std::size_t{0} : ends[w - 1]; };
   auto elements = [&](std::size_t w) {
     std::uint64_t n = 0;
-    for (std::size_t k = first(w); k < ends[w]; ++k) n += static_cast<std::uint64_t>(all[k].numel());
+    for (std::size_t k = first(w); k < ends[w]; ++k) n += count(k);
     return n;
   };
   std::vector<float> flat;
@@ -1066,6 +1191,7 @@ void engine_state::start() {
     if (!root && world > 1) return;
     std::int64_t off = 0;
     for (std::size_t k = first(w); k < ends[w]; ++k) {
+      if (count(k) == 0) continue;
       auto c = all[k].detach().to(at::kCPU, at::kFloat).contiguous();
       std::copy_n(c.const_data_ptr<float>(), c.numel(), flat.data() + off);
       off += c.numel();
@@ -1077,11 +1203,13 @@ void engine_state::start() {
     std::int64_t off = 0;
     for (std::size_t k = first(w); k < ends[w]; ++k) {
       const auto& t = all[k];
+      if (count(k) == 0) continue;
       if (k < params_.size()) {
         core_->load_param(k, flat.data() + off, dtype::fp32);
       } else {
         converted[k - params_.size()] = ::torch::from_blob(flat.data() + off, t.sizes(), ::torch::kFloat)
                                             .to(t.device(), param_type_, /*non_blocking=*/false, /*copy=*/true);
+        if (k < params_.size() + frozen.size()) partition_frozen(t, converted[k - params_.size()]);
       }
       off += t.numel();
     }
@@ -1099,13 +1227,20 @@ void engine_state::start() {
   }
   agree("initialize", consequence, [&] { load(ends.size() - 1); });
   flat = {};
+  load_built(all, converted);
 
   zero3_ = cfg_.zero.stage == 3;
-  z3_.holds_.assign(params_.size(), 0);
+  z3_.holds_.assign(z3_size(), 0);
   z3_.storages_.assign(params_.size(), c10::Storage());
-  z3_.group_of_.assign(params_.size(), {0, 0});
-  z3_.claimed_.assign(params_.size(), 0);
+  z3_.group_of_.assign(z3_size(), {0, 0});
+  z3_.claimed_.assign(z3_size(), 0);
   z3_.placeholder_ = ::torch::empty({0}, ::torch::TensorOptions().dtype(param_type_).device(device_));
+  // Built partitioned: each in a submodule that runs through gathered_forward, so the
+  // first forward need not gather them for the whole pass.
+  for (std::size_t i = 0; i < params_.size(); ++i) z3_.claimed_[i] = built_.count(params_[i].unsafeGetTensorImpl()) > 0;
+  for (std::size_t f = 0; f < frozen_parts_.size(); ++f) {
+    z3_.claimed_[params_.size() + f] = built_.count(frozen_parts_[f].param.unsafeGetTensorImpl()) > 0;
+  }
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
     // The parameter becomes a view of the core's buffer: forward reads it, step() writes
@@ -1124,7 +1259,125 @@ void engine_state::start() {
     ag::impl::set_post_acc_grad_hooks(p, std::move(hook));
   }
   for (std::size_t k = params_.size(); k < all.size(); ++k) all[k].set_data(converted[k - params_.size()]);
+  {
+    // The engine has the values now: the records go.
+    std::lock_guard<std::mutex> lock(built_slices_mutex);
+    for (const auto& [impl, rec] : built_) built_slices.erase(impl);
+  }
+  built_.clear();
+  {
+    std::lock_guard<std::mutex> lock(frozen_owners_mutex);
+    for (const auto& [impl, f] : frozen_index_) frozen_owners[impl] = weak_from_this();
+  }
   join_core();  // the forward reads what load_param wrote on the core's stream
+}
+
+void engine_state::partition_frozen(const ::torch::Tensor& param, ::torch::Tensor& converted) {
+  if (cfg_.zero.stage != 3 || static_cast<std::uint64_t>(converted.numel()) <= cfg_.zero.stage3_param_persistence_threshold) {
+    return;
+  }
+  frozen_part fp;
+  fp.param = param;
+  fp.shape = converted.sizes().vec();
+  const auto [begin, end] = slice_range(converted.numel(), comm_.size(), comm_.rank());
+  fp.slice = converted.reshape({-1}).slice(0, begin, end).clone();
+  converted = ::torch::empty({0}, converted.options());  // what the module holds until gathered
+  frozen_index_[param.unsafeGetTensorImpl()] = frozen_parts_.size();
+  frozen_parts_.push_back(std::move(fp));
+}
+
+// Rebuilt whole from the ranks' slices (each broadcasts its own, through the host) into
+// a buffer the parameter's storage points at.
+void engine_state::gather_frozen(std::size_t f) {
+  frozen_part& fp = frozen_parts_[f];
+  const std::int64_t n = c10::multiply_integers(fp.shape);
+  std::vector<float> whole(static_cast<std::size_t>(n));
+  const int world = comm_.size();
+  {
+    const auto [begin, end] = slice_range(n, world, comm_.rank());
+    const ::torch::Tensor own = fp.slice.to(at::kCPU, at::kFloat).contiguous();
+    std::copy_n(own.const_data_ptr<float>(), end - begin, whole.data() + begin);
+  }
+  for (int r = 0; r < world; ++r) {
+    const auto [begin, end] = slice_range(n, world, r);
+    core_->broadcast(whole.data() + begin, static_cast<std::uint64_t>(end - begin), r);
+  }
+  const c10::Device dev = fp.slice.device();
+  const std::size_t bytes = static_cast<std::size_t>(n) * c10::elementSize(param_type_);
+  c10::DataPtr data = c10::GetAllocator(dev.type())->allocate(bytes);
+  if (!fp.storage) {
+    fp.storage = c10::Storage(c10::Storage::use_byte_size_t(), bytes, std::move(data), /*allocator=*/nullptr,
+                              /*resizable=*/false);
+  } else {
+    // Gathered again: the same storage, so that what forward saved for backward reads it.
+    fp.storage.set_data_ptr_noswap(std::move(data));
+    fp.storage.set_nbytes(bytes);
+  }
+  ::torch::NoGradGuard ng;
+  ::torch::Tensor t = ::torch::empty({0}, fp.slice.options()).set_(fp.storage, 0, fp.shape);
+  t.copy_(::torch::from_blob(whole.data(), fp.shape, ::torch::kFloat));
+  fp.param.set_data(t);
+}
+
+void engine_state::release_frozen(std::size_t f) {
+  frozen_part& fp = frozen_parts_[f];
+  fp.param.set_data(::torch::empty({0}, fp.slice.options()));
+  if (!fp.storage) return;
+  fp.storage.set_data_ptr_noswap(c10::DataPtr(nullptr, fp.slice.device()));
+  fp.storage.set_nbytes(0);
+}
+
+bool engine_state::take_built(const std::string& name, const ::torch::Tensor& p) {
+  auto b = built_slice_of(p);
+  if (!b) return false;
+  if (b->world != comm_.size() || b->rank != comm_.rank()) {
+    fail("parameter '" + name + "' was built partitioned for rank " + std::to_string(b->rank) + " of " +
+         std::to_string(b->world) + ", but initialize gets rank " + std::to_string(comm_.rank()) + " of " +
+         std::to_string(comm_.size()) + "; build the model under zero_init(comm) with the communicator passed to "
+         "initialize");
+  }
+  built_.emplace(p.unsafeGetTensorImpl(), std::move(*b));
+  return true;
+}
+
+// Each parameter built partitioned, rebuilt whole from the ranks' slices (every rank
+// broadcasts its own), one at a time: into the core (trainable: all[k], k < params_.size()),
+// or into converted (frozen). The ranks then compare the whole with what each built.
+void engine_state::load_built(const std::vector<::torch::Tensor>& all, std::vector<::torch::Tensor>& converted) {
+  const std::string consequence = "no rank made an engine, and the model is unchanged";
+  const int world = comm_.size();
+  for (std::size_t k = 0; k < all.size(); ++k) {
+    const auto it = built_.find(all[k].unsafeGetTensorImpl());
+    if (it == built_.end()) continue;
+    const built_slice& b = it->second;
+    const std::int64_t n = c10::multiply_integers(b.shape);
+    std::vector<float> whole;
+    agree("initialize", consequence, [&] {
+      whole.resize(static_cast<std::size_t>(n));
+      const auto [begin, end] = slice_range(n, world, comm_.rank());
+      const ::torch::Tensor own = b.slice.to(at::kFloat).contiguous();
+      std::copy_n(own.const_data_ptr<float>(), end - begin, whole.data() + begin);
+    });
+    for (int r = 0; r < world; ++r) {
+      const auto [begin, end] = slice_range(n, world, r);
+      core_->broadcast(whole.data() + begin, static_cast<std::uint64_t>(end - begin), r);
+    }
+    agree("initialize", consequence, [&] {
+      if (whole_hash(whole.data(), whole.size()) != b.hash) {
+        fail((k < params_.size() ? "parameter '" + names_[k] + "'" : "a frozen parameter of shape " + shape_of(b.shape)) +
+             " was built with other values on this rank than on the others under zero_init (each rank keeps "
+             "the slice it built, so the model would be a mix); seed torch alike on every rank "
+             "(torch::manual_seed) before building the model");
+      }
+      if (k < params_.size()) {
+        core_->load_param(k, whole.data(), dtype::fp32);
+      } else {
+        converted[k - params_.size()] = ::torch::from_blob(whole.data(), b.shape, ::torch::kFloat)
+                                            .to(all[k].device(), param_type_, /*non_blocking=*/false, /*copy=*/true);
+        partition_frozen(all[k], converted[k - params_.size()]);  // built partitioned: a parameter, not a buffer
+      }
+    });
+  }
 }
 
 pass* backward_tracker::acquire(event e) {
@@ -1370,18 +1623,26 @@ nlohmann::json engine_checkpoints::engine_json(const std::string& tag, const nlo
 std::vector<std::pair<std::string, at::Tensor>> engine_checkpoints::module_tensors() {
   sources_.clear();
   std::vector<std::pair<std::string, at::Tensor>> out;
-  const auto add = [&](const std::string& name, const at::Tensor& t, std::ptrdiff_t managed) {
-    const auto shape = managed >= 0 ? c10::IntArrayRef(e_.shapes_[static_cast<std::size_t>(managed)]) : t.sizes();
+  const auto add = [&](const std::string& name, const at::Tensor& t, c10::IntArrayRef shape, std::ptrdiff_t gathered) {
     at::Tensor ph = detail::placeholder(shape, t.scalar_type());
-    sources_.emplace(ph.storage().unsafeGetStorageImpl(), source{t, managed});
+    sources_.emplace(ph.storage().unsafeGetStorageImpl(), source{t, gathered});
     out.emplace_back(name, std::move(ph));
   };
   for (const auto& item : e_.module_->named_parameters(/*recurse=*/true)) {
-    const auto managed = e_.index_.find(item.value().unsafeGetTensorImpl());
-    add(item.key(), item.value(),
-        managed != e_.index_.end() ? static_cast<std::ptrdiff_t>(managed->second) : std::ptrdiff_t{-1});
+    const at::Tensor& t = item.value();
+    const auto managed = e_.index_.find(t.unsafeGetTensorImpl());
+    const auto frozen = e_.frozen_index_.find(t.unsafeGetTensorImpl());
+    if (managed != e_.index_.end()) {
+      const std::size_t i = managed->second;
+      add(item.key(), t, e_.shapes_[i], e_.core_->partitioned(i) ? static_cast<std::ptrdiff_t>(i) : -1);
+    } else if (frozen != e_.frozen_index_.end()) {
+      add(item.key(), t, e_.frozen_parts_[frozen->second].shape,
+          static_cast<std::ptrdiff_t>(e_.params_.size() + frozen->second));
+    } else {
+      add(item.key(), t, t.sizes(), -1);
+    }
   }
-  for (const auto& item : e_.module_->named_buffers(/*recurse=*/true)) add(item.key(), item.value(), -1);
+  for (const auto& item : e_.module_->named_buffers(/*recurse=*/true)) add(item.key(), item.value(), item.value().sizes(), -1);
   return out;
 }
 
@@ -1389,11 +1650,9 @@ at::Tensor engine_checkpoints::fetch(const at::Tensor& placeholder) {
   const source& src = sources_.at(placeholder.storage().unsafeGetStorageImpl());
   const bool writer = e_.comm_.rank() == 0;
   const auto copy = [&] { return src.tensor.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true); };
-  if (src.managed < 0 || !e_.core_->partitioned(static_cast<std::size_t>(src.managed))) {
-    return writer ? copy() : at::Tensor();
-  }
+  if (src.gathered < 0) return writer ? copy() : at::Tensor();
   // ZeRO-3: gathered for this tensor only (collective), then released.
-  const std::vector<std::size_t> one{static_cast<std::size_t>(src.managed)};
+  const std::vector<std::size_t> one{static_cast<std::size_t>(src.gathered)};
   e_.z3_.hold(one);
   at::Tensor values;
   try {
@@ -1580,7 +1839,10 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
       }
       // (A ZeRO-3 partitioned parameter's tensor is empty: its shape is the engine's.)
       const auto managed = e_.index_.find(like.unsafeGetTensorImpl());
-      const at::IntArrayRef shape = managed != e_.index_.end() ? at::IntArrayRef(e_.shapes_[managed->second]) : like.sizes();
+      const auto* part = e_.frozen_part_of(like);
+      const at::IntArrayRef shape = managed != e_.index_.end() ? at::IntArrayRef(e_.shapes_[managed->second])
+                                    : part != nullptr          ? at::IntArrayRef(part->shape)
+                                                               : like.sizes();
       if (it->second.sizes() != shape) {
         fail("engine.load_checkpoint: '" + name + "' has shape " + shape_of(it->second.sizes()) + " in " + quoted(module_path) +
              " and " + shape_of(shape) + " here. Load a checkpoint of this model");
@@ -1591,7 +1853,11 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
     for (const auto& item : e_.module_->named_parameters(/*recurse=*/true)) {
       const ::torch::Tensor src = take(item.key(), item.value());
       auto managed = e_.index_.find(item.value().unsafeGetTensorImpl());
-      if (managed == e_.index_.end()) {
+      if (const auto* part = e_.frozen_part_of(item.value())) {
+        // ZeRO-3: this rank's slice of it.
+        const auto [begin, end] = slice_range(src.numel(), e_.comm_.size(), e_.comm_.rank());
+        copies.push_back({part->slice, src.reshape({-1}).slice(0, begin, end)});
+      } else if (managed == e_.index_.end()) {
         copies.push_back({item.value(), src});  // frozen
       } else if (module_only) {
         trainable[managed->second] = src;
@@ -1671,7 +1937,47 @@ mpzero::torch::config config_from_string(const std::string& s, int world_size) {
   return load_config_file(s, world_size);
 }
 
+void partition_module(::torch::nn::Module& m) {
+  zero_init* scope = zero_init::current();
+  if (scope == nullptr) return;
+  ::torch::NoGradGuard no_grad;
+  std::lock_guard<std::mutex> lock(built_slices_mutex);
+  drop_dead_slices();
+  for (const auto& item : m.named_parameters(/*recurse=*/true)) {
+    const ::torch::Tensor& p = item.value();
+    // Once each: a tied weight, or a submodule partitioned before its parent.
+    if (!p.defined() || built_slices.count(p.unsafeGetTensorImpl()) > 0) continue;
+    if (!p.is_floating_point()) continue;  // integer parameters stay whole, as initialize keeps them
+    if (!p.device().is_cpu() && !p.device().is_cuda()) {
+      fail("mpzero::torch::partitioned: parameter '" + item.key() + "' is on " + p.device().str() +
+           "; build the model on the CPU (or a CUDA device) under zero_init");
+    }
+    const ::torch::Tensor whole = p.detach().reshape({-1}).to(at::kCPU, at::kFloat).contiguous();
+    const auto [begin, end] = slice_range(whole.numel(), scope->world_size(), scope->rank());
+    built_slice rec;
+    rec.owner = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(p.getIntrusivePtr());
+    rec.slice = p.detach().reshape({-1}).slice(0, begin, end).to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);
+    rec.shape = p.sizes().vec();
+    rec.world = scope->world_size();
+    rec.rank = scope->rank();
+    rec.hash = whole_hash(whole.const_data_ptr<float>(), static_cast<std::size_t>(whole.numel()));
+    built_slices.emplace(p.unsafeGetTensorImpl(), std::move(rec));
+    scope->count(static_cast<std::uint64_t>(p.numel()), static_cast<std::uint64_t>(end - begin));
+    const_cast<::torch::Tensor&>(p).set_data(::torch::empty({0}, p.options()));
+  }
+}
+
 }  // namespace detail
+
+zero_init::zero_init(int world_size, int rank) : world_(world_size), rank_(rank), outer_(current_zero_init) {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    fail("zero_init: world_size " + std::to_string(world_size) + " and rank " + std::to_string(rank) +
+         " are not a rank of a world; pass the communicator initialize will get (zero_init(comm))");
+  }
+  current_zero_init = this;
+}
+zero_init::~zero_init() { current_zero_init = outer_; }
+zero_init* zero_init::current() noexcept { return current_zero_init; }
 
 // ---- engine_base: forwards to the state ------------------------------------------------
 
@@ -1800,6 +2106,8 @@ std::uint64_t engine_base::gathered_numel() const {
   std::uint64_t n = 0;
   for (std::size_t i = 0; i < st_->params_.size(); ++i)
     if (st_->z3_.holds_[i] > 0 && st_->core_->partitioned(i)) n += static_cast<std::uint64_t>(st_->params_[i].numel());
+  for (std::size_t f = 0; f < st_->frozen_parts_.size(); ++f)
+    if (st_->z3_.holds_[st_->params_.size() + f] > 0) n += static_cast<std::uint64_t>(st_->frozen_parts_[f].param.numel());
   return n;
 }
 std::uint64_t engine_base::prefetched_gathers() const { return st_->z3_.prefetch_hits_; }

@@ -12,7 +12,9 @@
 //   broadcast at initialisation, through a bounded host window
 //   (detail::startup_window_elements). Frozen parameters and floating buffers are
 //   converted to the parameter dtype too (as DeepSpeed's module.bfloat16() does) but
-//   not managed.
+//   not managed (at ZeRO-3 the frozen ones above the persistence threshold are kept in
+//   slices and gathered with their unit, like managed ones). A model may be built
+//   partitioned (zero_init, below): then no rank holds it whole.
 // - Gradients: a post-accumulate-grad hook per trainable parameter hands the gradient to
 //   the ZeRO core (bucketed reduce-scatter at stage 2), scaled by 1/GAS, and releases
 //   param.grad(). Dividing at the parameter (not at the model's outputs) divides once,
@@ -73,6 +75,7 @@
 // docs/torch.md, "ZeRO-3", has the rules.
 #pragma once
 
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -342,6 +345,10 @@ std::shared_ptr<::torch::nn::Module> module_ptr(const Model& m) {
   }
 }
 
+// Partitioned construction (zero_init): keeps this rank's slice of each parameter of
+// `m` not kept yet and empties the tensor.
+void partition_module(::torch::nn::Module& m);
+
 // A JSON string ('{' first) or a path.
 mpzero::torch::config config_from_string(const std::string& path_or_json, int world_size);
 
@@ -386,6 +393,71 @@ engine<Model> initialize(Model model, mpzero::torch::config cfg, any_communicato
       detail::module_ptr(model), [&]() -> mpzero::torch::config { return std::move(cfg); }, std::move(comm));
   return engine<Model>(std::move(model), std::move(st));
 }
+// ---- partitioned construction: DeepSpeed's zero.Init ---------------------------------
+// A model whose parameters do not fit one rank whole is built under a zero_init scope,
+// with each large submodule (a transformer block, the embedding) passed through
+// partitioned() as it is made:
+//
+//   mpzero::torch::zero_init init(comm);           // this thread, until it ends
+//   GPT model(cfg);   // its constructor: blocks->push_back(mpzero::torch::partitioned(Block(cfg)));
+//   auto engine = mpzero::torch::initialize(model, config, comm);   // ZeRO-3
+//
+// partitioned(m) keeps this rank's slice of each of m's parameters (1/world of its
+// elements, in the parameter's dtype, on the CPU) and empties the tensor (shape [0]), so
+// a rank holds its slices plus the one submodule being built, never the whole model.
+// Without a scope it returns m unchanged: the same model code builds whole. initialize
+// rebuilds each parameter from the ranks' slices, one at a time, into the ZeRO core (and
+// keeps only this rank's partition at stage 3); the values are those every rank built,
+// so training is bit for bit that of the model built whole with the same seed. Every
+// rank must build the same values (torch::manual_seed alike before building, as DeepSpeed
+// assumes too): initialize compares a hash of each parameter as built and refuses, naming
+// it, where the ranks differ. Parameters partitioned here count as gathered_forward units
+// from the first forward: run each such submodule through gathered_forward. At stage 3,
+// frozen parameters are partitioned by initialize too (zero_init or not) and gathered
+// around their unit's forward, never given gradients or optimizer state.
+class zero_init {
+ public:
+  // The world size and rank of the communicator initialize will get.
+  zero_init(int world_size, int rank);
+  // Those of `comm`: any communicator initialize takes (any_communicator, MPI, NCCL, a c10d group's).
+  template <class Comm>
+    requires requires(const Comm& c) {
+      { c.size() } -> std::convertible_to<int>;
+      { c.rank() } -> std::convertible_to<int>;
+    }
+  explicit zero_init(const Comm& comm) : zero_init(comm.size(), comm.rank()) {}
+  ~zero_init();
+  zero_init(const zero_init&) = delete;
+  zero_init& operator=(const zero_init&) = delete;
+
+  int world_size() const noexcept { return world_; }
+  int rank() const noexcept { return rank_; }
+  // Elements of the parameters partitioned under this scope, whole, and this rank's part.
+  std::uint64_t partitioned_elements() const noexcept { return whole_; }
+  std::uint64_t kept_elements() const noexcept { return kept_; }
+
+  // The scope active on this thread, or nullptr.
+  static zero_init* current() noexcept;
+  // (partition_module's bookkeeping)
+  void count(std::uint64_t whole, std::uint64_t kept) noexcept {
+    whole_ += whole;
+    kept_ += kept;
+  }
+
+ private:
+  int world_, rank_;
+  std::uint64_t whole_ = 0, kept_ = 0;
+  zero_init* outer_;
+};
+
+// Under a zero_init scope on this thread: partitions `module`'s parameters (see
+// zero_init) and returns it; without one, returns it unchanged.
+template <class M>
+M partitioned(M module) {
+  if (zero_init::current() != nullptr) detail::partition_module(*detail::module_ptr(module));
+  return module;
+}
+
 template <class Model>
 engine<Model> initialize(Model model, const nlohmann::json& cfg, any_communicator comm = {}) {
   const int world = comm.size();
