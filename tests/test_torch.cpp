@@ -1,6 +1,8 @@
-// The LibTorch engine under mpirun (1 and 2 ranks): REFERENCE.md section 1's scenarios
-// (all but ZeRO-3's) at ZeRO stages 0-2, and a regression test for each DeepSpeed bug
-// listed there.
+// The LibTorch engine under mpirun (1, 2 and 3 ranks): REFERENCE.md section 1's scenarios
+// at ZeRO stages 0-2, and at stage 3 with every parameter partitioned (scalar and
+// non-scalar backward, shared losses, fp16 scaling and its refusal, scale_wrt_gas,
+// second backward through a retained graph, reentrant checkpointing, frozen
+// parameters), and a regression test for each DeepSpeed bug listed there.
 //
 // The reference is plain LibTorch, sharing no code with the engine: the same model
 // (same seed), run in the same compute dtype, with fp32 master weights updated by
@@ -38,7 +40,12 @@ namespace {
 // Two Linear(4, 4) layers. forward(x) gives logits, forward(x, y) the MSE loss (in fp32).
 struct NetImpl : two_linear {
   explicit NetImpl(std::uint64_t seed) : two_linear(seed) {}
-  Tensor forward(const Tensor& x) { return l2(l1(x)); }
+  Tensor forward(const Tensor& x) {
+    Tensor h = l1(x);
+    if (probe) probe();  // what a test samples inside the forward
+    return l2(h);
+  }
+  std::function<void()> probe;
   Tensor forward(const Tensor& x, const Tensor& y) { return torch::mse_loss(forward(x).to(torch::kFloat), y); }
 };
 TORCH_MODULE(Net);
@@ -67,7 +74,7 @@ struct reference {
   std::unique_ptr<torch::optim::Optimizer> opt;  // torch::optim::Adam, no weight decay, unless replaced
 
   reference(M m, at::ScalarType dt_, int stage = 0, double lr = 1e-3)
-      : model(std::move(m)), dt(dt_), reduce_each_pass(stage == 2) {
+      : model(std::move(m)), dt(dt_), reduce_each_pass(stage >= 2) {
     for (const auto& p : model->named_parameters()) names.push_back(p.key());
     master = fp32_masters(model->parameters());
     model->to(dt);
@@ -161,7 +168,9 @@ void check_weights(mt::engine_base& e, const std::map<std::string, Tensor>& want
   const auto& names = e.parameter_names();
   for (std::size_t i = 0; i < names.size(); ++i) {
     check_close(got[i], want.at(names[i]), param_tol, param_atol, what + ": master weight " + names[i]);
-    // The model's own parameter is the master rounded to the parameter dtype.
+    // The model's own parameter is the master rounded to the parameter dtype (at stage 3
+    // a partitioned one is empty between forwards: test_torch_zero3.cpp checks its copies).
+    if (e.parameters()[i].numel() == 0 && !e.parameter_shape(e.parameters()[i]).empty()) continue;
     check_close(e.parameters()[i].to(torch::kFloat),
                 got[i].to(e.parameters()[i].scalar_type()).to(torch::kFloat), {0, 0}, 0.0,
                 what + ": model parameter " + names[i] + " vs its master");
@@ -174,8 +183,11 @@ at::ScalarType dtype_of(const std::string& prec) {
   return prec == "bf16" ? torch::kBFloat16 : prec == "fp16" ? torch::kHalf : torch::kFloat;
 }
 
+// At stage 3 every parameter is partitioned (threshold 0; the test models' tensors are
+// below DeepSpeed's default), so the scenarios run on gathered copies.
 json make_config(int stage, const std::string& prec, int gas = 1, json extra = json::object()) {
   json j = engine_config(stage, gas, 1e-3);
+  if (stage == 3) j["zero_optimization"]["stage3_param_persistence_threshold"] = 0;
   if (prec == "bf16") j["bf16"] = {{"enabled", true}};
   if (prec == "fp16") j["fp16"] = {{"enabled", true}, {"initial_scale_power", 8}};
   j.merge_patch(extra);
@@ -198,7 +210,7 @@ std::string label(int stage, const std::string& prec) {
 // =================================================================================
 TEST_CASE("torch: loss.backward() on the model's loss and on a loss computed outside match the reference",
           "[torch]") {
-  const int stage = GENERATE(0, 1, 2);
+  const int stage = GENERATE(0, 1, 2, 3);
   const std::string prec = GENERATE(std::string("bf16"), std::string("fp32"));
   const bool outside = GENERATE(false, true);
   const at::ScalarType dt = dtype_of(prec);
@@ -229,6 +241,10 @@ TEST_CASE("torch: Adam with L2 weight decay and AdamW match torch.optim.Adam and
   const int stage = GENERATE(0, 2);
   const bool decoupled = GENERATE(false, true);
   const std::string prec = GENERATE(std::string("fp32"), std::string("bf16"));
+  // At 3 ranks the mean of three bf16 gradients rounds in the reduction's order, which
+  // this reference does not model; at lr 1e-2 Adam turns that ulp into more than the
+  // fp32 tolerance of the master weights (the other scenarios, at lr 1e-3, stay within).
+  if (prec == "bf16" && W() > 2) return;
   const at::ScalarType dt = dtype_of(prec);
   INFO(label(stage, prec) << (decoupled ? ", AdamW" : ", Adam (L2)"));
   const double lr = 1e-2, wd = 0.5;
@@ -337,7 +353,7 @@ TEST_CASE("torch: SGD and Lion match torch.optim.SGD and Lion's definition at ev
 // Scenario 2: non-scalar backward with an explicit gradient.
 // =================================================================================
 TEST_CASE("torch: out.backward(ones_like(out)) on a non-scalar output matches the reference", "[torch]") {
-  const int stage = GENERATE(0, 1, 2);
+  const int stage = GENERATE(0, 1, 2, 3);
   const std::string prec = GENERATE(std::string("bf16"), std::string("fp32"));
   const at::ScalarType dt = dtype_of(prec);
   INFO(label(stage, prec));
@@ -385,7 +401,7 @@ TEST_CASE("torch: fp16 non-scalar output: out.backward(grad) is refused naming e
 // =================================================================================
 TEST_CASE("torch: GAS=4 over 8 micro-batches with plain loss.backward() and step() every micro-batch",
           "[torch]") {
-  const int stage = GENERATE(0, 1, 2);
+  const int stage = GENERATE(0, 1, 2, 3);
   const std::string prec = GENERATE(std::string("bf16"), std::string("fp32"));
   const at::ScalarType dt = dtype_of(prec);
   INFO(label(stage, prec));
@@ -413,7 +429,7 @@ TEST_CASE("torch: GAS=4 over 8 micro-batches with plain loss.backward() and step
 // Scenario 4: engine.backward(loss, scale_wrt_gas = false) sums without dividing.
 // =================================================================================
 TEST_CASE("torch: engine.backward with and without scale_wrt_gas", "[torch]") {
-  const int stage = GENERATE(0, 1, 2);
+  const int stage = GENERATE(0, 1, 2, 3);
   const bool scale_wrt_gas = GENERATE(true, false);
   const std::string prec = "bf16";
   const at::ScalarType dt = dtype_of(prec);
@@ -441,7 +457,7 @@ TEST_CASE("torch: engine.backward with and without scale_wrt_gas", "[torch]") {
 // Scenario 5: three engines, one loss, one backward, no manual epilogue.
 // =================================================================================
 TEST_CASE("torch: three engines sharing one loss need no manual epilogue", "[torch]") {
-  const int stage = GENERATE(0, 1, 2);
+  const int stage = GENERATE(0, 1, 2, 3);
   const std::string prec = GENERATE(std::string("bf16"), std::string("fp32"));
   const at::ScalarType dt = dtype_of(prec);
   INFO(label(stage, prec));
@@ -475,9 +491,10 @@ TEST_CASE("torch: three engines sharing one loss need no manual epilogue", "[tor
 // =================================================================================
 TEST_CASE("torch: fp16 loss.backward() without engine.scale() raises 'Loss scaling is required' on every rank",
           "[torch]") {
-  const int stage = GENERATE(0, 1, 2);
+  const int stage = GENERATE(0, 1, 2, 3);
   const bool dynamic = GENERATE(true, false);
   const bool bypass = GENERATE(false, true);  // a forward that does not go through the engine
+  if (stage == 3 && bypass) return;  // stage 3 gathers in engine.forward: a bypassing forward has no weights
   INFO(label(stage, "fp16") << (dynamic ? ", dynamic" : ", static") << " loss scale" << (bypass ? ", bypassed forward" : ""));
   json extra = dynamic ? json{{"fp16", {{"initial_scale_power", 8}}}} : json{{"fp16", {{"loss_scale", 256.0}}}};
   auto engine = make_engine(Net(11), make_config(stage, "fp16", 1, extra));
@@ -502,7 +519,7 @@ TEST_CASE("torch: fp16 loss.backward() without engine.scale() raises 'Loss scali
 // Scenario 9: engine.scale(loss).backward() == engine.backward(loss) == reference, GAS 4.
 // =================================================================================
 TEST_CASE("torch: engine.scale(loss).backward() equals engine.backward(loss) and the reference", "[torch]") {
-  const int stage = GENERATE(0, 1, 2);
+  const int stage = GENERATE(0, 1, 2, 3);
   const std::string prec = GENERATE(std::string("fp16"), std::string("bf16"));
   const at::ScalarType dt = dtype_of(prec);
   INFO(label(stage, prec));
@@ -608,7 +625,7 @@ TEST_CASE("torch: several backward calls per step with CPU offload equal the run
 // [hooks]: the DeepSpeed bugs of REFERENCE.md section 1.
 // =================================================================================
 TEST_CASE("hooks: a second backward without a new forward accumulates and runs its own epilogue", "[hooks]") {
-  const int stage = GENERATE(0, 1, 2);
+  const int stage = GENERATE(0, 1, 2, 3);
   const bool two_losses = GENERATE(false, true);
   INFO(label(stage, "fp32") << (two_losses ? ", two losses of one forward" : ", retain_graph twice"));
   auto engine = make_engine(Net(13), make_config(stage, "fp32"));
@@ -694,8 +711,9 @@ TEST_CASE("hooks: a backward inside forward runs no epilogue; its gradients join
 }
 
 TEST_CASE("hooks: a nested (reentrant) backward runs no epilogue of its own", "[hooks]") {
-  const int stage = GENERATE(0, 1, 2);
+  const int stage = GENERATE(0, 1, 2, 3);
   const bool bypass = GENERATE(false, true);
+  if (stage == 3 && bypass) return;  // stage 3 gathers in engine.forward: a bypassing forward has no weights
   INFO(label(stage, "fp32") << (bypass ? ", forward bypasses the engine" : ""));
   auto engine = make_engine(Checkpointed(19), make_config(stage, "fp32"));
   reference<Net> ref(Net(19), torch::kFloat, stage);  // same math without checkpointing
@@ -977,7 +995,7 @@ TEST_CASE("hooks: a weight used twice in the graph (tied) gets the sum of both u
 }
 
 TEST_CASE("hooks: frozen parameters (requires_grad false) are not managed and keep their values", "[hooks]") {
-  const int stage = GENERATE(0, 2);
+  const int stage = GENERATE(0, 2, 3);
   const std::string prec = GENERATE(std::string("bf16"), std::string("fp32"));
   const at::ScalarType dt = dtype_of(prec);
   INFO(label(stage, prec));
@@ -986,7 +1004,10 @@ TEST_CASE("hooks: frozen parameters (requires_grad false) are not managed and ke
   model->l1->bias.requires_grad_(false);
   auto engine = make_engine(model, make_config(stage, prec));
   REQUIRE(engine.parameter_names() == std::vector<std::string>{"l2.weight", "l2.bias"});
-  const Tensor w1 = engine.module()->l1->weight.detach().clone();
+  // Stage 3 keeps them in slices too (empty between forwards): their values are read
+  // from the reference model built alike.
+  const Tensor w1 = stage == 3 ? Net(43)->l1->weight.detach().to(dt) : engine.module()->l1->weight.detach().clone();
+  if (stage == 3) CHECK(engine.module()->l1->weight.numel() == 0);
   CHECK(w1.scalar_type() == dt);  // frozen parameters take the model's dtype, as after module.bfloat16()
   Net ref_model(43);
   ref_model->l1->weight.requires_grad_(false);
@@ -1001,7 +1022,16 @@ TEST_CASE("hooks: frozen parameters (requires_grad false) are not managed and ke
     ref.step();
     check_weights(engine, ref.weights(), "iteration " + std::to_string(it));
   }
-  CHECK(torch::equal(engine.module()->l1->weight, w1));
+  if (stage == 3) {
+    // Gathered for a forward under the engine, and unchanged.
+    Tensor seen;
+    engine.module()->probe = [&] { seen = engine.module()->l1->weight.detach().clone(); };
+    engine(data(5, R(), 19).x.to(dt));
+    engine.module()->probe = nullptr;
+    CHECK(torch::equal(seen, w1));
+  } else {
+    CHECK(torch::equal(engine.module()->l1->weight, w1));
+  }
   CHECK_FALSE(engine.module()->l1->weight.grad().defined());
 }
 

@@ -1,9 +1,9 @@
 # The LibTorch engine: [torch] (the training API of docs/torch.md: loss.backward(),
 # GAS, engine.backward/scale, fp16 loss scaling, shared losses, offload, configs) and
 # [hooks] (docs/torch.md's "What the hooks guarantee", the DeepSpeed regressions), under
-# mpirun at 1 and 2 ranks. Needs LibTorch (adapters/torch/torch.cmake).
+# mpirun at 1, 2 and 3 ranks (stage 3's scenarios included). Needs LibTorch (adapters/torch/torch.cmake).
 if(TARGET mpzero_torch AND MPI_CXX_FOUND)
-  mpzero_add_test(test_torch SOURCES test_torch.cpp TAGS torch hooks MPI 1 2 LIBS mpzero::torch)
+  mpzero_add_test(test_torch SOURCES test_torch.cpp TAGS torch hooks MPI 1 2 3 LIBS mpzero::torch)
   # Gradient reduction dtypes (torch_autocast, communication_data_type) and the LR
   # schedules end to end; a TU of its own so that it rebuilds without test_torch.cpp.
   mpzero_add_test(test_torch_wire SOURCES test_torch_wire.cpp TAGS torch MPI 1 2 LIBS mpzero::torch)
@@ -15,7 +15,7 @@ if(TARGET mpzero_torch AND MPI_CXX_FOUND)
     set_tests_properties(test_torch.torch.np${np} test_torch.hooks.np${np} test_torch_wire.torch.np${np}
                          test_torch_zero3.zero3.np${np} PROPERTIES TIMEOUT 900)
   endforeach()
-  set_tests_properties(test_torch_zero3.zero3.np3 PROPERTIES TIMEOUT 900)
+  set_tests_properties(test_torch.torch.np3 test_torch.hooks.np3 test_torch_zero3.zero3.np3 PROPERTIES TIMEOUT 900)
 elseif(TARGET mpzero_torch)
   message(STATUS "mpzero: MPI not found; the [torch] tests are not built")
 endif()
