@@ -44,7 +44,10 @@
 //                and clipping (what the engine costs per step; id "torch")
 // each at ZeRO stage 0, 1, 2, 3 and with CPU offload at stages 1-3 (ids: bf16/z2,
 // bf16/z3+off, ...). At stage 3 each transformer block's parameters are gathered around
-// its forward and backward (mpzero::torch::gathered_forward).
+// its forward and backward (mpzero::torch::gathered_forward), and the model is built
+// partitioned (mpzero::torch::zero_init): a rank holds its slices of the blocks and the
+// block being built, never the whole model. At the end every rank's peak resident
+// memory is printed.
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
@@ -60,6 +63,8 @@
 #include <iostream>
 #include <numeric>
 #include <optional>
+
+#include <sys/resource.h>
 #include <random>
 #include <sstream>
 #include <string>
@@ -181,24 +186,34 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
+// GPT-2's initialisation of a module as it is built: N(0, 0.02) matrices, zero biases,
+// LayerNorm at (1, 0). Returns the module.
+template <class M>
+M gpt2_init(M m) {
+  torch::NoGradGuard ng;
+  for (auto& p : m->named_parameters()) {
+    if (p.value().dim() >= 2) p.value().normal_(0.0, 0.02);
+    else if (p.key().find("ln") == std::string::npos) p.value().zero_();
+  }
+  return m;
+}
+
 struct GPTImpl : torch::nn::Module {
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
   torch::nn::ModuleList blocks;
   torch::nn::LayerNorm ln_f{nullptr};
   torch::nn::Linear head{nullptr};
+  // Each block is initialised as it is built and passed through mt::partitioned: under a
+  // zero_init scope (stage-3 configurations) a rank then keeps only its slices of it, so
+  // no rank ever holds the whole model; otherwise it is kept whole. The values are the
+  // same either way.
   GPTImpl(int layers, int dim, int n_heads, int seq) {
-    tok = register_module("tok", torch::nn::Embedding(256, dim));
-    pos = register_module("pos", torch::nn::Embedding(seq, dim));
+    tok = register_module("tok", gpt2_init(torch::nn::Embedding(256, dim)));
+    pos = register_module("pos", gpt2_init(torch::nn::Embedding(seq, dim)));
     blocks = register_module("blocks", torch::nn::ModuleList());
-    for (int i = 0; i < layers; ++i) blocks->push_back(Block(dim, n_heads));
+    for (int i = 0; i < layers; ++i) blocks->push_back(mt::partitioned(gpt2_init(Block(dim, n_heads))));
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
-    head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(dim, 256).bias(false)));
-    // GPT-2's initialisation: N(0, 0.02) matrices, zero biases, LayerNorm at (1, 0).
-    torch::NoGradGuard ng;
-    for (auto& p : named_parameters()) {
-      if (p.value().dim() >= 2) p.value().normal_(0.0, 0.02);
-      else if (p.key().find("ln") == std::string::npos) p.value().zero_();
-    }
+    head = register_module("head", gpt2_init(torch::nn::Linear(torch::nn::LinearOptions(dim, 256).bias(false))));
   }
   // Mean cross-entropy of the next byte, in fp32 whatever the parameter dtype.
   torch::Tensor forward(const torch::Tensor& idx, const torch::Tensor& targets) {
@@ -662,11 +677,15 @@ void reset_peak(torch::Device device) {
 }
 
 // A fresh model with the run's initial weights (the same for every configuration); on a
-// GPU the allocator's peak is reset first, so each configuration's peak is its own.
-GPT fresh_model(const options& o, torch::Device device) {
+// GPU the allocator's peak is reset first, so each configuration's peak is its own. With
+// `partition_for` (stage 3), built partitioned: this rank keeps its slices of each block.
+GPT fresh_model(const options& o, torch::Device device, const mt::any_communicator* partition_for = nullptr) {
   reset_peak(device);
   torch::manual_seed(o.seed);
+  std::optional<mt::zero_init> scope;
+  if (partition_for != nullptr) scope.emplace(*partition_for);
   GPT model(o.layers, o.dim, o.heads, o.seq);
+  scope.reset();
   model->to(device);
   return model;
 }
@@ -794,7 +813,7 @@ struct no_result {
 std::optional<result> train_one(const run_spec& spec, const options& o, const corpus& data, mt::any_communicator comm,
                                 torch::Device device, int index, int total, no_result& why) {
   if (spec.precision == "torch") return train_torch(spec, o, data, comm, device, index, total);
-  GPT model = fresh_model(o, device);
+  GPT model = fresh_model(o, device, spec.stage == 3 ? &comm : nullptr);
   std::optional<mt::engine<GPT>> made;
   try {
     made.emplace(mt::initialize(model, make_config(spec, o), comm));
@@ -1302,6 +1321,18 @@ int run(int argc, char** argv, mt::any_communicator comm) {
       for (const auto& [id, msg] : refused) std::printf("  %-18s %s\n", id.c_str(), msg.c_str());
     }
     std::printf("wrote %s and %s\n", (fs::path(o.out) / "summary.csv").c_str(), (fs::path(o.out) / "results.json").c_str());
+  }
+  // Each rank's peak resident memory over the whole run (building the model, initialize,
+  // training, evaluation): what a rank must have, measured by the kernel.
+  std::vector<float> rss(static_cast<std::size_t>(comm.size()), 0.0f), all(rss.size());
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  rss[static_cast<std::size_t>(comm.rank())] = static_cast<float>(usage.ru_maxrss) / 1024.0f;  // KiB -> MiB
+  comm.all_reduce(rss.data(), all.data(), all.size(), mpzero::comm::reduce_op::sum);
+  if (root) {
+    std::printf("peak resident memory per rank (the whole run):");
+    for (std::size_t k = 0; k < all.size(); ++k) std::printf(" %s%.2f GiB", k == 0 ? "" : "| ", all[k] / 1024.0);
+    std::printf("\n");
   }
   return 0;
 }
