@@ -390,6 +390,41 @@ class backward_tracker {
   engine_state& e_;
 };
 
+// ZeRO-3: the frozen floating parameters above stage3_param_persistence_threshold, which
+// the engine partitions itself (no gradient, no optimizer state): each rank keeps
+// slice_range of their elements, and zero3_gatherer gathers them, after the managed
+// parameters in its numbering (params_.size() + f), around their units' forwards. One
+// part of engine_state, which owns it: it reads the engine's core (for its broadcasts),
+// communicator and configuration.
+class frozen_shards {
+ public:
+  explicit frozen_shards(engine_state& e) : e_(e) {}
+  struct part {
+    ::torch::Tensor param;  // the module's tensor: empty, or a view of `storage` while gathered
+    ::torch::Tensor slice;  // this rank's elements, in the parameter dtype, on its device
+    std::vector<std::int64_t> shape;
+    c10::Storage storage;  // kept across gathers, as zero3_gatherer::bind keeps a managed one's
+  };
+  // A frozen parameter's values as initialize converted them: partitioned (then
+  // `converted` becomes empty) when stage 3 keeps it in slices.
+  void partition(const ::torch::Tensor& param, ::torch::Tensor& converted);
+  // Rebuilt whole from the ranks' slices (each broadcasts its own, through the host) into
+  // a buffer the parameter's storage points at; release() frees it.
+  void gather(std::size_t f);
+  void release(std::size_t f);
+  const part* part_of(const ::torch::Tensor& t) const {
+    const auto it = index_.find(t.unsafeGetTensorImpl());
+    return it == index_.end() ? nullptr : &parts_[it->second];
+  }
+  std::size_t size() const { return parts_.size(); }
+
+  std::vector<part> parts_;
+  std::unordered_map<const c10::TensorImpl*, std::size_t> index_;  // tensor -> parts_ index
+
+ private:
+  engine_state& e_;
+};
+
 class engine_state : public std::enable_shared_from_this<engine_state> {
  public:
   engine_state(std::shared_ptr<::torch::nn::Module> module, mpzero::torch::config cfg, any_communicator comm)
@@ -408,7 +443,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     }
     {
       std::lock_guard<std::mutex> lock(frozen_owners_mutex);
-      for (const auto& [impl, f] : frozen_index_) frozen_owners.erase(impl);
+      for (const auto& [impl, f] : frozen_shards_.index_) frozen_owners.erase(impl);
     }
     for (std::size_t i = 0; i < bound_; ++i) {
       try {
@@ -521,6 +556,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   zero3_gatherer z3_{*this};
   engine_checkpoints checkpoints_{*this};
   backward_tracker bw_{*this};
+  frozen_shards frozen_shards_{*this};
 
   mpzero::torch::config cfg_;
   any_communicator comm_;
@@ -531,32 +567,20 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   // The parameters (trainable or frozen) built partitioned under zero_init, from prepare()
   // to start(): their tensors are empty, and start() rebuilds them from the ranks' slices.
   std::unordered_map<const c10::TensorImpl*, built_slice> built_;
-  // ZeRO-3: the frozen floating parameters above stage3_param_persistence_threshold, which
-  // the engine partitions itself (no gradient, no optimizer state): each rank keeps
-  // slice_range of their elements, and zero3_gatherer gathers them, after the managed
-  // parameters in its numbering (params_.size() + f), around their units' forwards.
-  struct frozen_part {
-    ::torch::Tensor param;  // the module's tensor: empty, or a view of `storage` while gathered
-    ::torch::Tensor slice;  // this rank's elements, in the parameter dtype, on its device
-    std::vector<std::int64_t> shape;
-    c10::Storage storage;  // kept across gathers, as zero3_gatherer::bind keeps a managed one's
-  };
-  std::vector<frozen_part> frozen_parts_;
-  std::unordered_map<const c10::TensorImpl*, std::size_t> frozen_index_;  // tensor -> frozen_parts_ index
-  // A frozen parameter's values as start() converted them: partitioned (then `converted`
-  // becomes empty) when stage 3 keeps it in slices.
-  void partition_frozen(const ::torch::Tensor& param, ::torch::Tensor& converted);
-  void gather_frozen(std::size_t f);
-  void release_frozen(std::size_t f);
-  const frozen_part* frozen_part_of(const ::torch::Tensor& t) const {
-    const auto it = frozen_index_.find(t.unsafeGetTensorImpl());
-    return it == frozen_index_.end() ? nullptr : &frozen_parts_[it->second];
-  }
   // zero3_gatherer's numbering: the managed parameters, then the frozen parts.
-  std::size_t z3_size() const { return params_.size() + frozen_parts_.size(); }
+  std::size_t z3_size() const { return params_.size() + frozen_shards_.size(); }
   bool z3_partitioned(std::size_t i) const { return i >= params_.size() || core_->partitioned(i); }
   bool take_built(const std::string& name, const ::torch::Tensor& p);
+  // start()'s parts. all: the managed parameters, then the n_frozen frozen floating ones,
+  // then the floating buffers; converted[k - params_.size()]: the value all[k] takes.
+  // Every value from rank 0, through a bounded host window (not those built partitioned):
+  void load_from_rank0(const std::vector<::torch::Tensor>& all, std::size_t n_frozen,
+                       std::vector<::torch::Tensor>& converted);
+  // Those built partitioned, from the ranks' slices:
   void load_built(const std::vector<::torch::Tensor>& all, std::vector<::torch::Tensor>& converted);
+  // The parameters become views of the core's buffer (or empty: ZeRO-3) with their hooks;
+  // the frozen ones and the buffers take their converted values.
+  void bind_parameters(const std::vector<::torch::Tensor>& all, const std::vector<::torch::Tensor>& converted);
   struct start_plan {
     core_plan core;
     core_place place;
@@ -730,7 +754,7 @@ void zero3_gatherer::hold(const std::vector<std::size_t>& idx) {
   if (fresh.empty() && fetched.empty() && frozen.empty()) return;
   e_.core_waits();
   try {
-    for (std::size_t i : frozen) e_.gather_frozen(i - e_.params_.size());
+    for (std::size_t i : frozen) e_.frozen_shards_.gather(i - e_.params_.size());
     for (std::size_t i : fetched) {
       const auto group = group_of_[i];
       if (prefetched_.erase(group) > 0) {  // the first of its parameters: wait for it
@@ -824,7 +848,7 @@ void zero3_gatherer::unhold(const std::vector<std::size_t>& idx) {
   for (std::size_t i : idx) {
     if (holds_[i] == 0 || --holds_[i] > 0) continue;
     if (i >= e_.params_.size()) {
-      e_.release_frozen(i - e_.params_.size());
+      e_.frozen_shards_.release(i - e_.params_.size());
       continue;
     }
     unbind(i);
@@ -857,7 +881,7 @@ void zero3_gatherer::release_all() {
   }
   for (std::size_t i = 0; i < e_.z3_size(); ++i) {
     if (holds_[i] > 0 && i >= e_.params_.size()) {
-      e_.release_frozen(i - e_.params_.size());
+      e_.frozen_shards_.release(i - e_.params_.size());
     } else if (holds_[i] > 0 && e_.core_->partitioned(i)) {
       unbind(i);
     }
@@ -908,8 +932,8 @@ std::shared_ptr<unit_call> begin_unit(const ::torch::nn::Module& m) {
   for (const auto& p : params) {
     auto it = st->index_.find(p.unsafeGetTensorImpl());
     if (it != st->index_.end() && st->core_->partitioned(it->second)) idx.push_back(it->second);
-    auto f = st->frozen_index_.find(p.unsafeGetTensorImpl());
-    if (f != st->frozen_index_.end()) idx.push_back(st->params_.size() + f->second);
+    auto f = st->frozen_shards_.index_.find(p.unsafeGetTensorImpl());
+    if (f != st->frozen_shards_.index_.end()) idx.push_back(st->params_.size() + f->second);
   }
   std::sort(idx.begin(), idx.end());
   idx.erase(std::unique(idx.begin(), idx.end()), idx.end());
@@ -1152,6 +1176,15 @@ void engine_state::start() {
   all.insert(all.end(), frozen.begin(), frozen.end());
   for (const auto& b : module_->buffers(/*recurse=*/true))
     if (b.is_floating_point()) all.push_back(b);
+  // Frozen parameters and buffers: their values in the parameter dtype, set below.
+  std::vector<::torch::Tensor> converted(all.size() - params_.size());
+  load_from_rank0(all, frozen.size(), converted);
+  load_built(all, converted);
+  bind_parameters(all, converted);
+}
+
+void engine_state::load_from_rank0(const std::vector<::torch::Tensor>& all, std::size_t n_frozen,
+                                   std::vector<::torch::Tensor>& converted) {
   // The values cross the communicator in fp32 through one host window of at most
   // startup_window_elements (or the largest tensor, which loads whole), not the whole
   // model at once: 4 bytes per parameter of a 7B model would be 28 GB of host memory per
@@ -1197,8 +1230,7 @@ void engine_state::start() {
       off += c.numel();
     }
   };
-  // Window w's values from `flat` into the core (trainable) or `converted` (bound below).
-  std::vector<::torch::Tensor> converted(all.size() - params_.size());
+  // Window w's values from `flat` into the core (trainable) or `converted` (bound later).
   auto load = [&](std::size_t w) {
     std::int64_t off = 0;
     for (std::size_t k = first(w); k < ends[w]; ++k) {
@@ -1209,7 +1241,7 @@ void engine_state::start() {
       } else {
         converted[k - params_.size()] = ::torch::from_blob(flat.data() + off, t.sizes(), ::torch::kFloat)
                                             .to(t.device(), param_type_, /*non_blocking=*/false, /*copy=*/true);
-        if (k < params_.size() + frozen.size()) partition_frozen(t, converted[k - params_.size()]);
+        if (k < params_.size() + n_frozen) frozen_shards_.partition(t, converted[k - params_.size()]);
       }
       off += t.numel();
     }
@@ -1226,9 +1258,9 @@ void engine_state::start() {
     if (world > 1 && elements(w) > 0) core_->broadcast(flat.data(), elements(w), 0);
   }
   agree("initialize", consequence, [&] { load(ends.size() - 1); });
-  flat = {};
-  load_built(all, converted);
+}
 
+void engine_state::bind_parameters(const std::vector<::torch::Tensor>& all, const std::vector<::torch::Tensor>& converted) {
   zero3_ = cfg_.zero.stage == 3;
   z3_.holds_.assign(z3_size(), 0);
   z3_.storages_.assign(params_.size(), c10::Storage());
@@ -1238,8 +1270,8 @@ void engine_state::start() {
   // Built partitioned: each in a submodule that runs through gathered_forward, so the
   // first forward need not gather them for the whole pass.
   for (std::size_t i = 0; i < params_.size(); ++i) z3_.claimed_[i] = built_.count(params_[i].unsafeGetTensorImpl()) > 0;
-  for (std::size_t f = 0; f < frozen_parts_.size(); ++f) {
-    z3_.claimed_[params_.size() + f] = built_.count(frozen_parts_[f].param.unsafeGetTensorImpl()) > 0;
+  for (std::size_t f = 0; f < frozen_shards_.parts_.size(); ++f) {
+    z3_.claimed_[params_.size() + f] = built_.count(frozen_shards_.parts_[f].param.unsafeGetTensorImpl()) > 0;
   }
   for (std::size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
@@ -1267,43 +1299,43 @@ void engine_state::start() {
   built_.clear();
   {
     std::lock_guard<std::mutex> lock(frozen_owners_mutex);
-    for (const auto& [impl, f] : frozen_index_) frozen_owners[impl] = weak_from_this();
+    for (const auto& [impl, f] : frozen_shards_.index_) frozen_owners[impl] = weak_from_this();
   }
   join_core();  // the forward reads what load_param wrote on the core's stream
 }
 
-void engine_state::partition_frozen(const ::torch::Tensor& param, ::torch::Tensor& converted) {
-  if (cfg_.zero.stage != 3 || static_cast<std::uint64_t>(converted.numel()) <= cfg_.zero.stage3_param_persistence_threshold) {
+void frozen_shards::partition(const ::torch::Tensor& param, ::torch::Tensor& converted) {
+  if (e_.cfg_.zero.stage != 3 || static_cast<std::uint64_t>(converted.numel()) <= e_.cfg_.zero.stage3_param_persistence_threshold) {
     return;
   }
-  frozen_part fp;
+  part fp;
   fp.param = param;
   fp.shape = converted.sizes().vec();
-  const auto [begin, end] = slice_range(converted.numel(), comm_.size(), comm_.rank());
+  const auto [begin, end] = slice_range(converted.numel(), e_.comm_.size(), e_.comm_.rank());
   fp.slice = converted.reshape({-1}).slice(0, begin, end).clone();
   converted = ::torch::empty({0}, converted.options());  // what the module holds until gathered
-  frozen_index_[param.unsafeGetTensorImpl()] = frozen_parts_.size();
-  frozen_parts_.push_back(std::move(fp));
+  index_[param.unsafeGetTensorImpl()] = parts_.size();
+  parts_.push_back(std::move(fp));
 }
 
 // Rebuilt whole from the ranks' slices (each broadcasts its own, through the host) into
 // a buffer the parameter's storage points at.
-void engine_state::gather_frozen(std::size_t f) {
-  frozen_part& fp = frozen_parts_[f];
+void frozen_shards::gather(std::size_t f) {
+  part& fp = parts_[f];
   const std::int64_t n = c10::multiply_integers(fp.shape);
   std::vector<float> whole(static_cast<std::size_t>(n));
-  const int world = comm_.size();
+  const int world = e_.comm_.size();
   {
-    const auto [begin, end] = slice_range(n, world, comm_.rank());
+    const auto [begin, end] = slice_range(n, world, e_.comm_.rank());
     const ::torch::Tensor own = fp.slice.to(at::kCPU, at::kFloat).contiguous();
     std::copy_n(own.const_data_ptr<float>(), end - begin, whole.data() + begin);
   }
   for (int r = 0; r < world; ++r) {
     const auto [begin, end] = slice_range(n, world, r);
-    core_->broadcast(whole.data() + begin, static_cast<std::uint64_t>(end - begin), r);
+    e_.core_->broadcast(whole.data() + begin, static_cast<std::uint64_t>(end - begin), r);
   }
   const c10::Device dev = fp.slice.device();
-  const std::size_t bytes = static_cast<std::size_t>(n) * c10::elementSize(param_type_);
+  const std::size_t bytes = static_cast<std::size_t>(n) * c10::elementSize(e_.param_type_);
   c10::DataPtr data = c10::GetAllocator(dev.type())->allocate(bytes);
   if (!fp.storage) {
     fp.storage = c10::Storage(c10::Storage::use_byte_size_t(), bytes, std::move(data), /*allocator=*/nullptr,
@@ -1319,8 +1351,8 @@ void engine_state::gather_frozen(std::size_t f) {
   fp.param.set_data(t);
 }
 
-void engine_state::release_frozen(std::size_t f) {
-  frozen_part& fp = frozen_parts_[f];
+void frozen_shards::release(std::size_t f) {
+  part& fp = parts_[f];
   fp.param.set_data(::torch::empty({0}, fp.slice.options()));
   if (!fp.storage) return;
   fp.storage.set_data_ptr_noswap(c10::DataPtr(nullptr, fp.slice.device()));
@@ -1374,7 +1406,7 @@ void engine_state::load_built(const std::vector<::torch::Tensor>& all, std::vect
       } else {
         converted[k - params_.size()] = ::torch::from_blob(whole.data(), b.shape, ::torch::kFloat)
                                             .to(all[k].device(), param_type_, /*non_blocking=*/false, /*copy=*/true);
-        partition_frozen(all[k], converted[k - params_.size()]);  // built partitioned: a parameter, not a buffer
+        frozen_shards_.partition(all[k], converted[k - params_.size()]);  // built partitioned: a parameter, not a buffer
       }
     });
   }
@@ -1631,12 +1663,12 @@ std::vector<std::pair<std::string, at::Tensor>> engine_checkpoints::module_tenso
   for (const auto& item : e_.module_->named_parameters(/*recurse=*/true)) {
     const at::Tensor& t = item.value();
     const auto managed = e_.index_.find(t.unsafeGetTensorImpl());
-    const auto frozen = e_.frozen_index_.find(t.unsafeGetTensorImpl());
+    const auto frozen = e_.frozen_shards_.index_.find(t.unsafeGetTensorImpl());
     if (managed != e_.index_.end()) {
       const std::size_t i = managed->second;
       add(item.key(), t, e_.shapes_[i], e_.core_->partitioned(i) ? static_cast<std::ptrdiff_t>(i) : -1);
-    } else if (frozen != e_.frozen_index_.end()) {
-      add(item.key(), t, e_.frozen_parts_[frozen->second].shape,
+    } else if (frozen != e_.frozen_shards_.index_.end()) {
+      add(item.key(), t, e_.frozen_shards_.parts_[frozen->second].shape,
           static_cast<std::ptrdiff_t>(e_.params_.size() + frozen->second));
     } else {
       add(item.key(), t, t.sizes(), -1);
@@ -1839,7 +1871,7 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
       }
       // (A ZeRO-3 partitioned parameter's tensor is empty: its shape is the engine's.)
       const auto managed = e_.index_.find(like.unsafeGetTensorImpl());
-      const auto* part = e_.frozen_part_of(like);
+      const auto* part = e_.frozen_shards_.part_of(like);
       const at::IntArrayRef shape = managed != e_.index_.end() ? at::IntArrayRef(e_.shapes_[managed->second])
                                     : part != nullptr          ? at::IntArrayRef(part->shape)
                                                                : like.sizes();
@@ -1853,7 +1885,7 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
     for (const auto& item : e_.module_->named_parameters(/*recurse=*/true)) {
       const ::torch::Tensor src = take(item.key(), item.value());
       auto managed = e_.index_.find(item.value().unsafeGetTensorImpl());
-      if (const auto* part = e_.frozen_part_of(item.value())) {
+      if (const auto* part = e_.frozen_shards_.part_of(item.value())) {
         // ZeRO-3: this rank's slice of it.
         const auto [begin, end] = slice_range(src.numel(), e_.comm_.size(), e_.comm_.rank());
         copies.push_back({part->slice, src.reshape({-1}).slice(0, begin, end)});
@@ -2106,8 +2138,8 @@ std::uint64_t engine_base::gathered_numel() const {
   std::uint64_t n = 0;
   for (std::size_t i = 0; i < st_->params_.size(); ++i)
     if (st_->z3_.holds_[i] > 0 && st_->core_->partitioned(i)) n += static_cast<std::uint64_t>(st_->params_[i].numel());
-  for (std::size_t f = 0; f < st_->frozen_parts_.size(); ++f)
-    if (st_->z3_.holds_[st_->params_.size() + f] > 0) n += static_cast<std::uint64_t>(st_->frozen_parts_[f].param.numel());
+  for (std::size_t f = 0; f < st_->frozen_shards_.parts_.size(); ++f)
+    if (st_->z3_.holds_[st_->params_.size() + f] > 0) n += static_cast<std::uint64_t>(st_->frozen_shards_.parts_[f].param.numel());
   return n;
 }
 std::uint64_t engine_base::prefetched_gathers() const { return st_->z3_.prefetch_hits_; }
