@@ -122,6 +122,10 @@ foreach(_mode IN LISTS _modes)
                    -P ${CMAKE_CURRENT_SOURCE_DIR}/consumer/run_consumer.cmake)
   set_tests_properties(install.consumer_${_mode} PROPERTIES LABELS install TIMEOUT 1200)
 endforeach()
+# The longest test (it compiles the adapter again): first, so that the others run beside it.
+if(TEST install.consumer_torch_add_subdirectory)
+  set_tests_properties(install.consumer_torch_add_subdirectory PROPERTIES COST 10000)
+endif()
 
 # The GPU machine has no MPI: a configure without it must still generate (the
 # multi-rank tests are left out, the [gpu] tests stay).
