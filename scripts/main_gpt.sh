@@ -67,8 +67,41 @@ done
 "$build/examples/train_gpt" --out "$out" "$@"
 [ "$help" -eq 0 ] || exit 0
 python3 "$root/examples/gpt/plot.py" "$out/results.json"
+
+# What ZeRO is for: the ZeRO rows again at several world sizes (processes under mpirun, on
+# the CPU), each rank's model states beside the memory model, held and at their peak
+# (memory_by_world.csv and .png). Memory does not depend on the number of steps, so these
+# runs are short; --persistence 0 partitions every parameter at stage 3. Your arguments
+# come first (a larger model with --big, say); these flags take precedence.
+# MPZERO_GPT_WORLDS="" skips them; the default is "1 2 4".
+worlds="${MPZERO_GPT_WORLDS-1 2 4}"
+zero_rows="fp32/z0,fp32/z1,fp32/z2,fp32/z3,bf16/z0,bf16/z1,bf16/z2,bf16/z3,bf16-all/z2,bf16-all/z3"
+world_files=()
+if [ -n "$worlds" ]; then
+  if [ "${cuda[1]}" != "-DMPZERO_TORCH_CUDA=OFF" ]; then
+    echo "main_gpt: the trainer runs on the GPU; the runs at several world sizes need one GPU per rank (NCCL)," \
+      "which train_gpt does not set up: skipped"
+  elif ! command -v mpirun >/dev/null 2>&1 || ! ldd "$build/examples/train_gpt" | grep -q libmpi; then
+    echo "main_gpt: no MPI (Debian's openmpi-bin and libopenmpi-dev, which scripts/setup.sh installs): the runs" \
+      "at several world sizes are skipped"
+  else
+    launcher=(mpirun --oversubscribe)
+    [ "$(id -u)" -ne 0 ] || launcher+=(--allow-run-as-root)
+    for w in $worlds; do
+      echo
+      echo "main_gpt: the ZeRO rows at world size $w"
+      OMP_NUM_THREADS=1 "${launcher[@]}" -n "$w" "$build/examples/train_gpt" "$@" --configs "$zero_rows" \
+        --steps 20 --persistence 0 --device cpu --out "$out/world$w"
+      world_files+=("$out/world$w/results.json")
+    done
+    python3 "$root/examples/gpt/memory_by_world.py" "${world_files[@]}" --out "$out"
+  fi
+fi
 echo
 echo "main_gpt: outputs in $out:"
 echo "  summary.csv   one row per configuration (the table above)"
 echo "  results.json  the same plus every step's training loss"
 echo "  loss_curves.png, memory.png"
+if [ ${#world_files[@]} -gt 0 ]; then
+  echo "  memory_by_world.csv, memory_by_world.png   the ZeRO rows at world sizes $worlds (runs in world<N>/)"
+fi

@@ -10,6 +10,8 @@ model for a few configurations, draws the plots, and checks what it promises:
   backward, --persistence 100 so that the matrices are partitioned), or with and without CPU offload, gives the same
   losses bit for bit (the core's promise), while stochastic rounding and autocast change them (they are wired through);
 - the "-ac" configurations ran under autocast and the others did not;
+- memory_by_world.py (the main job's table across world sizes) reproduces results.json's
+  numbers for this world size;
 - the DeepSpeed blog's comparison in results.json covers every all-bf16 row against
   bf16/z2 and agrees with the rows it summarises;
 - the engine in fp32 trains like LibTorch's own torch::optim::AdamW (the "torch" row:
@@ -123,6 +125,27 @@ def check_saved(runs, saved, world):
             check(exp is not None and abs(exp - ev) < 0.05 * ev,
                   "%s: the fp32 export's held-out loss %s is within 5%% of training's %.4f" % (cid, exp, ev))
     check(not os.path.exists(os.path.join(saved, "latest")), "--save writes no 'latest' (one tag per configuration)")
+
+
+def check_memory_by_world(out, runs, world):
+    """memory_by_world.py (main_gpt.sh's table across world sizes) on this run: one CSV row
+    per mpzero configuration at this world size, its numbers those of results.json."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memory_by_world.py")
+    rc = subprocess.call([sys.executable, script, os.path.join(out, "results.json"), "--out", out])
+    check(rc == 0, "memory_by_world.py exits 0 (got %d)" % rc)
+    check(os.path.getsize(os.path.join(out, "memory_by_world.png")) > 0, "memory_by_world.png written")
+    with open(os.path.join(out, "memory_by_world.csv")) as f:
+        rows = list(csv.DictReader(f))
+    mpzero = {k: r for k, r in runs.items() if k != "torch"}
+    check(sorted(r["config"] for r in rows) == sorted(mpzero), "memory_by_world.csv: one row per mpzero configuration")
+    mib = 1 << 20
+    for r in rows:
+        run = mpzero[r["config"]]
+        held = (run["measured_device_bytes"] + run["measured_host_bytes"]) / mib
+        ok = (int(r["world_size"]) == world and abs(float(r["measured_bytes_per_param"]) - run["measured_bytes_per_param"]) < 1e-4
+              and abs(float(r["held_mib"]) - held) < 1e-4
+              and abs(float(r["peak_mib"]) - held - run["bucket_bytes"] / mib) < 1e-3)
+        check(ok, "memory_by_world.csv: %s at world %d matches results.json" % (r["config"], world))
 
 
 def main():
@@ -527,6 +550,7 @@ def main():
           "bf16-all holds fewer bytes per parameter than fp32")
 
     check_saved(runs, saved, a.world)
+    check_memory_by_world(out, runs, a.world)
 
     print("%d check(s) failed" % len(failures) if failures else "all checks passed")
     return 1 if failures else 0
