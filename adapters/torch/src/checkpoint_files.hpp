@@ -8,6 +8,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -18,6 +19,7 @@
 #include <string_view>
 #include <sstream>
 #include <system_error>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -29,6 +31,7 @@
 #include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/csrc/jit/serialization/pickler_helper.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
 
 #include <mpzero/error.hpp>
 #include <mpzero/zero/checkpoint.hpp>
@@ -318,18 +321,53 @@ inline engine_meta read_engine_meta(const std::string& who, const fs::path& path
 
 // model_states.pt's "module" entries, in the file's order (the module's), after checking
 // that the file belongs to the save `save_id` (`meta_path` names the file it came from).
-inline std::vector<std::pair<std::string, at::Tensor>> read_module_states(const std::string& who, const fs::path& path,
-                                                                          std::uint64_t save_id,
-                                                                          const fs::path& meta_path) {
+// The "module" entries of model_states.pt with the values of those `wanted` selects (all
+// when it is empty). The others keep their name, shape and dtype on the meta device, with
+// no data: their records are never read, so a ZeRO-3 load, which takes the managed
+// parameters from the shard files, holds no whole copy of them.
+inline std::vector<std::pair<std::string, at::Tensor>> read_module_states(
+    const std::string& who, const fs::path& path, std::uint64_t save_id, const fs::path& meta_path,
+    const std::function<bool(const std::string&)>& wanted = {}) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   try {
-    const c10::IValue top = read_torch_file(who, path, "the module state");
+    std::ifstream in = open_file(who, path, "the module state");
+    caffe2::serialize::PyTorchStreamReader zip(&in);
+    const auto [pickle, pickle_bytes] = zip.getRecord("data.pkl");
+    std::size_t at_byte = 0;
+    const auto reader = [&, p = static_cast<const char*>(pickle.get()), n = pickle_bytes](char* buf, std::size_t len) {
+      len = std::min(len, n - at_byte);
+      std::memcpy(buf, p + at_byte, len);
+      at_byte += len;
+      return len;
+    };
+    // Each storage first gets a one-byte stand-in, by which its record is found again; the
+    // wanted ones then read their record.
+    std::unordered_map<const void*, std::string> record_of;
+    const auto stand_in = [&](const std::string& record) -> at::DataPtr {
+      char* p = new char[1];
+      record_of[p] = record;
+      return at::DataPtr(p, p, [](void* q) { delete[] static_cast<char*>(q); }, at::Device(at::kCPU));
+    };
+    ::torch::jit::Unpickler unpickler(reader, /*type_resolver=*/nullptr, /*obj_loader=*/nullptr, stand_in,
+                                      /*device=*/std::nullopt);
+    const c10::IValue top = unpickler.parse_ivalue();
     const auto dict = top.toGenericDict();
     if (static_cast<std::uint64_t>(dict.at("mpzero_save_id").toInt()) != save_id) different_saves(who, meta_path, path);
-    for (const auto& e : dict.at("module").toGenericDict()) out.emplace_back(e.key().toStringRef(), e.value().toTensor());
+    for (const auto& e : dict.at("module").toGenericDict()) {
+      const std::string& name = e.key().toStringRef();
+      const at::Tensor& t = e.value().toTensor();
+      if (wanted && !wanted(name)) {
+        out.emplace_back(name, at::empty(t.sizes(), t.options().device(at::kMeta)));
+        continue;
+      }
+      auto [data, bytes] = zip.getRecord("data/" + record_of.at(t.storage().data()));
+      at::Storage storage(at::Storage::use_byte_size_t(), bytes, std::move(data), /*allocator=*/nullptr,
+                          /*resizable=*/false);
+      out.emplace_back(name, at::empty({0}, t.options()).set_(storage, t.storage_offset(), t.sizes(), t.strides()));
+    }
   } catch (const c10::Error& e) {
     fail(who + ": " + quoted(path) + " is not a module state save_checkpoint wrote (" + e.what_without_backtrace() + ")");
-  } catch (const std::out_of_range& e) {  // no "module" or "mpzero_save_id" entry
+  } catch (const std::out_of_range& e) {  // no "module" or "mpzero_save_id" entry, or an unknown record
     fail(who + ": " + quoted(path) + " is not a module state save_checkpoint wrote (" + e.what() + ")");
   }
   return out;

@@ -1859,7 +1859,16 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
       }
     }
     std::unordered_map<std::string, ::torch::Tensor> saved;
-    for (auto& [name, t] : detail::read_module_states("engine.load_checkpoint", module_path, meta.save_id, meta_path)) {
+    // The managed parameters come from the shard files (unless module_only): their
+    // records in model_states.pt are not read.
+    std::unordered_set<std::string> managed_names;
+    if (!module_only) {
+      for (const auto& item : e_.module_->named_parameters(/*recurse=*/true))
+        if (e_.index_.count(item.value().unsafeGetTensorImpl()) > 0) managed_names.insert(item.key());
+    }
+    const auto wanted = [&](const std::string& name) { return managed_names.count(name) == 0; };
+    for (auto& [name, t] :
+         detail::read_module_states("engine.load_checkpoint", module_path, meta.save_id, meta_path, wanted)) {
       saved.emplace(std::move(name), std::move(t));
     }
     std::unordered_set<std::string> used;
