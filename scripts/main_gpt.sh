@@ -10,7 +10,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${MPZERO_GPT_BUILD:-$root/build-gpt}"
-out="${MPZERO_GPT_OUT:-$root/results/gpt}"
+results="${MPZERO_GPT_OUT:-$root/results/gpt}"
 sudo=""
 [ "$(id -u)" -eq 0 ] || sudo="sudo"
 
@@ -61,12 +61,12 @@ args=("$@")
 for ((i = 0; i < ${#args[@]}; ++i)); do
   case "${args[i]}" in
     --help | -h) help=1 ;;
-    --out) [ $((i + 1)) -lt ${#args[@]} ] && out="${args[i + 1]}" ;;
+    --out) [ $((i + 1)) -lt ${#args[@]} ] && results="${args[i + 1]}" ;;
   esac
 done
-"$build/examples/train_gpt" --out "$out" "$@"
+"$build/examples/train_gpt" --out "$results" "$@"
 [ "$help" -eq 0 ] || exit 0
-python3 "$root/examples/gpt/plot.py" "$out/results.json"
+python3 "$root/examples/gpt/plot.py" "$results/results.json"
 
 # What ZeRO is for: the ZeRO rows again at several world sizes (processes under mpirun, on
 # the CPU), each rank's model states beside the memory model, held and at their peak
@@ -91,14 +91,14 @@ if [ -n "$worlds" ]; then
       echo
       echo "main_gpt: the ZeRO rows at world size $w"
       OMP_NUM_THREADS=1 "${launcher[@]}" -n "$w" "$build/examples/train_gpt" "$@" --configs "$zero_rows" \
-        --steps 20 --persistence 0 --device cpu --out "$out/world$w"
-      world_files+=("$out/world$w/results.json")
+        --steps 20 --persistence 0 --device cpu --out "$results/world$w"
+      world_files+=("$results/world$w/results.json")
     done
-    python3 "$root/examples/gpt/memory_by_world.py" "${world_files[@]}" --out "$out"
+    python3 "$root/examples/gpt/memory_by_world.py" "${world_files[@]}" --out "$results"
   fi
 fi
 echo
-echo "main_gpt: outputs in $out:"
+echo "main_gpt: outputs in $results:"
 echo "  summary.csv   one row per configuration (the table above)"
 echo "  results.json  the same plus every step's training loss"
 echo "  loss_curves.png, memory.png"
