@@ -571,6 +571,10 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::size_t z3_size() const { return params_.size() + frozen_shards_.size(); }
   bool z3_partitioned(std::size_t i) const { return i >= params_.size() || core_->partitioned(i); }
   bool take_built(const std::string& name, const ::torch::Tensor& p);
+  // A parameter rebuilt whole from the ranks' slices (slice_range of whole.size()
+  // elements): this rank's into `whole`, then every rank's from its owner (collective).
+  void put_own_slice(std::vector<float>& whole, const ::torch::Tensor& slice) const;
+  void broadcast_slices(std::vector<float>& whole);
   // start()'s parts. all: the managed parameters, then the n_frozen frozen floating ones,
   // then the floating buffers; converted[k - params_.size()]: the value all[k] takes.
   // Every value from rank 0, through a bounded host window (not those built partitioned):
@@ -1324,16 +1328,8 @@ void frozen_shards::gather(std::size_t f) {
   part& fp = parts_[f];
   const std::int64_t n = c10::multiply_integers(fp.shape);
   std::vector<float> whole(static_cast<std::size_t>(n));
-  const int world = e_.comm_.size();
-  {
-    const auto [begin, end] = slice_range(n, world, e_.comm_.rank());
-    const ::torch::Tensor own = fp.slice.to(at::kCPU, at::kFloat).contiguous();
-    std::copy_n(own.const_data_ptr<float>(), end - begin, whole.data() + begin);
-  }
-  for (int r = 0; r < world; ++r) {
-    const auto [begin, end] = slice_range(n, world, r);
-    e_.core_->broadcast(whole.data() + begin, static_cast<std::uint64_t>(end - begin), r);
-  }
+  e_.put_own_slice(whole, fp.slice);
+  e_.broadcast_slices(whole);
   const c10::Device dev = fp.slice.device();
   const std::size_t bytes = static_cast<std::size_t>(n) * c10::elementSize(e_.param_type_);
   c10::DataPtr data = c10::GetAllocator(dev.type())->allocate(bytes);
@@ -1375,9 +1371,21 @@ bool engine_state::take_built(const std::string& name, const ::torch::Tensor& p)
 // Each parameter built partitioned, rebuilt whole from the ranks' slices (every rank
 // broadcasts its own), one at a time: into the core (trainable: all[k], k < params_.size()),
 // or into converted (frozen). The ranks then compare the whole with what each built.
+void engine_state::put_own_slice(std::vector<float>& whole, const ::torch::Tensor& slice) const {
+  const auto [begin, end] = slice_range(static_cast<std::int64_t>(whole.size()), comm_.size(), comm_.rank());
+  const ::torch::Tensor own = slice.to(at::kCPU, at::kFloat).contiguous();
+  std::copy_n(own.const_data_ptr<float>(), end - begin, whole.data() + begin);
+}
+
+void engine_state::broadcast_slices(std::vector<float>& whole) {
+  for (int r = 0; r < comm_.size(); ++r) {
+    const auto [begin, end] = slice_range(static_cast<std::int64_t>(whole.size()), comm_.size(), r);
+    core_->broadcast(whole.data() + begin, static_cast<std::uint64_t>(end - begin), r);
+  }
+}
+
 void engine_state::load_built(const std::vector<::torch::Tensor>& all, std::vector<::torch::Tensor>& converted) {
   const std::string consequence = "no rank made an engine, and the model is unchanged";
-  const int world = comm_.size();
   for (std::size_t k = 0; k < all.size(); ++k) {
     const auto it = built_.find(all[k].unsafeGetTensorImpl());
     if (it == built_.end()) continue;
@@ -1386,14 +1394,9 @@ void engine_state::load_built(const std::vector<::torch::Tensor>& all, std::vect
     std::vector<float> whole;
     agree("initialize", consequence, [&] {
       whole.resize(static_cast<std::size_t>(n));
-      const auto [begin, end] = slice_range(n, world, comm_.rank());
-      const ::torch::Tensor own = b.slice.to(at::kFloat).contiguous();
-      std::copy_n(own.const_data_ptr<float>(), end - begin, whole.data() + begin);
+      put_own_slice(whole, b.slice);
     });
-    for (int r = 0; r < world; ++r) {
-      const auto [begin, end] = slice_range(n, world, r);
-      core_->broadcast(whole.data() + begin, static_cast<std::uint64_t>(end - begin), r);
-    }
+    broadcast_slices(whole);
     agree("initialize", consequence, [&] {
       if (whole_hash(whole.data(), whole.size()) != b.hash) {
         fail((k < params_.size() ? "parameter '" + names_[k] + "'" : "a frozen parameter of shape " + shape_of(b.shape)) +
