@@ -165,6 +165,13 @@ std::pair<std::int64_t, std::int64_t> slice_range(std::int64_t n, int world, int
   return {begin, std::min(n, begin + chunk)};
 }
 
+// Rank r's slice of a parameter of whole.size() elements into `whole`, in fp32.
+void put_own_slice(std::vector<float>& whole, const ::torch::Tensor& slice, int world, int r) {
+  const auto [begin, end] = slice_range(static_cast<std::int64_t>(whole.size()), world, r);
+  const ::torch::Tensor own = slice.to(at::kCPU, at::kFloat).contiguous();
+  std::copy_n(own.const_data_ptr<float>(), end - begin, whole.data() + begin);
+}
+
 // 64-bit FNV-1a of n floats' bytes.
 std::uint64_t whole_hash(const float* v, std::size_t n) {
   std::uint64_t h = 1469598103934665603ull;
@@ -571,9 +578,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::size_t z3_size() const { return params_.size() + frozen_shards_.size(); }
   bool z3_partitioned(std::size_t i) const { return i >= params_.size() || core_->partitioned(i); }
   bool take_built(const std::string& name, const ::torch::Tensor& p);
-  // A parameter rebuilt whole from the ranks' slices (slice_range of whole.size()
-  // elements): this rank's into `whole`, then every rank's from its owner (collective).
-  void put_own_slice(std::vector<float>& whole, const ::torch::Tensor& slice) const;
+  // A parameter rebuilt whole: every rank's slice of `whole` from its owner (collective).
   void broadcast_slices(std::vector<float>& whole);
   // start()'s parts. all: the managed parameters, then the n_frozen frozen floating ones,
   // then the floating buffers; converted[k - params_.size()]: the value all[k] takes.
@@ -1328,7 +1333,7 @@ void frozen_shards::gather(std::size_t f) {
   part& fp = parts_[f];
   const std::int64_t n = c10::multiply_integers(fp.shape);
   std::vector<float> whole(static_cast<std::size_t>(n));
-  e_.put_own_slice(whole, fp.slice);
+  put_own_slice(whole, fp.slice, e_.comm_.size(), e_.comm_.rank());
   e_.broadcast_slices(whole);
   const c10::Device dev = fp.slice.device();
   const std::size_t bytes = static_cast<std::size_t>(n) * c10::elementSize(e_.param_type_);
@@ -1371,12 +1376,6 @@ bool engine_state::take_built(const std::string& name, const ::torch::Tensor& p)
 // Each parameter built partitioned, rebuilt whole from the ranks' slices (every rank
 // broadcasts its own), one at a time: into the core (trainable: all[k], k < params_.size()),
 // or into converted (frozen). The ranks then compare the whole with what each built.
-void engine_state::put_own_slice(std::vector<float>& whole, const ::torch::Tensor& slice) const {
-  const auto [begin, end] = slice_range(static_cast<std::int64_t>(whole.size()), comm_.size(), comm_.rank());
-  const ::torch::Tensor own = slice.to(at::kCPU, at::kFloat).contiguous();
-  std::copy_n(own.const_data_ptr<float>(), end - begin, whole.data() + begin);
-}
-
 void engine_state::broadcast_slices(std::vector<float>& whole) {
   for (int r = 0; r < comm_.size(); ++r) {
     const auto [begin, end] = slice_range(static_cast<std::int64_t>(whole.size()), comm_.size(), r);
@@ -1394,7 +1393,7 @@ void engine_state::load_built(const std::vector<::torch::Tensor>& all, std::vect
     std::vector<float> whole;
     agree("initialize", consequence, [&] {
       whole.resize(static_cast<std::size_t>(n));
-      put_own_slice(whole, b.slice);
+      put_own_slice(whole, b.slice, comm_.size(), comm_.rank());
     });
     broadcast_slices(whole);
     agree("initialize", consequence, [&] {
