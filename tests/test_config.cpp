@@ -65,6 +65,7 @@ void require_same(const config& a, const config& b) {
   CHECK(a.zero.reduce_scatter == b.zero.reduce_scatter);
   CHECK(a.zero.stage3_param_persistence_threshold == b.zero.stage3_param_persistence_threshold);
   CHECK(a.zero.stage3_prefetch_bucket_size == b.zero.stage3_prefetch_bucket_size);
+  CHECK(a.zero.stage3_max_live_parameters == b.zero.stage3_max_live_parameters);
   CHECK(a.zero.leaf_module_classes == b.zero.leaf_module_classes);
   CHECK(a.zero.leaf_module_names == b.zero.leaf_module_names);
   CHECK(a.zero.leaf_module_name_suffixes == b.zero.leaf_module_name_suffixes);
@@ -122,6 +123,7 @@ TEST_CASE("config: every documented key is read", "[config]") {
       "reduce_bucket_size": 2e7, "allgather_bucket_size": 3e7, "sub_group_size": 1e6,
       "overlap_comm": false, "contiguous_gradients": false, "reduce_scatter": false,
       "stage3_param_persistence_threshold": 1234, "stage3_prefetch_bucket_size": 5678,
+      "stage3_max_live_parameters": 4321,
       "leaf_module": {"classes": ["MoEBlock", "MoEBlock"], "names": "layers.0.mlp", "name_suffixes": [".experts"]}
     },
     "gradient_clipping": 0.5,
@@ -166,6 +168,7 @@ TEST_CASE("config: every documented key is read", "[config]") {
   CHECK_FALSE(c.zero.reduce_scatter);
   CHECK(c.zero.stage3_param_persistence_threshold == 1234);
   CHECK(c.zero.stage3_prefetch_bucket_size == 5678);
+  CHECK(c.zero.stage3_max_live_parameters == 4321);
   CHECK(c.zero.leaf_module_classes == std::vector<std::string>{"MoEBlock"});  // deduplicated, as DeepSpeed
   CHECK(c.zero.leaf_module_names == std::vector<std::string>{"layers.0.mlp"});  // one string is a list of one
   CHECK(c.zero.leaf_module_name_suffixes == std::vector<std::string>{".experts"});
@@ -197,7 +200,8 @@ TEST_CASE("config: the remaining keys (fp16 section, SGD, WarmupDecayLR, stage-3
     "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 50,
              "hysteresis": 1, "min_loss_scale": 2, "fp16_master_weights_and_grads": true},
     "torch_autocast": {"enabled": true, "dtype": "float16"},
-    "zero_optimization": {"stage": 2, "param_persistence_threshold": 7, "prefetch_bucket_size": 9},
+    "zero_optimization": {"stage": 2, "param_persistence_threshold": 7, "prefetch_bucket_size": 9,
+                          "max_live_parameters": 11},
     "optimizer": {"type": "sgd", "params": {"lr": 0.1, "momentum": 0.9, "dampening": 0, "weight_decay": 1e-4,
                                             "nesterov": true}},
     "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100, "warmup_min_lr": 0.01,
@@ -219,6 +223,7 @@ TEST_CASE("config: the remaining keys (fp16 section, SGD, WarmupDecayLR, stage-3
   CHECK_FALSE(c.torch_autocast.lower_precision_safe_modules_given);
   CHECK(c.zero.stage3_param_persistence_threshold == 7);  // pydantic field names work too
   CHECK(c.zero.stage3_prefetch_bucket_size == 9);
+  CHECK(c.zero.stage3_max_live_parameters == 11);
   CHECK(c.optimizer.type == optimizer_type::sgd);
   CHECK(c.optimizer.lr == 0.1);
   CHECK(c.optimizer.momentum == 0.9);
@@ -286,6 +291,7 @@ TEST_CASE("config: defaults are DeepSpeed's", "[config]") {
   CHECK(c.zero.reduce_scatter);
   CHECK(c.zero.stage3_param_persistence_threshold == 100'000);
   CHECK(c.zero.stage3_prefetch_bucket_size == 50'000'000);
+  CHECK(c.zero.stage3_max_live_parameters == 1'000'000'000);
   CHECK(c.zero.leaf_module_classes.empty());
   CHECK(c.gradient_clipping == 1.0);
   CHECK(c.optimizer.type == optimizer_type::adamw);

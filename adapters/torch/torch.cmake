@@ -113,6 +113,7 @@ set(_mpzero_torch_units
   ${CMAKE_CURRENT_SOURCE_DIR}/src/zero_core.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/src/host_kernels.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/src/engine.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/src/param_use.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/src/zero_to_fp32.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/src/process_group.cpp)
 if(MPZERO_TORCH_CUDA)

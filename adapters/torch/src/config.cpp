@@ -638,6 +638,7 @@ void parse_zero(const json& j, config& c) {
              {"stage", "offload_optimizer", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "sub_group_size",
               "contiguous_gradients", "reduce_scatter", "stage3_param_persistence_threshold",
               "stage3_prefetch_bucket_size", "leaf_module", "param_persistence_threshold", "prefetch_bucket_size",
+              "stage3_max_live_parameters", "max_live_parameters",
               "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
               "stage3_gather_fp16_weights_on_model_save"},
              {{"offload_param", nullptr, "parameters stay on the device (offload_optimizer offloads the optimizer)",
@@ -656,8 +657,6 @@ void parse_zero(const json& j, config& c) {
               {"load_from_fp32_weights", "*", "checkpoints are loaded in code"},
               {"elastic_checkpoint", "false", "no elastic checkpoints"},
               // DeepSpeed's stage-3 keys, each also under its pydantic field name.
-              {"stage3_max_live_parameters", "*", "a DeepSpeed prefetch knob"},
-              {"max_live_parameters", "*", "a DeepSpeed prefetch knob"},
               {"stage3_max_reuse_distance", "*", "a DeepSpeed prefetch knob"},
               {"max_reuse_distance", "*", "a DeepSpeed prefetch knob"},
               {"stage3_model_persistence_threshold", "*", "a DeepSpeed prefetch knob"},
@@ -704,6 +703,7 @@ void parse_zero(const json& j, config& c) {
   for (auto [name, alias] : {std::pair<std::string_view, std::string_view>{"stage3_param_persistence_threshold",
                                                                             "param_persistence_threshold"},
                              {"stage3_prefetch_bucket_size", "prefetch_bucket_size"},
+                             {"stage3_max_live_parameters", "max_live_parameters"},
                              {"stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"},
                              {"stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"},
                              {"gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"}}) {
@@ -718,6 +718,9 @@ void parse_zero(const json& j, config& c) {
   const bool alias2 = r.has("prefetch_bucket_size");
   c.zero.stage3_prefetch_bucket_size =
       r.unsigned_integer(alias2 ? "prefetch_bucket_size" : "stage3_prefetch_bucket_size", 50'000'000, 0);
+  const bool alias3 = r.has("max_live_parameters");
+  c.zero.stage3_max_live_parameters =
+      r.unsigned_integer(alias3 ? "max_live_parameters" : "stage3_max_live_parameters", 1'000'000'000, 0);
   // DeepSpeed's older spelling (stage3_gather_fp16_weights_on_model_save) means the same.
   const char* gather16 = "stage3_gather_16bit_weights_on_model_save";
   if (r.has("gather_16bit_weights_on_model_save")) gather16 = "gather_16bit_weights_on_model_save";
@@ -1258,6 +1261,7 @@ json to_json(const config& c) {
       {"reduce_scatter", z.reduce_scatter},
       {"stage3_param_persistence_threshold", z.stage3_param_persistence_threshold},
       {"stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size},
+      {"stage3_max_live_parameters", z.stage3_max_live_parameters},
       {"stage3_gather_16bit_weights_on_model_save", z.stage3_gather_16bit_weights_on_model_save},
       {"leaf_module",
        {{"classes", z.leaf_module_classes}, {"names", z.leaf_module_names}, {"name_suffixes", z.leaf_module_name_suffixes}}}};

@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstddef>
+#include <deque>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -36,6 +37,7 @@
 #include <mpzero/torch/lr_schedule.hpp>
 #include <mpzero/torch/zero_core.hpp>
 #include "checkpoint_files.hpp"
+#include "param_use.hpp"
 #include <mpzero/zero/checkpoint.hpp>
 
 namespace mpzero::torch {
@@ -274,9 +276,26 @@ class zero3_gatherer {
   bool in_live_group(std::size_t i) const { return member(i) && live_groups_.count(group_of_[i]) > 0; }
   bool in_prefetch(std::size_t i) const { return member(i) && prefetched_.count(group_of_[i]) > 0; }
   // Points parameter i at the core's storage of it (a gathered copy at ZeRO-3), or at
-  // nothing (unbind: partitioned).
+  // nothing (unbind: partitioned; an armed one keeps its shape over a storage without data).
   void bind(std::size_t i);
   void unbind(std::size_t i);
+
+  // engine.forward's partitioned parameters outside every unit. Armed while a forward's
+  // graph lives (one count per forward): each keeps its shape over a storage without
+  // data, and is gathered when an operation reads it (param_use's observer calls
+  // gather_for_use), while at most stage3_max_live_parameters elements of them are held
+  // (more only while one operation reads more); the oldest are released first.
+  void arm_outside(const std::vector<std::size_t>& idx);
+  void disarm_outside();  // a forward's graph is gone: the last one disarms
+  void drop_outside();    // disarms whatever the count (release_all, the engine's end)
+  void gather_for_use(const std::vector<c10::StorageImpl*>& storages);
+  std::vector<char> outside_;               // armed now
+  std::vector<std::size_t> outside_armed_;  // their indices
+  std::deque<std::size_t> outside_live_;    // held for an operation, oldest first
+  std::uint64_t outside_numel_ = 0;         // elements of outside_live_
+  int outside_arms_ = 0;
+  std::unordered_map<const c10::StorageImpl*, std::size_t> storage_index_;
+  std::shared_ptr<use_listener> listener_;
 
   std::vector<std::uint32_t> holds_;
   std::vector<c10::Storage> storages_;  // per managed parameter, once bound: kept across gathers
@@ -451,6 +470,11 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     {
       std::lock_guard<std::mutex> lock(frozen_owners_mutex);
       for (const auto& [impl, f] : frozen_shards_.index_) frozen_owners.erase(impl);
+    }
+    for (std::size_t i : z3_.outside_armed_) {
+      unwatch_storage(z3_.storages_[i].unsafeGetStorageImpl());
+      z3_.outside_[i] = 0;
+      if (z3_.holds_[i] == 0) params_[i].set_data(z3_.placeholder_);
     }
     for (std::size_t i = 0; i < bound_; ++i) {
       try {
@@ -697,20 +721,32 @@ class unit_call {
   int inputs_ = 0, pending_ = 0;
 };
 
-// engine.forward's hold on the unclaimed partitioned parameters: kept alive by the outputs' graph.
+// engine.forward's hold on the unclaimed partitioned parameters, kept alive by the
+// outputs' graph: the frozen ones held for the pass, the managed ones armed.
 struct forward_hold {
   std::weak_ptr<engine_state> st;
   std::uint64_t generation = 0;
-  std::vector<std::size_t> params;
+  std::vector<std::size_t> params;  // frozen: held
+  bool armed = false;
   ~forward_hold() {
     try {
-      if (auto s = st.lock(); s && s->z3_.generation_ == generation) s->z3_.unhold(params);
+      auto s = st.lock();
+      if (!s || s->z3_.generation_ != generation) return;
+      s->z3_.unhold(params);
+      if (armed) s->z3_.disarm_outside();
     } catch (...) {
     }
   }
 };
 
+// param_use's listener for one engine: gathers what an operation is about to read.
+struct outside_listener final : use_listener {
+  std::weak_ptr<engine_state> st;
+  void before_use(const std::vector<c10::StorageImpl*>& storages) noexcept override;
+};
+
 void zero3_gatherer::bind(std::size_t i) {
+  const unobserved own;
   void* data = e_.core_->param_data(i);
   if (!storages_[i]) {
     // target_device: no driver lookup of the pointer (which fails on the null pointer of
@@ -727,12 +763,19 @@ void zero3_gatherer::bind(std::size_t i) {
   // the copy backward gathers, not the one released after forward.
   storages_[i].set_data_ptr_noswap(c10::DataPtr(data, e_.device_));
   storages_[i].set_nbytes(static_cast<std::size_t>(c10::multiply_integers(e_.shapes_[i])) * c10::elementSize(e_.param_type_));
+  // Armed, it is a view of the storage already (an operation that reads it is on its way).
+  if (e_.params_[i].unsafeGetTensorImpl()->has_storage() &&
+      e_.params_[i].storage().unsafeGetStorageImpl() == storages_[i].unsafeGetStorageImpl() &&
+      e_.params_[i].sizes() == c10::IntArrayRef(e_.shapes_[i])) {
+    return;
+  }
   e_.params_[i].set_data(
       ::torch::empty({0}, ::torch::TensorOptions().dtype(e_.param_type_).device(e_.device_)).set_(storages_[i], 0, e_.shapes_[i]));
 }
 
 void zero3_gatherer::unbind(std::size_t i) {
-  e_.params_[i].set_data(placeholder_);
+  const unobserved own;
+  if (!outside_[i]) e_.params_[i].set_data(placeholder_);
   if (!storages_[i]) return;
   // Views of the parameter still in a graph point nowhere until the next gather.
   storages_[i].set_data_ptr_noswap(c10::DataPtr(nullptr, e_.device_));
@@ -874,6 +917,7 @@ void zero3_gatherer::release_all() {
   ++generation_;  // first: the holds dropped below (and any taken before) do nothing
   backward_units_.clear();
   forward_hold_.reset();
+  drop_outside();
   if (!live_groups_.empty() || !prefetched_.empty()) e_.core_waits();  // freed after torch's reads
   // Everything is released and forgotten even if a release throws (a failed all-gather,
   // see drop_prefetches); the first error is rethrown at the end.
@@ -897,6 +941,108 @@ void zero3_gatherer::release_all() {
     holds_[i] = 0;
   }
   if (first) std::rethrow_exception(first);
+}
+
+void zero3_gatherer::arm_outside(const std::vector<std::size_t>& idx) {
+  const unobserved own;
+  ++outside_arms_;
+  if (!listener_) {
+    auto l = std::make_shared<outside_listener>();
+    l->st = e_.weak_from_this();
+    listener_ = std::move(l);
+  }
+  for (std::size_t i : idx) {
+    if (outside_[i]) continue;
+    outside_[i] = 1;
+    outside_armed_.push_back(i);
+    if (!storages_[i]) {  // a storage of its own, kept across gathers as bind() keeps it
+      storages_[i] = c10::Storage(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, e_.device_),
+                                  /*allocator=*/nullptr, /*resizable=*/false);
+    }
+    storage_index_[storages_[i].unsafeGetStorageImpl()] = i;
+    watch_storage(storages_[i].unsafeGetStorageImpl(), listener_);
+    if (holds_[i] > 0) continue;  // gathered (a unit of an outer forward): already a view of it
+    auto t = at::detail::make_tensor<c10::TensorImpl>(
+        c10::Storage(storages_[i]), c10::DispatchKeySet(c10::computeDispatchKey(e_.param_type_, at::kStrided, e_.device_)),
+        c10::scalarTypeToTypeMeta(e_.param_type_));
+    t.unsafeGetTensorImpl()->set_sizes_contiguous(e_.shapes_[i]);
+    e_.params_[i].set_data(t);
+  }
+}
+
+void zero3_gatherer::disarm_outside() {
+  if (outside_arms_ > 0 && --outside_arms_ == 0) drop_outside();
+}
+
+void zero3_gatherer::drop_outside() {
+  const unobserved own;
+  outside_arms_ = 0;
+  std::vector<std::size_t> live(outside_live_.begin(), outside_live_.end());
+  outside_live_.clear();
+  outside_numel_ = 0;
+  std::sort(live.begin(), live.end());
+  std::exception_ptr first;
+  try {
+    unhold(live);
+  } catch (...) {
+    first = std::current_exception();
+  }
+  for (std::size_t i : std::exchange(outside_armed_, {})) {
+    outside_[i] = 0;
+    unwatch_storage(storages_[i].unsafeGetStorageImpl());
+    storage_index_.erase(storages_[i].unsafeGetStorageImpl());
+    if (holds_[i] == 0) e_.params_[i].set_data(placeholder_);  // empty outside the pass, as a unit's
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+void zero3_gatherer::gather_for_use(const std::vector<c10::StorageImpl*>& storages) {
+  std::vector<std::size_t> need, fresh;
+  for (const c10::StorageImpl* s : storages) {
+    const auto it = storage_index_.find(s);
+    if (it == storage_index_.end() || !outside_[it->second]) continue;
+    need.push_back(it->second);
+    if (holds_[it->second] == 0) fresh.push_back(it->second);
+  }
+  if (fresh.empty()) return;
+  auto numel = [&](std::size_t i) { return static_cast<std::uint64_t>(c10::multiply_integers(e_.shapes_[i])); };
+  std::uint64_t n = 0;
+  for (std::size_t i : fresh) n += numel(i);
+  // Release the oldest, except what this operation reads, until the new ones fit.
+  const std::uint64_t limit = e_.cfg_.zero.stage3_max_live_parameters;
+  std::vector<std::size_t> keep, drop;
+  while (!outside_live_.empty() && outside_numel_ + n > limit) {
+    const std::size_t j = outside_live_.front();
+    outside_live_.pop_front();
+    if (std::find(need.begin(), need.end(), j) != need.end()) {
+      keep.push_back(j);
+    } else {
+      drop.push_back(j);
+      outside_numel_ -= numel(j);
+    }
+  }
+  outside_live_.insert(outside_live_.begin(), keep.begin(), keep.end());
+  std::sort(drop.begin(), drop.end());
+  unhold(drop);
+  // Each in a group of its own, so that releasing it frees it.
+  std::sort(fresh.begin(), fresh.end());
+  for (std::size_t i : fresh) {
+    hold({i});
+    outside_live_.push_back(i);
+    outside_numel_ += numel(i);
+  }
+}
+
+void outside_listener::before_use(const std::vector<c10::StorageImpl*>& storages) noexcept {
+  auto s = st.lock();
+  if (!s) return;
+  try {
+    s->z3_.gather_for_use(storages);
+  } catch (...) {
+    // The operation then finds no data and LibTorch stops it; the engine's next call
+    // reports why.
+    s->z3_.defer_error("mpzero: ZeRO-3 could not gather a parameter used outside every gathered_forward unit");
+  }
 }
 
 std::vector<std::size_t> zero3_gatherer::partitioned_params(bool unclaimed_only) const {
@@ -1275,6 +1421,7 @@ void engine_state::bind_parameters(const std::vector<::torch::Tensor>& all, cons
   z3_.storages_.assign(params_.size(), c10::Storage());
   z3_.group_of_.assign(z3_size(), {0, 0});
   z3_.claimed_.assign(z3_size(), 0);
+  z3_.outside_.assign(params_.size(), 0);
   z3_.placeholder_ = ::torch::empty({0}, ::torch::TensorOptions().dtype(param_type_).device(device_));
   // Built partitioned: each in a submodule that runs through gathered_forward, so the
   // first forward need not gather them for the whole pass.
@@ -2032,8 +2179,14 @@ engine_base::forward_scope::forward_scope(detail::engine_state& st) : st_(st) {
     auto h = std::make_shared<detail::forward_hold>();
     h->st = st_.weak_from_this();
     h->generation = st_.z3_.generation_;
-    h->params = st_.z3_.partitioned_params(/*unclaimed_only=*/true);
+    std::vector<std::size_t> managed;
+    for (std::size_t i : st_.z3_.partitioned_params(/*unclaimed_only=*/true))
+      (i < st_.params_.size() ? managed : h->params).push_back(i);
     st_.z3_.hold(h->params);
+    if (!managed.empty()) {
+      st_.z3_.arm_outside(managed);
+      h->armed = true;
+    }
     st_.z3_.forward_hold_ = std::move(h);
     st_.z3_.last_module_ = nullptr;  // the units' order starts again
     st_.z3_.last_unit_.reset();

@@ -64,6 +64,10 @@ struct zero_config {
   // engine.save_16bit_model at stage 3 gathers the partitioned parameters (one at a time)
   // only when this is true, as in DeepSpeed; otherwise it refuses.
   bool stage3_gather_16bit_weights_on_model_save = false;
+  // Stage 3: the most elements of partitioned parameters used outside every
+  // gathered_forward unit that are gathered at once (more only while one operation needs
+  // more); the oldest gathered are released first. DeepSpeed's default.
+  std::uint64_t stage3_max_live_parameters = 1'000'000'000;
   // Read and kept so that DeepSpeed configs parse, but NOT USED by mpzero: they tune how
   // DeepSpeed schedules its collectives or its stage 3 and cannot change the result
   // (docs/config.md says what mpzero does instead). overlap_comm's default is DeepSpeed's
