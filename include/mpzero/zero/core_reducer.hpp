@@ -396,20 +396,26 @@ class grad_reducer {
     }
   }
 
-  // Stages 0 and 1, a run in the gradient dtype: reduced in place.
-  void reduce_in_place(flat_range r) {
+  // Stages 0 and 1, a run in the gradient dtype: reduced in place, one bucket-sized
+  // piece at a time, so that what a communicator allocates for a collective in flight
+  // (MPI's scratch: docs/precision.md) is bounded by reduce_bucket_size as well.
+  void reduce_in_place(flat_range run) {
     s_.be.before_comm(s_.comm);
     const comm::wire_dtype t = wire_of(s_.grad_t());
-    void* in = s_.grads.at(r.begin);
-    if (s_.stage() == 0) {
-      s_.comm.base().iall_reduce(in, in, r.size(), t, comm::reduce_op::sum)->wait();
-    } else {
-      // Rank k receives r's part of partition k, which is in's own block k: in place.
-      const std::vector<std::uint64_t> counts = s_.layout.rank_counts(r);
-      s_.comm.base()
-          .ireduce_scatter_v(in, offset(in, comm::detail::offset_of(counts, s_.rank), s_.grad_t()), counts, t,
-                             comm::reduce_op::sum)
-          ->wait();
+    const std::uint64_t piece = std::max<std::uint64_t>(s_.zo.reduce_bucket_numel, 1);
+    for (std::uint64_t begin = run.begin; begin < run.end; begin += piece) {
+      const flat_range r{begin, std::min(begin + piece, run.end)};
+      void* in = s_.grads.at(r.begin);
+      if (s_.stage() == 0) {
+        s_.comm.base().iall_reduce(in, in, r.size(), t, comm::reduce_op::sum)->wait();
+      } else {
+        // Rank k receives r's part of partition k, which is in's own block k: in place.
+        const std::vector<std::uint64_t> counts = s_.layout.rank_counts(r);
+        s_.comm.base()
+            .ireduce_scatter_v(in, offset(in, comm::detail::offset_of(counts, s_.rank), s_.grad_t()), counts, t,
+                               comm::reduce_op::sum)
+            ->wait();
+      }
     }
   }
 
