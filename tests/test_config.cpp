@@ -526,7 +526,11 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
       {"{" M R"(, "Seed": 3})", 1, {"unknown key 'Seed'", "did you mean 'seed'?"}},
       // DeepSpeed keys mpzero does not implement
       {"{" M R"(, "amp": {"enabled": true}})", 1, {"'amp' is a DeepSpeed setting that mpzero does not implement"}},
-      {"{" M R"(, "bfloat16": {"enabled": true}})", 1, {"'bfloat16'", "write \"bf16\""}},
+      {"{" M R"(, "bfloat16": {"enabled": true, "enable": true}})", 1,
+       {"unknown key 'bfloat16.enable'", "did you mean 'enabled'?"}},
+      {"{" M R"(, "gradient_predivide_factor": 0})", 1,
+       {"'gradient_predivide_factor' = 0 is invalid", "a finite number > 0"}},
+      {"{" M R"(, "prescale_gradients": 1})", 1, {"'prescale_gradients'"}},
       {"{" M R"(, "fp16": {"enabled": true, "auto_cast": true}})", 1,
        {"'fp16.auto_cast' = true is not supported", "only false is accepted"}},
       {"{" M R"(, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})", 1,
@@ -539,8 +543,7 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
       {"{" M R"(, "compile": {"deepcompile": true}})", 1, {"'compile'", "no DeepCompile", "'compile.deepcompile' to false"}},
       {"{" M R"(, "activation_checkpointing": {"partition_activations": false}})", 1,
        {"'activation_checkpointing' is a DeepSpeed setting", "checkpoint activations in the model"}},
-      {"{" M R"(, "zero_optimization": {"stage": 1, "cpu_offload": true}})", 1,
-       {"'zero_optimization.cpu_offload' = true is not supported", "\"offload_optimizer\": {\"device\": \"cpu\"}"}},
+      {"{" M R"(, "zero_optimization": {"stage": 1, "cpu_offload": "yes"}})", 1, {"'zero_optimization.cpu_offload'"}},
       // a nested "enabled" switches a part on even when the section's own flag is off
       {"{" M R"(, "data_efficiency": {"enabled": false, "data_routing": {"random_ltd": {"enabled": true}}}})", 1,
        {"'data_efficiency' is a DeepSpeed setting that mpzero does not implement"}},
@@ -596,7 +599,7 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
       {"{" M R"(, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}})", 1,
        {"'optimizer.params.lr' = \"auto\"", "Hugging Face"}},
       {"{" M R"(, "gradient_predivide_factor": "auto"})", 1,
-       {"'gradient_predivide_factor' = \"auto\" is not supported", "only 1.0 is accepted", "Hugging Face"}},
+       {"'gradient_predivide_factor' = \"auto\"", "Hugging Face"}},
       {"{" M R"(, "zero_optimization": {"leaf_module": {"classes": [1]}}})", 1,
        {"'zero_optimization.leaf_module.classes' must be a list of strings", "an element is integer 1"}},
       {"{" M R"(, "torch_autocast": {"lower_precision_safe_modules": "Linear"}})", 1,
@@ -845,6 +848,38 @@ TEST_CASE("config: DeepSpeed sections that are switched off, or cannot act, are 
   // The off switch must be the off value exactly: "enabled": "false" is a string, so on.
   CHECK(error_of(base + R"(}, "wandb": {"enabled": "false"}})").find("'wandb' is a DeepSpeed setting") !=
         std::string::npos);
+}
+
+TEST_CASE("config: DeepSpeed's deprecated spellings read with DeepSpeed's meaning, each with a notice", "[config]") {
+  const config modern = parse_config_text(R"({"train_micro_batch_size_per_gpu": 1,
+      "bf16": {"enabled": true, "bf16_master_weights_and_grads": true},
+      "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})",
+                                          2);
+  CHECK(modern.notices.empty());
+  const config old = parse_config_text(R"({"train_micro_batch_size_per_gpu": 1,
+      "bfloat16": {"enabled": true, "bf16_master_weights_and_grads": true},
+      "zero_optimization": {"stage": 2, "cpu_offload": true}})",
+                                       2);
+  CHECK(to_json(old) == to_json(modern));
+  REQUIRE(old.notices.size() == 2);
+  CHECK_THAT(old.notices[0], Catch::Contains("'bfloat16' is DeepSpeed's deprecated name") &&
+                                 Catch::Contains("rename it"));
+  CHECK_THAT(old.notices[1], Catch::Contains("'zero_optimization.cpu_offload' is deprecated") &&
+                                 Catch::Contains("\"offload_optimizer\": {\"device\": \"cpu\"}"));
+  // false offloads nothing, and says nothing.
+  const config off = parse_config_text(
+      R"({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "cpu_offload": false}})", 1);
+  CHECK(off.zero.offload_optimizer == offload_device::none);
+  CHECK(off.notices.empty());
+  // Both sections: DeepSpeed reads "bf16" and ignores "bfloat16".
+  const config both = parse_config_text(
+      R"({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": false}, "bfloat16": {"enabled": true}})", 1);
+  CHECK_FALSE(both.bf16);
+  REQUIRE(both.notices.size() == 1);
+  CHECK_THAT(both.notices[0], Catch::Contains("'bfloat16' is ignored"));
+  // Where DeepSpeed divides by the world size (before or after the sum) leaves the average.
+  CHECK_NOTHROW(parse_config_text(
+      R"({"train_micro_batch_size_per_gpu": 1, "prescale_gradients": true, "gradient_predivide_factor": 8})", 4));
 }
 
 TEST_CASE("config: DeepSpeed's field names of its stage-3 keys are accepted too", "[config]") {

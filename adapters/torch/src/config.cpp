@@ -432,7 +432,7 @@ std::string_view dtype_json_name(dtype d) { return name_of(d); }
 const std::vector<std::string_view> top_level_keys = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "fp16",
     "torch_autocast", "zero_optimization", "gradient_clipping", "optimizer", "scheduler", "communication_data_type",
-    "data_types", "seed", "rounding"};
+    "data_types", "seed", "rounding", "bfloat16"};
 
 const std::vector<foreign_key> top_level_foreign = {
     {"steps_per_print", "*", "logging only"},
@@ -451,9 +451,10 @@ const std::vector<foreign_key> top_level_foreign = {
     {"aio", "*", "asynchronous I/O for NVMe offload, which mpzero does not have"},
     {"managed_gradient_accumulation", "true",
      "the engine counts micro-batches up to gradient_accumulation_steps"},
-    {"bfloat16", nullptr, "it is DeepSpeed's old name of the section; write \"bf16\""},
-    {"prescale_gradients", "false", "gradients are averaged after the reduction"},
-    {"gradient_predivide_factor", "1.0", "gradients are averaged after the reduction"},
+    // Each leaves the averaged gradient DeepSpeed's average (they move where DeepSpeed
+    // divides, against fp16 overflow); parse_config checks their types and ranges.
+    {"prescale_gradients", "*", "gradients are averaged after the reduction"},
+    {"gradient_predivide_factor", "*", "gradients are averaged after the reduction"},
     {"gradient_allreduce_op", "\"mean\"", "data-parallel gradients are averaged"},
     {"sparse_gradients", "false", "gradients are dense"},
     // Sections DeepSpeed switches off with "enabled" (off by default).
@@ -483,8 +484,7 @@ const std::vector<foreign_key> top_level_foreign = {
     {"seq_parallel_communication_data_type", nullptr, "no sequence parallelism"},
 };
 
-void parse_bf16(const json& j, config& c) {
-  const std::string p = "bf16";
+void parse_bf16(const json& j, config& c, const std::string& p = "bf16") {
   check_keys(j, p, {"enabled", "bf16_master_weights_and_grads", "bf16_optimizer_states", "check_grad_overflow"},
              {{"immediate_grad_update", "false", "gradients are applied at the optimizer step"}});
   reader r(j, p);
@@ -644,7 +644,7 @@ void parse_zero(const json& j, config& c) {
              {{"offload_param", nullptr, "parameters stay on the device (offload_optimizer offloads the optimizer)",
                "device", "\"none\""},
               {.name = "cpu_offload",
-               .accepted = "false",
+               .accepted = "*",
                .why = "deprecated in DeepSpeed; write \"offload_optimizer\": {\"device\": \"cpu\"}",
                .replaced_by = "offload_optimizer"},
               {.name = "cpu_offload_param",
@@ -690,6 +690,14 @@ void parse_zero(const json& j, config& c) {
   }
   c.zero.stage = static_cast<int>(r.integer("stage", 0, 0, 3));
   if (const json* o = r.object("offload_optimizer")) parse_offload_optimizer(*o, c);
+  // DeepSpeed's deprecated form: true means "offload_optimizer": {"device": "cpu"} (check_keys
+  // has refused the two together).
+  if (r.has("cpu_offload") && r.boolean("cpu_offload", false)) {
+    parse_offload_optimizer(json{{"device", "cpu"}}, c);
+    c.notices.push_back(
+        "'zero_optimization.cpu_offload' is deprecated in DeepSpeed; read as \"offload_optimizer\": {\"device\": "
+        "\"cpu\"} (write that instead)");
+  }
   c.zero.reduce_bucket_size = r.unsigned_integer("reduce_bucket_size", 500'000'000, 1);
   if (r.has("sub_group_size")) c.zero.sub_group_size = r.unsigned_integer("sub_group_size", 0, 1);
   // Read and kept for DeepSpeed configs, but no engine uses them (docs/config.md says what
@@ -1164,6 +1172,23 @@ config parse_config(const json& j, int world_size) {
   config c;
   reader r(j, "");
   if (const json* v = r.object("bf16")) parse_bf16(*v, c);
+  // DeepSpeed's older name of the section: read when "bf16" is absent, as DeepSpeed does.
+  if (const json* v = r.object("bfloat16")) {
+    if (r.has("bf16")) {
+      c.notices.push_back("'bfloat16' is ignored: \"bf16\" is given, and DeepSpeed reads \"bf16\" first (remove 'bfloat16')");
+    } else {
+      parse_bf16(*v, c, "bfloat16");
+      c.notices.push_back("'bfloat16' is DeepSpeed's deprecated name of the \"bf16\" section; read as \"bf16\" (rename it)");
+    }
+  }
+  if (r.has("prescale_gradients")) (void)r.boolean("prescale_gradients", false);
+  if (r.has("gradient_predivide_factor")) {
+    const double f = r.number("gradient_predivide_factor", 1.0);
+    if (!(f > 0) || !std::isfinite(f)) {
+      fail("'gradient_predivide_factor' = " + format_number(f) +
+           " is invalid; it must be a finite number > 0 (DeepSpeed divides gradients by it before the reduction)");
+    }
+  }
   if (const json* v = r.object("fp16")) parse_fp16(*v, c);
   bool autocast_dtype_given = false;
   if (const json* v = r.object("torch_autocast")) autocast_dtype_given = parse_autocast(*v, c);

@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstddef>
+#include <cstdio>
 #include <deque>
 #include <exception>
 #include <filesystem>
@@ -2118,6 +2119,9 @@ std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Mod
         return st->prepare();
       });
   st->start();
+  // DeepSpeed's deprecated spellings, read with their meaning: said once, by rank 0.
+  if (comm.rank() == 0)
+    for (const std::string& n : st->cfg_.notices) std::fprintf(stderr, "mpzero: config: %s\n", n.c_str());
   return st;
 }
 

@@ -93,6 +93,10 @@ struct autocast_config {
 
 // The whole configuration after parsing, defaulting and validation.
 struct config {
+  // One line each for what the config spells in a way DeepSpeed has deprecated and still
+  // reads (read with DeepSpeed's meaning); initialize prints them once, on rank 0.
+  std::vector<std::string> notices;
+
   // Batch sizes: all three resolved (train = micro * gas * world).
   std::uint64_t train_batch_size = 0;
   std::uint64_t train_micro_batch_size_per_gpu = 0;
