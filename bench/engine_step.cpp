@@ -9,7 +9,9 @@
 //   mpzero_bench_engine [--benchmark_filter=...] [Google Benchmark flags]
 //
 // Names: <precision>/z<stage>[+off]/<elements>, the precisions as the main job names
-// them (examples/gpt/precision_config.hpp); world size 1, AdamW, 4 parameters.
+// them (examples/gpt/precision_config.hpp); world size 1, AdamW, 4 parameters. And
+// zero3_watch/{unit,outside}: what ZeRO-3's watch of parameters used outside every
+// gathered_forward unit costs a pass of many small operations.
 #include <mpzero/torch/engine.hpp>
 
 #include <benchmark/benchmark.h>
@@ -62,7 +64,48 @@ void BM_engine_step(benchmark::State& state, std::string precision, int stage, b
   state.SetLabel(engine.describe());
 }
 
+// ZeRO-3's watch of the operations (docs/torch.md, ZeRO-3): one partitioned Linear and
+// `ops` small multiplies after it, the Linear run through gathered_forward (nothing is
+// outside a unit: no watch) or not (the engine watches every operation of the pass).
+// The two gather the same parameter once per forward and once per backward.
+struct ChainImpl : torch::nn::Module {
+  ChainImpl(bool unit, int ops) : unit(unit), ops(ops) {
+    torch::manual_seed(7);
+    lin = register_module("lin", torch::nn::Linear(64, 64));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor h = unit ? mpzero::torch::gathered_forward(lin, x) : lin(x);
+    for (int k = 0; k < ops; ++k) h = h * 0.999f;
+    return h.sum();
+  }
+  bool unit;
+  int ops;
+  torch::nn::Linear lin{nullptr};
+};
+TORCH_MODULE(Chain);
+
+void BM_zero3_watch(benchmark::State& state, bool unit) {
+  const int ops = 256;
+  nlohmann::json cfg = {{"train_micro_batch_size_per_gpu", 1},
+                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
+                        {"zero_optimization", {{"stage", 3}, {"stage3_param_persistence_threshold", 0}}}};
+  auto engine = mpzero::torch::initialize(Chain(unit, ops), cfg);
+  const torch::Tensor x = torch::randn({4, 64});
+  auto one = [&] {
+    engine(x).backward();
+    engine.step();
+  };
+  one();
+  for (auto _ : state) one();
+  state.counters["multiplies"] = ops;  // each also runs once in backward
+}
+
 void register_benchmarks() {
+  for (const bool unit : {true, false}) {
+    benchmark::RegisterBenchmark(unit ? "zero3_watch/unit" : "zero3_watch/outside", BM_zero3_watch, unit)
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
+  }
   struct row {
     const char* precision;
     int stage;
