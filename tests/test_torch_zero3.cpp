@@ -752,12 +752,15 @@ void freeze_up(Stack& m) {
 
 TEST_CASE("zero3: frozen parameters are partitioned too, gathered around their unit, never given state",
           "[torch][zero3]") {
-  const bool built = GENERATE(false, true);  // built whole, or under zero_init
-  INFO((built ? "built partitioned" : "built whole") << ", world " << W());
-  Stack m2(1234, true);
+  // Built whole, or under zero_init; with the blocks through gathered_forward, or not
+  // (then the frozen weights are gathered as operations read them).
+  const int variant = GENERATE(0, 1, 2);
+  const bool built = variant == 1, units = variant != 2;
+  INFO((built ? "built partitioned" : "built whole") << (units ? "" : ", no units") << ", world " << W());
+  Stack m2(1234, units);
   freeze_up(m2);
   auto z2 = mt::initialize(m2, config(2, "fp32", 32), world());
-  Stack m3 = built ? build_partitioned(1234).model : Stack(1234, true);
+  Stack m3 = built ? build_partitioned(1234).model : Stack(1234, units);
   freeze_up(m3);
   json c3 = config(3, "fp32", 32);
   c3["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = true;
@@ -778,7 +781,7 @@ TEST_CASE("zero3: frozen parameters are partitioned too, gathered around their u
     for (auto& b : m3->blocks) CHECK(b->up->weight.numel() == 0);
   }
   probe = nullptr;
-  CHECK(most >= 512);  // a block's frozen weight was gathered for its unit
+  CHECK(most >= 512);  // a block's frozen weight was gathered for its unit, or for the operations that read it
   require_equal(whole_params(z2), whole_params(z3), "master weights after 4 micro-steps");
   // The frozen weights are whole, unchanged, in what save_16bit_model writes.
   shared_dir dir;

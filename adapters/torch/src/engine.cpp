@@ -290,6 +290,8 @@ class zero3_gatherer {
   void disarm_outside();  // a forward's graph is gone: the last one disarms
   void drop_outside();    // disarms whatever the count (release_all, the engine's end)
   void gather_for_use(const std::vector<c10::StorageImpl*>& storages);
+  const c10::Storage& storage_of(std::size_t i) const;  // a managed parameter's, or a frozen part's
+  std::uint64_t numel_of(std::size_t i) const;
   std::vector<char> outside_;               // armed now
   std::vector<std::size_t> outside_armed_;  // their indices
   std::deque<std::size_t> outside_live_;    // held for an operation, oldest first
@@ -438,7 +440,9 @@ class frozen_shards {
   // Rebuilt whole from the ranks' slices (each broadcasts its own, through the host) into
   // a buffer the parameter's storage points at; release() frees it.
   void gather(std::size_t f);
-  void release(std::size_t f);
+  // keep_shape: the parameter stays a view of its storage, without data (armed by
+  // zero3_gatherer for a forward, gathered again when an operation reads it).
+  void release(std::size_t f, bool keep_shape = false);
   const part* part_of(const ::torch::Tensor& t) const {
     const auto it = index_.find(t.unsafeGetTensorImpl());
     return it == index_.end() ? nullptr : &parts_[it->second];
@@ -473,9 +477,14 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
       for (const auto& [impl, f] : frozen_shards_.index_) frozen_owners.erase(impl);
     }
     for (std::size_t i : z3_.outside_armed_) {
-      unwatch_storage(z3_.storages_[i].unsafeGetStorageImpl());
+      unwatch_storage(z3_.storage_of(i).unsafeGetStorageImpl());
       z3_.outside_[i] = 0;
-      if (z3_.holds_[i] == 0) params_[i].set_data(z3_.placeholder_);
+      if (z3_.holds_[i] > 0) continue;
+      if (i < params_.size()) {
+        params_[i].set_data(z3_.placeholder_);
+      } else {
+        frozen_shards_.release(i - params_.size());
+      }
     }
     for (std::size_t i = 0; i < bound_; ++i) {
       try {
@@ -727,13 +736,11 @@ class unit_call {
 struct forward_hold {
   std::weak_ptr<engine_state> st;
   std::uint64_t generation = 0;
-  std::vector<std::size_t> params;  // frozen: held
   bool armed = false;
   ~forward_hold() {
     try {
       auto s = st.lock();
       if (!s || s->z3_.generation_ != generation) return;
-      s->z3_.unhold(params);
       if (armed) s->z3_.disarm_outside();
     } catch (...) {
     }
@@ -901,7 +908,7 @@ void zero3_gatherer::unhold(const std::vector<std::size_t>& idx) {
   for (std::size_t i : idx) {
     if (holds_[i] == 0 || --holds_[i] > 0) continue;
     if (i >= e_.params_.size()) {
-      e_.frozen_shards_.release(i - e_.params_.size());
+      e_.frozen_shards_.release(i - e_.params_.size(), outside_[i] != 0);
       continue;
     }
     unbind(i);
@@ -956,19 +963,33 @@ void zero3_gatherer::arm_outside(const std::vector<std::size_t>& idx) {
     if (outside_[i]) continue;
     outside_[i] = 1;
     outside_armed_.push_back(i);
-    if (!storages_[i]) {  // a storage of its own, kept across gathers as bind() keeps it
-      storages_[i] = c10::Storage(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, e_.device_),
-                                  /*allocator=*/nullptr, /*resizable=*/false);
+    const bool frozen = i >= e_.params_.size();
+    auto* fp = frozen ? &e_.frozen_shards_.parts_[i - e_.params_.size()] : nullptr;
+    c10::Storage& storage = frozen ? fp->storage : storages_[i];
+    const c10::Device device = frozen ? fp->slice.device() : e_.device_;
+    const at::ScalarType type = frozen ? fp->slice.scalar_type() : e_.param_type_;
+    if (!storage) {  // a storage of its own, kept across gathers as bind() keeps it
+      storage = c10::Storage(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, device), /*allocator=*/nullptr,
+                             /*resizable=*/false);
     }
-    storage_index_[storages_[i].unsafeGetStorageImpl()] = i;
-    watch_storage(storages_[i].unsafeGetStorageImpl(), listener_);
+    storage_index_[storage.unsafeGetStorageImpl()] = i;
+    watch_storage(storage.unsafeGetStorageImpl(), listener_);
     if (holds_[i] > 0) continue;  // gathered (a unit of an outer forward): already a view of it
     auto t = at::detail::make_tensor<c10::TensorImpl>(
-        c10::Storage(storages_[i]), c10::DispatchKeySet(c10::computeDispatchKey(e_.param_type_, at::kStrided, e_.device_)),
-        c10::scalarTypeToTypeMeta(e_.param_type_));
-    t.unsafeGetTensorImpl()->set_sizes_contiguous(e_.shapes_[i]);
-    e_.params_[i].set_data(t);
+        c10::Storage(storage), c10::DispatchKeySet(c10::computeDispatchKey(type, at::kStrided, device)),
+        c10::scalarTypeToTypeMeta(type));
+    t.unsafeGetTensorImpl()->set_sizes_contiguous(frozen ? fp->shape : e_.shapes_[i]);
+    (frozen ? fp->param : e_.params_[i]).set_data(t);
   }
+}
+
+const c10::Storage& zero3_gatherer::storage_of(std::size_t i) const {
+  return i < e_.params_.size() ? storages_[i] : e_.frozen_shards_.parts_[i - e_.params_.size()].storage;
+}
+
+std::uint64_t zero3_gatherer::numel_of(std::size_t i) const {
+  const auto& shape = i < e_.params_.size() ? e_.shapes_[i] : e_.frozen_shards_.parts_[i - e_.params_.size()].shape;
+  return static_cast<std::uint64_t>(c10::multiply_integers(shape));
 }
 
 void zero3_gatherer::disarm_outside() {
@@ -990,9 +1011,15 @@ void zero3_gatherer::drop_outside() {
   }
   for (std::size_t i : std::exchange(outside_armed_, {})) {
     outside_[i] = 0;
-    unwatch_storage(storages_[i].unsafeGetStorageImpl());
-    storage_index_.erase(storages_[i].unsafeGetStorageImpl());
-    if (holds_[i] == 0) e_.params_[i].set_data(placeholder_);  // empty outside the pass, as a unit's
+    unwatch_storage(storage_of(i).unsafeGetStorageImpl());
+    storage_index_.erase(storage_of(i).unsafeGetStorageImpl());
+    if (holds_[i] > 0) continue;
+    // Empty outside the pass, as a unit's.
+    if (i < e_.params_.size()) {
+      e_.params_[i].set_data(placeholder_);
+    } else {
+      e_.frozen_shards_.release(i - e_.params_.size());
+    }
   }
   if (first) std::rethrow_exception(first);
 }
@@ -1006,7 +1033,7 @@ void zero3_gatherer::gather_for_use(const std::vector<c10::StorageImpl*>& storag
     if (holds_[it->second] == 0) fresh.push_back(it->second);
   }
   if (fresh.empty()) return;
-  auto numel = [&](std::size_t i) { return static_cast<std::uint64_t>(c10::multiply_integers(e_.shapes_[i])); };
+  auto numel = [&](std::size_t i) { return numel_of(i); };
   std::uint64_t n = 0;
   for (std::size_t i : fresh) n += numel(i);
   // Release the oldest, except what this operation reads, until the new ones fit.
@@ -1422,7 +1449,7 @@ void engine_state::bind_parameters(const std::vector<::torch::Tensor>& all, cons
   z3_.storages_.assign(params_.size(), c10::Storage());
   z3_.group_of_.assign(z3_size(), {0, 0});
   z3_.claimed_.assign(z3_size(), 0);
-  z3_.outside_.assign(params_.size(), 0);
+  z3_.outside_.assign(z3_size(), 0);
   z3_.placeholder_ = ::torch::empty({0}, ::torch::TensorOptions().dtype(param_type_).device(device_));
   // Built partitioned: each in a submodule that runs through gathered_forward, so the
   // first forward need not gather them for the whole pass.
@@ -1478,6 +1505,7 @@ void frozen_shards::partition(const ::torch::Tensor& param, ::torch::Tensor& con
 // Rebuilt whole from the ranks' slices (each broadcasts its own, through the host) into
 // a buffer the parameter's storage points at.
 void frozen_shards::gather(std::size_t f) {
+  const unobserved own;
   part& fp = parts_[f];
   const std::int64_t n = c10::multiply_integers(fp.shape);
   std::vector<float> whole(static_cast<std::size_t>(n));
@@ -1500,9 +1528,10 @@ void frozen_shards::gather(std::size_t f) {
   fp.param.set_data(t);
 }
 
-void frozen_shards::release(std::size_t f) {
+void frozen_shards::release(std::size_t f, bool keep_shape) {
+  const unobserved own;
   part& fp = parts_[f];
-  fp.param.set_data(::torch::empty({0}, fp.slice.options()));
+  if (!keep_shape) fp.param.set_data(::torch::empty({0}, fp.slice.options()));
   if (!fp.storage) return;
   fp.storage.set_data_ptr_noswap(c10::DataPtr(nullptr, fp.slice.device()));
   fp.storage.set_nbytes(0);
@@ -2183,12 +2212,9 @@ engine_base::forward_scope::forward_scope(detail::engine_state& st) : st_(st) {
     auto h = std::make_shared<detail::forward_hold>();
     h->st = st_.weak_from_this();
     h->generation = st_.z3_.generation_;
-    std::vector<std::size_t> managed;
-    for (std::size_t i : st_.z3_.partitioned_params(/*unclaimed_only=*/true))
-      (i < st_.params_.size() ? managed : h->params).push_back(i);
-    st_.z3_.hold(h->params);
-    if (!managed.empty()) {
-      st_.z3_.arm_outside(managed);
+    const std::vector<std::size_t> outside = st_.z3_.partitioned_params(/*unclaimed_only=*/true);
+    if (!outside.empty()) {
+      st_.z3_.arm_outside(outside);
       h->armed = true;
     }
     st_.z3_.forward_hold_ = std::move(h);
