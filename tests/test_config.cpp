@@ -851,12 +851,12 @@ TEST_CASE("config: DeepSpeed sections that are switched off, or cannot act, are 
 }
 
 TEST_CASE("config: DeepSpeed's deprecated spellings read with DeepSpeed's meaning, each with a notice", "[config]") {
-  const config modern = parse_config_text(R"({"train_micro_batch_size_per_gpu": 1,
+  const config modern = parse_config_text(R"({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
       "bf16": {"enabled": true, "bf16_master_weights_and_grads": true},
       "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})",
                                           2);
   CHECK(modern.notices.empty());
-  const config old = parse_config_text(R"({"train_micro_batch_size_per_gpu": 1,
+  const config old = parse_config_text(R"({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
       "bfloat16": {"enabled": true, "bf16_master_weights_and_grads": true},
       "zero_optimization": {"stage": 2, "cpu_offload": true}})",
                                        2);
@@ -867,19 +867,54 @@ TEST_CASE("config: DeepSpeed's deprecated spellings read with DeepSpeed's meanin
   CHECK_THAT(old.notices[1], Catch::Contains("'zero_optimization.cpu_offload' is deprecated") &&
                                  Catch::Contains("\"offload_optimizer\": {\"device\": \"cpu\"}"));
   // false offloads nothing, and says nothing.
-  const config off = parse_config_text(
-      R"({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "cpu_offload": false}})", 1);
+  const config off = parse_config_text(R"({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+      "zero_optimization": {"stage": 2, "cpu_offload": false}})",
+                                       1);
   CHECK(off.zero.offload_optimizer == offload_device::none);
   CHECK(off.notices.empty());
   // Both sections: DeepSpeed reads "bf16" and ignores "bfloat16".
-  const config both = parse_config_text(
-      R"({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": false}, "bfloat16": {"enabled": true}})", 1);
+  const config both = parse_config_text(R"({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW"},
+      "bf16": {"enabled": false}, "bfloat16": {"enabled": true}})",
+                                        1);
   CHECK_FALSE(both.bf16);
   REQUIRE(both.notices.size() == 1);
   CHECK_THAT(both.notices[0], Catch::Contains("'bfloat16' is ignored"));
   // Where DeepSpeed divides by the world size (before or after the sum) leaves the average.
   CHECK_NOTHROW(parse_config_text(
       R"({"train_micro_batch_size_per_gpu": 1, "prescale_gradients": true, "gradient_predivide_factor": 8})", 4));
+}
+
+TEST_CASE("config: without an optimizer the default is said aloud; one given in code reads as the section",
+          "[config]") {
+  const config none = parse_config_text(R"({"train_micro_batch_size_per_gpu": 1})", 1);
+  CHECK_FALSE(none.optimizer_given);
+  CHECK(none.optimizer.type == optimizer_type::adamw);
+  REQUIRE(none.notices.size() == 1);
+  CHECK_THAT(none.notices[0], Catch::Contains("no \"optimizer\" section") && Catch::Contains("AdamW (lr 0.001") &&
+                                  Catch::Contains("pass one to initialize"));
+  const config in_config = parse_config_text(R"({"train_micro_batch_size_per_gpu": 1,
+      "optimizer": {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}},
+      "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}})",
+                                             2);
+  CHECK(in_config.optimizer_given);
+  CHECK(in_config.notices.empty());
+  optimizer_config sgd;
+  sgd.type = optimizer_type::sgd;
+  sgd.lr = 0.5;
+  sgd.momentum = 0.9;
+  const json no_section = json::parse(R"({"train_micro_batch_size_per_gpu": 1,
+      "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}})");
+  const config in_code = parse_config_with_optimizer(no_section, sgd, 2);
+  CHECK(to_json(in_code) == to_json(in_config));  // WarmupLR's peak is the code optimizer's lr too
+  CHECK(in_code.optimizer_given);
+  CHECK(in_code.notices.empty());
+  // Both: refused. A bad value: the section's rule and message.
+  CHECK_THROWS_WITH(parse_config_with_optimizer(json::parse(R"({"train_micro_batch_size_per_gpu": 1,
+                                                   "optimizer": {"type": "AdamW"}})"),
+                                                sgd, 1),
+                    Catch::Contains("initialize was given an optimizer in code too; keep one"));
+  sgd.lr = -1;
+  CHECK_THROWS_WITH(parse_config_with_optimizer(no_section, sgd, 1), Catch::Contains("lr = -1 is out of range"));
 }
 
 TEST_CASE("config: DeepSpeed's field names of its stage-3 keys are accepted too", "[config]") {

@@ -1253,6 +1253,37 @@ TEST_CASE("torch: JSON text, a file path and a parsed config all initialize", "[
   CHECK(a.parameters()[0].scalar_type() == torch::kBFloat16);
 }
 
+TEST_CASE("torch: an optimizer given in code trains as the same section in the config", "[torch]") {
+  const int stage = GENERATE(0, 2);
+  INFO(label(stage, "fp32"));
+  json params = {{"lr", 0.05}, {"momentum", 0.9}};
+  const json with = make_config(stage, "fp32", 1, {{"optimizer", {{"type", "SGD"}, {"params", params}}}});
+  json without = with;
+  without.erase("optimizer");
+  mt::optimizer_config sgd;
+  sgd.type = mt::optimizer_type::sgd;
+  sgd.lr = 0.05;
+  sgd.momentum = 0.9;
+  auto a = make_engine(Net(3), with);
+  auto b = mt::initialize(Net(3), without, sgd, world());
+  auto c = mt::initialize(Net(3), without.dump(), sgd, world());  // JSON text
+  CHECK(b.config().optimizer_given);
+  CHECK(b.config().notices.empty());
+  for (int it = 0; it < 3; ++it) {
+    for (auto* e : {&a, &b, &c}) {
+      const batch d = data(it, R(), 5);
+      e->forward(d.x, d.y).backward();
+      e->step();
+    }
+  }
+  for (std::size_t i = 0; i < a.master_weights().size(); ++i) {
+    REQUIRE(torch::equal(a.master_weights()[i], b.master_weights()[i]));
+    REQUIRE(torch::equal(a.master_weights()[i], c.master_weights()[i]));
+  }
+  // In both places: refused, on every rank, before anything changes.
+  CHECK_THROWS_WITH(mt::initialize(Net(3), with, sgd, world()), Catch::Contains("keep one"));
+}
+
 // A Net with a frozen integer parameter (an index table), which must keep its dtype.
 struct IndexedNetImpl : NetImpl {
   Tensor idx;

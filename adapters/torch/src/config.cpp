@@ -1199,6 +1199,15 @@ config parse_config(const json& j, int world_size) {
   if (const json* v = r.object("zero_optimization")) parse_zero(*v, c);
   // The optimizer first: WarmupLR's default peak is the optimizer's lr.
   if (const json* v = r.object("optimizer")) parse_optimizer(*v, c);
+  c.optimizer_given = r.object("optimizer") != nullptr;
+  if (!c.optimizer_given) {
+    // DeepSpeed would train with the client's optimizer here; mpzero has a default, said aloud.
+    c.notices.push_back("no \"optimizer\" section: training with mpzero's default, AdamW (lr " +
+                        format_number(c.optimizer.lr) + ", betas [" + format_number(c.optimizer.beta1) + ", " +
+                        format_number(c.optimizer.beta2) + "], eps " + format_number(c.optimizer.eps) +
+                        ", weight_decay " + format_number(c.optimizer.weight_decay) +
+                        "); name one in the config, or pass one to initialize");
+  }
   if (const json* v = r.object("scheduler")) parse_scheduler(*v, c);
   if (const json* v = r.object("data_types")) parse_data_types(*v, c);
   c.gradient_clipping = r.number("gradient_clipping", 1.0);
@@ -1234,7 +1243,10 @@ config parse_config_text(const std::string& json_text, int world_size) {
   return parse_config(parse_text(json_text), world_size);
 }
 
-config load_config_file(const std::string& path, int world_size) {
+namespace {
+
+// A file's text, or a config_error naming the path.
+std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     throw config_error("mpzero: config file '" + path + "' cannot be opened: " + std::strerror(errno) +
@@ -1242,14 +1254,47 @@ config load_config_file(const std::string& path, int world_size) {
   }
   std::ostringstream ss;
   ss << in.rdbuf();
+  return ss.str();
+}
+
+// f(), its config_error naming the file.
+template <class F>
+auto in_file(const std::string& path, F&& f) {
   try {
-    return parse_config_text(ss.str(), world_size);
+    return f();
   } catch (const config_error& e) {
     std::string m = e.what();
     const std::string prefix = "mpzero: config: ";
     if (m.rfind(prefix, 0) == 0) m = m.substr(prefix.size());
     throw config_error("mpzero: config file '" + path + "': " + m);
   }
+}
+
+}  // namespace
+
+config load_config_file(const std::string& path, int world_size) {
+  const std::string text = read_file(path);
+  return in_file(path, [&] { return parse_config_text(text, world_size); });
+}
+
+json read_config_json(const std::string& path_or_json) {
+  const auto first = std::find_if(path_or_json.begin(), path_or_json.end(), [](unsigned char ch) { return !std::isspace(ch); });
+  if (first != path_or_json.end() && *first == '{') return parse_text(path_or_json);
+  const std::string text = read_file(path_or_json);
+  return in_file(path_or_json, [&] { return parse_text(text); });
+}
+
+config parse_config_with_optimizer(const json& j, const optimizer_config& optimizer, int world_size) {
+  if (!j.is_object()) return parse_config(j, world_size);  // its own error
+  if (const auto it = j.find("optimizer"); it != j.end() && !it->is_null()) {
+    fail("the config has an \"optimizer\" section and initialize was given an optimizer in code too; keep one "
+         "(remove the section, or the argument)");
+  }
+  config named;
+  named.optimizer = optimizer;
+  json with = j;
+  with["optimizer"] = to_json(named)["optimizer"];
+  return parse_config(with, world_size);
 }
 
 json to_json(const config& c) {

@@ -96,6 +96,10 @@ struct config {
   // One line each for what the config spells in a way DeepSpeed has deprecated and still
   // reads (read with DeepSpeed's meaning); initialize prints them once, on rank 0.
   std::vector<std::string> notices;
+  // Whether an optimizer was named (the "optimizer" section, or initialize's optimizer
+  // argument). Without one, `optimizer` holds mpzero's default (AdamW, lr 1e-3) and
+  // `notices` says so.
+  bool optimizer_given = false;
 
   // Batch sizes: all three resolved (train = micro * gas * world).
   std::uint64_t train_batch_size = 0;
@@ -148,6 +152,12 @@ config parse_config_text(const std::string& json_text, int world_size);
 // Reads a file; errors name the path. JSON comments are allowed and duplicate keys are
 // an error (as DeepSpeed, which reads files with hjson and refuses duplicates).
 config load_config_file(const std::string& path, int world_size);
+// DeepSpeed's client optimizer: `j` (which must have no "optimizer" section) parsed with
+// `optimizer` as its section, by the same rules and with the same defaults it implies
+// (WarmupLR's peak is its lr).
+config parse_config_with_optimizer(const nlohmann::json& j, const optimizer_config& optimizer, int world_size);
+// A path to a JSON file, or JSON text (its first non-blank character is '{'), as JSON.
+nlohmann::json read_config_json(const std::string& path_or_json);
 
 // The resolved configuration as JSON: every key spelled out, defaults included. Parsing
 // it again (with the same world size) gives the same configuration.

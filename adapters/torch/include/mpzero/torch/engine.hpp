@@ -477,6 +477,40 @@ template <class Model>
 engine<Model> initialize(Model model, const char* path_or_json, any_communicator comm = {}) {
   return initialize(std::move(model), std::string(path_or_json), std::move(comm));
 }
+// DeepSpeed's client optimizer: the optimizer given in code, for a config (JSON, JSON
+// text or a file) without an "optimizer" section; one in both is refused. It is read by
+// the section's rules, with the defaults it implies (WarmupLR's peak is its lr):
+//
+//   mpzero::torch::optimizer_config adamw{.type = mpzero::torch::optimizer_type::adamw, .lr = 3e-4,
+//                                          .weight_decay = 0.1};
+//   auto engine = mpzero::torch::initialize(model, "ds_config.json", adamw, comm);
+template <class Model>
+engine<Model> initialize(Model model, const nlohmann::json& cfg, const optimizer_config& optimizer,
+                         any_communicator comm = {}) {
+  const int world = comm.size();
+  auto st = detail::make_engine_state(
+      detail::module_ptr(model), [&] { return parse_config_with_optimizer(cfg, optimizer, world); }, std::move(comm));
+  return engine<Model>(std::move(model), std::move(st));
+}
+template <class Model>
+engine<Model> initialize(Model model, const std::string& path_or_json, const optimizer_config& optimizer,
+                         any_communicator comm = {}) {
+  const int world = comm.size();
+  auto st = detail::make_engine_state(
+      detail::module_ptr(model),
+      [&] { return parse_config_with_optimizer(read_config_json(path_or_json), optimizer, world); }, std::move(comm));
+  return engine<Model>(std::move(model), std::move(st));
+}
+template <class Model>
+engine<Model> initialize(Model model, const char* path_or_json, const optimizer_config& optimizer,
+                         any_communicator comm = {}) {
+  return initialize(std::move(model), std::string(path_or_json), optimizer, std::move(comm));
+}
+template <class Model, class Config, comm::communicator C>
+  requires(!std::is_same_v<std::remove_cvref_t<C>, any_communicator>)
+engine<Model> initialize(Model model, const Config& cfg, const optimizer_config& optimizer, C& comm) {
+  return initialize(std::move(model), cfg, optimizer, any_communicator::wrap(comm));
+}
 // Any comm::communicator the caller owns and keeps alive (e.g. mpi_communicator).
 template <class Model, class Config, comm::communicator C>
   requires(!std::is_same_v<std::remove_cvref_t<C>, any_communicator>)
