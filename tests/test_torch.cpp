@@ -1253,6 +1253,19 @@ TEST_CASE("torch: JSON text, a file path and a parsed config all initialize", "[
   CHECK(a.parameters()[0].scalar_type() == torch::kBFloat16);
 }
 
+TEST_CASE("torch: fp32 inputs to a bf16 engine's forward are explained: what to cast", "[torch]") {
+  torch::manual_seed(5);
+  auto e = mt::initialize(torch::nn::Linear(4, 2), make_config(2, "bf16"), world());
+  CHECK_THROWS_WITH(e.forward(torch::randn({3, 4})),
+                    Catch::Contains("the model's forward failed") &&
+                        Catch::Contains("parameters are BFloat16 and an input is Float") &&
+                        Catch::Contains("cast floating inputs to BFloat16"));
+  // Cast, it runs; the failed forward left nothing behind.
+  CHECK(e.forward(torch::randn({3, 4}).to(torch::kBFloat16)).sizes().vec() == std::vector<std::int64_t>{3, 2});
+  // Another error keeps LibTorch's own message.
+  CHECK_THROWS_WITH(e.forward(torch::randn({3, 5}).to(torch::kBFloat16)), !Catch::Contains("cast floating inputs"));
+}
+
 TEST_CASE("torch: an optimizer given in code trains as the same section in the config", "[torch]") {
   const int stage = GENERATE(0, 2);
   INFO(label(stage, "fp32"));

@@ -2270,6 +2270,20 @@ void engine_base::watch(const ::torch::Tensor& out) {
   });
 }
 
+void engine_base::explain_forward_error(const c10::Error& e, const std::vector<at::ScalarType>& inputs) const {
+  const at::ScalarType param = st_->param_type_;
+  if (param == at::kFloat || st_->cfg_.torch_autocast.enabled) return;
+  const std::string what = e.what_without_backtrace();
+  if (what.find("dtype") == std::string::npos && what.find("scalar type") == std::string::npos) return;
+  const auto other = std::find_if(inputs.begin(), inputs.end(), [&](at::ScalarType t) { return t != param; });
+  if (other == inputs.end()) return;
+  const std::string p = c10::toString(param), in = c10::toString(*other);
+  throw mpzero::error("mpzero::torch: the model's forward failed: " + what + "\nThe engine's parameters are " + p +
+                      " and an input is " + in + ": cast floating inputs to " + p + " before engine.forward (x.to(" +
+                      p + ")), or run the forward under \"torch_autocast\" (DeepSpeed's engine does not cast them "
+                      "either, except under fp16.auto_cast)");
+}
+
 ::torch::Tensor engine_base::backward(const ::torch::Tensor& loss, bool retain_graph, bool scale_wrt_gas) {
   return st_->bw_.backward(loss, retain_graph, scale_wrt_gas);
 }

@@ -243,6 +243,9 @@ class engine_base {
 
   // Registers the end-of-backward prologue hook on an output.
   void watch(const ::torch::Tensor& out);
+  // A forward's c10::Error that a floating input of another dtype than the engine's
+  // 16-bit parameters explains: thrown again as mpzero::error that says what to cast.
+  void explain_forward_error(const c10::Error& e, const std::vector<at::ScalarType>& inputs) const;
   template <class T>
   void watch_any(const T& out) {
     // Outputs with no tensors we can see: parameter hooks still find the backward.
@@ -263,13 +266,26 @@ class engine : public engine_base {
  public:
   engine(Model model, std::shared_ptr<detail::engine_state> st) : engine_base(std::move(st)), model_(std::move(model)) {}
 
-  // model->forward(args...), under the engine (autocast, output hooks).
+  // model->forward(args...), under the engine (autocast, output hooks). A forward that
+  // LibTorch stops on a dtype mismatch, with floating inputs of another dtype than 16-bit
+  // parameters, is explained (DeepSpeed's engine does not cast inputs either).
   template <class... Args>
   auto forward(Args&&... args) {
     forward_scope scope(*st_);
-    auto out = model_->forward(std::forward<Args>(args)...);
-    watch_any(out);
-    return out;
+    std::vector<at::ScalarType> inputs;
+    (detail::for_each_tensor(args,
+                             [&](const ::torch::Tensor& t) {
+                               if (t.defined() && t.is_floating_point()) inputs.push_back(t.scalar_type());
+                             }),
+     ...);
+    try {
+      auto out = model_->forward(std::forward<Args>(args)...);
+      watch_any(out);
+      return out;
+    } catch (const c10::Error& e) {
+      explain_forward_error(e, inputs);  // throws mpzero::error, or returns to rethrow
+      throw;
+    }
   }
   template <class... Args>
   auto operator()(Args&&... args) {
