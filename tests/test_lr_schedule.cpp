@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include <nlohmann/json.hpp>
+
 #include <mpzero/torch/config.hpp>
 #include <mpzero/torch/lr_schedule.hpp>
 
@@ -114,6 +116,33 @@ TEST_CASE("lr_schedule: hand-worked values", "[config]") {
   // No scheduler: the optimizer's lr.
   CHECK(lr_at(scheduler_config{}, 0.125, 0) == 0.125);
   CHECK(lr_at(scheduler_config{}, 0.125, 99) == 0.125);
+}
+
+TEST_CASE("lr_schedule: LRRangeTest, worked by hand from DeepSpeed's definition", "[config]") {
+  // lr = min_lr * (1 + step_rate * interval), interval = (last_batch_iteration + 1) /
+  // step_size, floored with staircase; last_batch_iteration = steps taken - 1.
+  const config c = parse_config_text(R"({"train_micro_batch_size_per_gpu": 1, "scheduler": {"type": "LRRangeTest",
+      "params": {"lr_range_test_min_lr": 0.01, "lr_range_test_step_size": 4, "lr_range_test_step_rate": 2}}})",
+                                     1);
+  REQUIRE(c.scheduler.type == scheduler_type::lr_range_test);
+  CHECK(lr_at(c.scheduler, 123.0, 0) == Approx(0.01));           // before any step: min_lr
+  CHECK(lr_at(c.scheduler, 123.0, 1) == Approx(0.01 * 1.5));     // 1 + 2 * 1/4
+  CHECK(lr_at(c.scheduler, 123.0, 4) == Approx(0.01 * 3.0));     // 1 + 2 * 4/4
+  CHECK(lr_at(c.scheduler, 123.0, 10) == Approx(0.01 * 6.0));    // 1 + 2 * 10/4
+  scheduler_config stairs = c.scheduler;
+  stairs.lr_range_test_staircase = true;
+  CHECK(lr_at(stairs, 123.0, 3) == Approx(0.01));                // floor(3/4) = 0
+  CHECK(lr_at(stairs, 123.0, 4) == Approx(0.03));                // floor(4/4) = 1
+  CHECK(lr_at(stairs, 123.0, 11) == Approx(0.05));               // floor(11/4) = 2
+  // DeepSpeed's defaults: min_lr 1e-3, step_size 2000, step_rate 1, no staircase.
+  const config d = parse_config_text(
+      R"({"train_micro_batch_size_per_gpu": 1, "scheduler": {"type": "LRRangeTest"}})", 1);
+  CHECK(lr_at(d.scheduler, 1.0, 2000) == Approx(2e-3));
+  CHECK(to_json(parse_config(to_json(c), 1)) == to_json(c));
+  CHECK_THROWS_WITH(parse_config_text(R"({"train_micro_batch_size_per_gpu": 1, "scheduler": {"type": "LRRangeTest",
+      "params": {"lr_range_test_step_size": 0}}})",
+                                      1),
+                    Catch::Contains("lr_range_test_step_size"));
 }
 
 TEST_CASE("lr_schedule: agrees with DeepSpeed's formulas over whole runs", "[config]") {

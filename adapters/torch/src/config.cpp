@@ -843,7 +843,22 @@ void parse_optimizer(const json& j, config& c) {
   }
 }
 
-const std::vector<std::string_view> scheduler_types = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"};
+const std::vector<std::string_view> scheduler_types = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest"};
+
+// LRRangeTest's params, DeepSpeed's names and defaults.
+void parse_lr_range_test(const json& pj, const std::string& pp, scheduler_config& s) {
+  check_keys(pj, pp,
+             {"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate", "lr_range_test_staircase"},
+             {{"last_batch_iteration", "-1", "the schedule starts at step 0; a checkpoint restores its position"}});
+  reader pr(pj, pp);
+  s.lr_range_test_min_lr = pr.number("lr_range_test_min_lr", 1e-3);
+  require_finite_range(pr.path("lr_range_test_min_lr"), s.lr_range_test_min_lr, 0.0, 1e6, "");
+  s.lr_range_test_step_size = pr.unsigned_integer("lr_range_test_step_size", 2000, 1);
+  s.lr_range_test_step_rate = pr.number("lr_range_test_step_rate", 1.0);
+  require_finite_range(pr.path("lr_range_test_step_rate"), s.lr_range_test_step_rate, 0.0, 1e6,
+                       "the learning rate grows by min_lr x step_rate every step_size steps");
+  s.lr_range_test_staircase = pr.boolean("lr_range_test_staircase", false);
+}
 
 void parse_scheduler(const json& j, config& c) {
   const std::string p = "scheduler";
@@ -862,9 +877,11 @@ void parse_scheduler(const json& j, config& c) {
     s.type = scheduler_type::warmup_decay_lr;
   } else if (type == "WarmupCosineLR") {
     s.type = scheduler_type::warmup_cosine_lr;
+  } else if (type == "LRRangeTest") {
+    s.type = scheduler_type::lr_range_test;
   } else {
     std::string msg = "'scheduler.type' = \"" + type + "\" is not supported by mpzero";
-    if (type == "OneCycle" || type == "LRRangeTest") msg += " (DeepSpeed's " + type + " is not implemented)";
+    if (type == "OneCycle") msg += " (DeepSpeed's OneCycle is not implemented)";
     msg += "; supported: " + list(scheduler_types);
     const std::string guess = closest(type, scheduler_types);
     if (!guess.empty() && guess != type) msg += "; did you mean " + squote(guess) + "?";
@@ -874,6 +891,7 @@ void parse_scheduler(const json& j, config& c) {
   const json empty = json::object();
   const json& pj = params ? *params : empty;
   const std::string pp = "scheduler.params";
+  if (s.type == scheduler_type::lr_range_test) return parse_lr_range_test(pj, pp, s);
   const foreign_key last_iter{"last_batch_iteration", "-1",
                               "the schedule starts at step 0; a checkpoint restores its position"};
   reader pr(pj, pp);
@@ -1157,6 +1175,7 @@ std::string_view scheduler_name(scheduler_type t) {
     case scheduler_type::warmup_lr: return "WarmupLR";
     case scheduler_type::warmup_decay_lr: return "WarmupDecayLR";
     case scheduler_type::warmup_cosine_lr: return "WarmupCosineLR";
+    case scheduler_type::lr_range_test: return "LRRangeTest";
   }
   return "?";
 }
@@ -1356,7 +1375,14 @@ json to_json(const config& c) {
   }
   j["optimizer"] = {{"type", optimizer_name(op.type)}, {"params", params}};
   const scheduler_config& s = c.scheduler;
-  if (s.type != scheduler_type::none) {
+  if (s.type == scheduler_type::lr_range_test) {
+    j["scheduler"] = {{"type", scheduler_name(s.type)},
+                      {"params",
+                       {{"lr_range_test_min_lr", s.lr_range_test_min_lr},
+                        {"lr_range_test_step_size", s.lr_range_test_step_size},
+                        {"lr_range_test_step_rate", s.lr_range_test_step_rate},
+                        {"lr_range_test_staircase", s.lr_range_test_staircase}}}};
+  } else if (s.type != scheduler_type::none) {
     json sp = {{"warmup_num_steps", s.warmup_num_steps}, {"warmup_type", s.warmup_type}};
     if (s.type == scheduler_type::warmup_cosine_lr) {
       sp["total_num_steps"] = s.total_num_steps;

@@ -24,7 +24,7 @@ class config_error : public mpzero::invalid_argument {
 };
 
 enum class optimizer_type { adam, adamw, sgd, lion };
-enum class scheduler_type { none, warmup_lr, warmup_decay_lr, warmup_cosine_lr };
+enum class scheduler_type { none, warmup_lr, warmup_decay_lr, warmup_cosine_lr, lr_range_test };
 enum class offload_device { none, cpu };
 
 struct optimizer_config {
@@ -48,6 +48,12 @@ struct scheduler_config {
   std::uint64_t total_num_steps = 0;  // WarmupDecayLR, WarmupCosineLR
   double warmup_min_ratio = 0.0;      // WarmupCosineLR
   double cos_min_ratio = 1e-4;        // WarmupCosineLR
+  // LRRangeTest (DeepSpeed's defaults): lr = min_lr * (1 + step_rate * interval), interval
+  // = steps / step_size, floored with staircase.
+  double lr_range_test_min_lr = 1e-3;
+  std::uint64_t lr_range_test_step_size = 2000;
+  double lr_range_test_step_rate = 1.0;
+  bool lr_range_test_staircase = false;
 };
 
 struct zero_config {

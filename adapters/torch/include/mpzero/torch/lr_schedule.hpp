@@ -1,5 +1,5 @@
 // mpzero::torch: DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR,
-// WarmupCosineLR), torch-free.
+// WarmupCosineLR, LRRangeTest), torch-free.
 //
 // The formulas are DeepSpeed's (deepspeed/runtime/lr_schedules.py, v0.19.3+), step for step,
 // so that a run ported from DeepSpeed sees the same learning rates:
@@ -23,6 +23,9 @@
 //    growing past T, so its cosine turned back up. All agree up to total_num_steps.
 //  - WarmupLR and WarmupDecayLR set the lr outright (base_lr is not used); WarmupCosineLR
 //    scales the optimizer's lr. scheduler_type::none returns base_lr.
+//  - LRRangeTest sets lr = min_lr * (1 + step_rate * interval) outright, interval =
+//    step / step_size (DeepSpeed's (last_batch_iteration + 1) / step_size), floored when
+//    staircase; step 0 gives min_lr.
 #pragma once
 
 #include <algorithm>
@@ -49,6 +52,11 @@ inline double warmup_gamma(const scheduler_config& s, double i, double w) {
 // The learning rate after `step` scheduler steps (see above).
 inline double lr_at(const scheduler_config& s, double base_lr, std::uint64_t step) {
   if (s.type == scheduler_type::none) return base_lr;
+  if (s.type == scheduler_type::lr_range_test) {
+    double interval = static_cast<double>(step) / static_cast<double>(s.lr_range_test_step_size);
+    if (s.lr_range_test_staircase) interval = std::floor(interval);
+    return s.lr_range_test_min_lr * (1.0 + s.lr_range_test_step_rate * interval);
+  }
   const double w = static_cast<double>(std::max<std::uint64_t>(2, s.warmup_num_steps));
   const double t = static_cast<double>(s.total_num_steps);
   if (s.type == scheduler_type::warmup_cosine_lr) {
