@@ -288,7 +288,9 @@ class zero3_gatherer {
   // (more only while one operation reads more); the oldest are released first.
   void arm_outside(const std::vector<std::size_t>& idx);
   void disarm_outside();  // a forward's graph is gone: the last one disarms
-  void drop_outside();    // disarms whatever the count (release_all, the engine's end)
+  void drop_outside();    // disarms whatever the count (release_all)
+  // Parameter i no longer watched; unless held, empty (as a unit's between passes).
+  void disarm(std::size_t i);
   void gather_for_use(const std::vector<c10::StorageImpl*>& storages);
   const c10::Storage& storage_of(std::size_t i) const;  // a managed parameter's, or a frozen part's
   std::uint64_t numel_of(std::size_t i) const;
@@ -476,14 +478,10 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
       std::lock_guard<std::mutex> lock(frozen_owners_mutex);
       for (const auto& [impl, f] : frozen_shards_.index_) frozen_owners.erase(impl);
     }
-    for (std::size_t i : z3_.outside_armed_) {
-      unwatch_storage(z3_.storage_of(i).unsafeGetStorageImpl());
-      z3_.outside_[i] = 0;
-      if (z3_.holds_[i] > 0) continue;
-      if (i < params_.size()) {
-        params_[i].set_data(z3_.placeholder_);
-      } else {
-        frozen_shards_.release(i - params_.size());
+    for (std::size_t i : std::exchange(z3_.outside_armed_, {})) {
+      try {
+        z3_.disarm(i);
+      } catch (...) {
       }
     }
     for (std::size_t i = 0; i < bound_; ++i) {
@@ -731,8 +729,8 @@ class unit_call {
   int inputs_ = 0, pending_ = 0;
 };
 
-// engine.forward's hold on the unclaimed partitioned parameters, kept alive by the
-// outputs' graph: the frozen ones held for the pass, the managed ones armed.
+// engine.forward's hold on the unclaimed partitioned parameters (trainable and frozen),
+// kept alive by the outputs' graph: while it lives they are armed (zero3_gatherer).
 struct forward_hold {
   std::weak_ptr<engine_state> st;
   std::uint64_t generation = 0;
@@ -1009,19 +1007,21 @@ void zero3_gatherer::drop_outside() {
   } catch (...) {
     first = std::current_exception();
   }
-  for (std::size_t i : std::exchange(outside_armed_, {})) {
-    outside_[i] = 0;
-    unwatch_storage(storage_of(i).unsafeGetStorageImpl());
-    storage_index_.erase(storage_of(i).unsafeGetStorageImpl());
-    if (holds_[i] > 0) continue;
-    // Empty outside the pass, as a unit's.
-    if (i < e_.params_.size()) {
-      e_.params_[i].set_data(placeholder_);
-    } else {
-      e_.frozen_shards_.release(i - e_.params_.size());
-    }
-  }
+  for (std::size_t i : std::exchange(outside_armed_, {})) disarm(i);
   if (first) std::rethrow_exception(first);
+}
+
+void zero3_gatherer::disarm(std::size_t i) {
+  const unobserved own;
+  outside_[i] = 0;
+  unwatch_storage(storage_of(i).unsafeGetStorageImpl());
+  storage_index_.erase(storage_of(i).unsafeGetStorageImpl());
+  if (holds_[i] > 0) return;
+  if (i < e_.params_.size()) {
+    e_.params_[i].set_data(placeholder_);
+  } else {
+    e_.frozen_shards_.release(i - e_.params_.size());
+  }
 }
 
 void zero3_gatherer::gather_for_use(const std::vector<c10::StorageImpl*>& storages) {
@@ -1033,9 +1033,8 @@ void zero3_gatherer::gather_for_use(const std::vector<c10::StorageImpl*>& storag
     if (holds_[it->second] == 0) fresh.push_back(it->second);
   }
   if (fresh.empty()) return;
-  auto numel = [&](std::size_t i) { return numel_of(i); };
   std::uint64_t n = 0;
-  for (std::size_t i : fresh) n += numel(i);
+  for (std::size_t i : fresh) n += numel_of(i);
   // Release the oldest, except what this operation reads, until the new ones fit.
   const std::uint64_t limit = e_.cfg_.zero.stage3_max_live_parameters;
   std::vector<std::size_t> keep, drop;
@@ -1046,7 +1045,7 @@ void zero3_gatherer::gather_for_use(const std::vector<c10::StorageImpl*>& storag
       keep.push_back(j);
     } else {
       drop.push_back(j);
-      outside_numel_ -= numel(j);
+      outside_numel_ -= numel_of(j);
     }
   }
   outside_live_.insert(outside_live_.begin(), keep.begin(), keep.end());
@@ -1057,7 +1056,7 @@ void zero3_gatherer::gather_for_use(const std::vector<c10::StorageImpl*>& storag
   for (std::size_t i : fresh) {
     hold({i});
     outside_live_.push_back(i);
-    outside_numel_ += numel(i);
+    outside_numel_ += numel_of(i);
   }
 }
 
@@ -2148,7 +2147,8 @@ std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Mod
         return st->prepare();
       });
   st->start();
-  // DeepSpeed's deprecated spellings, read with their meaning: said once, by rank 0.
+  // The config's notices (DeepSpeed's deprecated spellings, mpzero's default optimizer):
+  // said once, by rank 0.
   if (comm.rank() == 0)
     for (const std::string& n : st->cfg_.notices) std::fprintf(stderr, "mpzero: config: %s\n", n.c_str());
   return st;
