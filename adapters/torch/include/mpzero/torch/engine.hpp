@@ -64,10 +64,11 @@
 //
 // ZeRO-3 (zero_optimization.stage = 3): parameters above
 // stage3_param_persistence_threshold exist only as shards; between steps their tensors
-// are empty (shape [0]; engine.parameter_shape(p) has the real one). engine.forward
-// gathers, for the whole forward and backward, every such parameter that no
-// gathered_forward() call covered in an earlier forward (on the first forward: all of
-// them). gathered_forward(submodule, args...) inside the model's forward gathers a
+// are empty (shape [0]; engine.parameter_shape(p) has the real one). For its forward and
+// backward, engine.forward has every such parameter that no gathered_forward() call
+// covered in an earlier forward (on the first forward: all of them) gathered when an
+// operation reads it, at most stage3_max_live_parameters elements at once (the oldest
+// released first). gathered_forward(submodule, args...) inside the model's forward gathers a
 // submodule's parameters around its forward only, and again around its backward, which
 // is where ZeRO-3 saves memory: wrap each transformer block. LibTorch C++ has no module
 // hooks, hence the call. The next unit's all-gather is prefetched (the order is learned
