@@ -1217,8 +1217,9 @@ config parse_config(const json& j, int world_size) {
   }
   if (const json* v = r.object("zero_optimization")) parse_zero(*v, c);
   // The optimizer first: WarmupLR's default peak is the optimizer's lr.
-  if (const json* v = r.object("optimizer")) parse_optimizer(*v, c);
-  c.optimizer_given = r.object("optimizer") != nullptr;
+  const json* optimizer = r.object("optimizer");
+  if (optimizer) parse_optimizer(*optimizer, c);
+  c.optimizer_given = optimizer != nullptr;
   if (!c.optimizer_given) {
     // DeepSpeed would train with the client's optimizer here; mpzero has a default, said aloud.
     c.notices.push_back("no \"optimizer\" section: training with mpzero's default, AdamW (lr " +
