@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what mpzero's build, tests and main job need, skipping what is already there:
-# Debian packages, PyPI's torch wheel for the LibTorch adapter (pinned; the same
+# Debian packages (ccache: scripts/build.sh compiles through it), PyPI's torch wheel for the LibTorch adapter (pinned; the same
 # version the GPU machines have), matplotlib (the main job's plots, which its tests
 # draw too) and safetensors, which the tests read exported files with.
 # MPZERO_NO_TORCH=1 skips the PyPI packages (the adapter and the main job are then not
@@ -10,7 +10,7 @@ set -euo pipefail
 torch_version="2.11.0"
 safetensors_version="0.8.0"
 
-packages=(cmake g++ make python3 python3-pip catch2 libbenchmark-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin "$@")
+packages=(cmake g++ make ccache python3 python3-pip catch2 libbenchmark-dev nlohmann-json3-dev libopenmpi-dev openmpi-bin "$@")
 missing=()
 for p in "${packages[@]}"; do
   # dpkg-query, not dpkg -s: a package removed but not purged still answers dpkg -s.

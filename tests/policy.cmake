@@ -104,8 +104,10 @@ set_tests_properties(policy.header_check PROPERTIES LABELS "policy;build")
 # ---- consumer projects ------------------------------------------------------------------
 # Run by tests/consumer/run_consumer.cmake in a scratch directory under this build tree.
 # torch_find_package, torch_add_subdirectory: a LibTorch program using the engine from
-# its own project (when this build has the adapter): through the installed `torch`
-# component (this build's libraries), or building its own copy (a few minutes).
+# its own project (when this build has the adapter): built and run against the installed
+# `torch` component (this build's libraries), or, through add_subdirectory, configured,
+# compiled with the usage requirements it gets and its link line checked (the adapter's
+# sources are this build's, with the same flags).
 set(_modes find_package add_subdirectory)
 if(TARGET mpzero_torch)
   list(APPEND _modes torch_find_package torch_add_subdirectory)
@@ -122,10 +124,6 @@ foreach(_mode IN LISTS _modes)
                    -P ${CMAKE_CURRENT_SOURCE_DIR}/consumer/run_consumer.cmake)
   set_tests_properties(install.consumer_${_mode} PROPERTIES LABELS install TIMEOUT 1200)
 endforeach()
-# The longest test (it compiles the adapter again): first, so that the others run beside it.
-if(TEST install.consumer_torch_add_subdirectory)
-  set_tests_properties(install.consumer_torch_add_subdirectory PROPERTIES COST 10000)
-endif()
 
 # The GPU machine has no MPI: a configure without it must still generate (the
 # multi-rank tests are left out, the [gpu] tests stay).

@@ -10,8 +10,9 @@
 # add_subdirectory: configures consumer/add_subdirectory on the source tree.
 # torch_find_package / torch_add_subdirectory: the same with the LibTorch adapter
 # (find_package(mpzero COMPONENTS torch); consumer/torch_main.cpp).
-# Both then build the consumer and run it. WORK_DIR is removed before the run and
-# after a successful one; after a failure it is kept for inspection and named.
+# Each but torch_add_subdirectory then builds the consumer and runs it. WORK_DIR is
+# removed before the run and after a successful one; after a failure it is kept for
+# inspection and named.
 cmake_minimum_required(VERSION 3.24)
 
 foreach(_v MODE MPZERO_SOURCE_DIR WORK_DIR GENERATOR CXX_COMPILER)
@@ -26,14 +27,12 @@ endif()
 if(NOT BUILD_TYPE)
   set(BUILD_TYPE Release)
 endif()
-# torch_add_subdirectory compiles the whole adapter again; what it checks is the wiring
-# (options, targets, include paths, LibTorch's libraries), which the optimizer does not
-# change: the calling build compiles the same sources optimized, and torch_find_package
-# checks them through the installed package. Unoptimized, the copy builds in two thirds
-# of the time.
-if(MODE STREQUAL "torch_add_subdirectory")
-  set(BUILD_TYPE Debug)
-endif()
+# torch_add_subdirectory checks the wiring a LibTorch project gets from add_subdirectory
+# (the option, the mpzero::torch target, C++20, include paths, LibTorch's libraries on the
+# link line) without building the adapter a second time: the calling build compiles the
+# same sources with the same flags, and torch_find_package links and runs a program
+# against them. It compiles the consumer's source with the flags CMake generated for it
+# (at -O0) and reads the consumer's link line instead of building and running it.
 
 set(_consumer "${CMAKE_CURRENT_LIST_DIR}/${MODE}")
 set(_build "${WORK_DIR}/build")
@@ -92,10 +91,60 @@ else()
   endif()
 endif()
 
-step("configure" ${_configure})
-# Two jobs: the adapter is several translation units of a few minutes each.
-step("build" "${CMAKE_COMMAND}" --build "${_build}" --config "${BUILD_TYPE}" --parallel 2)
+# torch_add_subdirectory: compiles the consumer's source with its generated command, and
+# checks that its link line names the adapter's and LibTorch's libraries.
+function(check_torch_wiring)
+  file(READ "${_build}/compile_commands.json" _db)
+  string(JSON _n LENGTH "${_db}")
+  math(EXPR _last "${_n} - 1")
+  set(_cmd "")
+  foreach(_i RANGE ${_last})
+    string(JSON _file GET "${_db}" ${_i} file)
+    if(_file MATCHES "torch_main\\.cpp$")
+      string(JSON _cmd GET "${_db}" ${_i} command)
+      string(JSON _dir GET "${_db}" ${_i} directory)
+    endif()
+  endforeach()
+  if(_cmd STREQUAL "")
+    fail("compile_commands.json has no command for torch_main.cpp")
+  endif()
+  if(NOT _cmd MATCHES "-std=(gnu|c)\\+\\+(20|2a|23|2b)")
+    fail("linking mpzero::torch did not carry C++20 to the consumer: ${_cmd}")
+  endif()
+  # At -O0: the usage requirements are what is checked, not the code (GCC takes longer for
+  # -fsyntax-only than for -O0 on this unit).
+  separate_arguments(_argv UNIX_COMMAND "${_cmd} -O0")
+  list(FIND _argv "-o" _o_at)
+  if(_o_at GREATER_EQUAL 0)
+    math(EXPR _o_at "${_o_at} + 1")
+    list(GET _argv ${_o_at} _obj)
+    get_filename_component(_obj_dir "${_obj}" DIRECTORY BASE_DIR "${_dir}")
+    file(MAKE_DIRECTORY "${_obj_dir}")
+  endif()
+  execute_process(COMMAND ${_argv} WORKING_DIRECTORY "${_dir}" RESULT_VARIABLE _rc OUTPUT_VARIABLE _o ERROR_VARIABLE _o)
+  if(NOT _rc EQUAL 0)
+    fail("compiling the consumer with its generated command failed (${_rc}):\n${_cmd}\n${_o}")
+  endif()
+  message(STATUS "${MODE} consumer: compiles (-O0) with mpzero::torch's usage requirements: ok")
+  # The link line: Makefiles write it to link.txt, Ninja into build.ninja.
+  set(_link "")
+  if(EXISTS "${_build}/CMakeFiles/consumer.dir/link.txt")
+    file(READ "${_build}/CMakeFiles/consumer.dir/link.txt" _link)
+  elseif(EXISTS "${_build}/build.ninja")
+    file(STRINGS "${_build}/build.ninja" _link REGEX "LINK_LIBRARIES = .*mpzero")
+  endif()
+  foreach(_lib mpzero_torch torch_cpu c10)
+    if(NOT _link MATCHES "${_lib}")
+      fail("the consumer's link line does not name ${_lib}:\n${_link}")
+    endif()
+  endforeach()
+  message(STATUS "${MODE} consumer: link line names mpzero_torch, torch_cpu and c10: ok")
+endfunction()
 
+if(MODE STREQUAL "torch_add_subdirectory")
+  list(APPEND _configure -DCMAKE_EXPORT_COMPILE_COMMANDS=ON)
+endif()
+step("configure" ${_configure})
 if(MODE MATCHES "add_subdirectory$")
   # Nothing of mpzero's own test, benchmark or example trees was generated or built.
   foreach(_d tests bench examples)
@@ -108,6 +157,13 @@ if(MODE MATCHES "add_subdirectory$")
     fail("expected MPZERO_BUILD_TESTS:BOOL=OFF in the consumer's cache, found '${_cached}'")
   endif()
 endif()
+
+if(MODE STREQUAL "torch_add_subdirectory")
+  check_torch_wiring()
+  file(REMOVE_RECURSE "${WORK_DIR}")
+  return()
+endif()
+step("build" "${CMAKE_COMMAND}" --build "${_build}" --config "${BUILD_TYPE}" --parallel 2)
 
 find_program(_exe consumer PATHS "${_build}" "${_build}/${BUILD_TYPE}" NO_DEFAULT_PATH NO_CACHE)
 if(NOT _exe)

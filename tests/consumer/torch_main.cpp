@@ -1,7 +1,8 @@
 // A LibTorch consumer of mpzero's engine: a model trained with plain loss.backward() and
-// engine.step() from a DeepSpeed-style JSON config. Built by the add_subdirectory_torch
-// consumer test; it sets no C++ standard or include path of its own, so it also proves
-// that linking mpzero::torch carries C++20, the headers and LibTorch.
+// engine.step() from a DeepSpeed-style JSON config. Built and run by the torch_find_package
+// consumer test, compiled by the torch_add_subdirectory one; it sets no C++ standard or
+// include path of its own, so it also proves that linking mpzero::torch carries C++20,
+// the headers and LibTorch.
 #include <torch/torch.h>
 
 #include <cstdio>
