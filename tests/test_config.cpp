@@ -714,8 +714,10 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
        {"optimizer.params: AdamW: eps", "out of range"}},
       {"{" M R"(, "optimizer": {"type": 3}})", 1, {"'optimizer.type' must be a string", "got integer 3"}},
       // scheduler
+      {"{" M R"(, "scheduler": {"type": "StepLR", "params": {}}})", 1,
+       {"'scheduler.type' = \"StepLR\" is not supported", "WarmupLR, WarmupDecayLR, WarmupCosineLR, LRRangeTest, OneCycle"}},
       {"{" M R"(, "scheduler": {"type": "OneCycle", "params": {}}})", 1,
-       {"'scheduler.type' = \"OneCycle\" is not supported", "not implemented", "WarmupLR, WarmupDecayLR, WarmupCosineLR"}},
+       {"'scheduler.params.cycle_min_lr' is missing", "DeepSpeed requires them too"}},
       {"{" M R"(, "scheduler": {"type": "warmuplr"}})", 1, {"did you mean 'WarmupLR'?"}},
       {"{" M R"(, "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}})", 1,
        {"'scheduler.params.total_num_steps' is missing"}},

@@ -145,6 +145,70 @@ TEST_CASE("lr_schedule: LRRangeTest, worked by hand from DeepSpeed's definition"
                     Catch::Contains("lr_range_test_step_size"));
 }
 
+TEST_CASE("lr_schedule: OneCycle, worked by hand from DeepSpeed's definition", "[config]") {
+  // A cycle of 4 + 2 steps (peak at x = 2/3), then decay every 2 steps.
+  const config c = parse_config_text(R"({"train_micro_batch_size_per_gpu": 1, "scheduler": {"type": "OneCycle",
+      "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.05, "cycle_first_step_size": 4,
+                 "cycle_second_step_size": 2, "decay_step_size": 2, "decay_lr_rate": 0.5,
+                 "cycle_min_mom": 0.8, "cycle_max_mom": 0.9, "decay_mom_rate": 0.05}}})",
+                                     1);
+  REQUIRE(c.scheduler.type == scheduler_type::one_cycle);
+  struct row {
+    std::uint64_t step;
+    double lr, mom;
+  };
+  const row rows[] = {
+      {0, 0.01, 0.8},                  // before any step: the minima
+      {1, 0.02, 0.875},                // x 1/6, scale 1/4
+      {2, 0.03, 0.85},                 // x 1/3, scale 1/2
+      {4, 0.05, 0.8},                  // x 2/3: the peak
+      {5, 0.03, 0.85},                 // x 5/6: scale (5/6 - 1) / (2/3 - 1) = 1/2
+      {6, 0.01, 0.9},                  // x 0: the cycle's end
+      {7, 0.01 / 1.25, 0.9 * 1.025},   // decay: 1 step = 1/2 interval
+      {10, 0.01 / 2.0, 0.9 * 1.1},     // 4 steps = 2 intervals
+  };
+  for (const row& r : rows) {
+    INFO("step " << r.step);
+    CHECK(lr_at(c.scheduler, 123.0, r.step) == Approx(r.lr).epsilon(1e-14));
+    const auto b = betas_at(c.scheduler, r.step);
+    REQUIRE(b.has_value());
+    CHECK(b->first == Approx(r.mom).epsilon(1e-14));
+    CHECK(b->second == 0.99);  // DeepSpeed fixes beta2 while momentum cycles
+  }
+  CHECK(to_json(parse_config(to_json(c), 1)) == to_json(c));
+
+  // Without decay_step_size the rates stay at the cycle's end; without cycle_momentum the
+  // optimizer keeps its betas.
+  scheduler_config flat = c.scheduler;
+  flat.decay_step_size = 0;
+  CHECK(lr_at(flat, 1.0, 50) == 0.01);
+  CHECK(betas_at(flat, 50)->first == 0.9);
+  flat.cycle_momentum = false;
+  CHECK_FALSE(betas_at(flat, 3).has_value());
+  CHECK_FALSE(betas_at(scheduler_config{}, 3).has_value());
+
+  // DeepSpeed's defaults: second step size = first (2000), momentum 0.8 -> 0.9.
+  const config d = parse_config_text(R"({"train_micro_batch_size_per_gpu": 1, "scheduler": {"type": "OneCycle",
+      "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.002}}})",
+                                     1);
+  CHECK(d.scheduler.cycle_second_step_size == 2000);
+  CHECK(lr_at(d.scheduler, 1.0, 2000) == Approx(0.002));
+  CHECK(betas_at(d.scheduler, 2000)->first == Approx(0.8));
+
+  CHECK_THROWS_WITH(parse_config_text(R"({"train_micro_batch_size_per_gpu": 1, "scheduler": {"type": "OneCycle",
+      "params": {"cycle_min_lr": 0.001}}})",
+                                      1),
+                    Catch::Contains("scheduler.params.cycle_max_lr' is missing"));
+  CHECK_THROWS_WITH(parse_config_text(R"({"train_micro_batch_size_per_gpu": 1, "scheduler": {"type": "OneCycle",
+      "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.002, "cycle_max_mom": 1.0}}})",
+                                      1),
+                    Catch::Contains("cycle_max_mom"));
+  CHECK_THROWS_WITH(parse_config_text(R"({"train_micro_batch_size_per_gpu": 1, "scheduler": {"type": "OneCycle",
+      "params": {"cycle_min_lr": 0.001, "cycle_max_lr": 0.002, "cycle_first_step_size": 0}}})",
+                                      1),
+                    Catch::Contains("cycle_first_step_size"));
+}
+
 TEST_CASE("lr_schedule: agrees with DeepSpeed's formulas over whole runs", "[config]") {
   struct row {
     scheduler_type type;

@@ -1,6 +1,7 @@
 // The LibTorch engine under mpirun (1 and 2 ranks): the dtype each gradient is reduced
-// in (torch_autocast's lower_precision_safe_modules, communication_data_type), and the
-// WarmupDecayLR / WarmupCosineLR schedules end to end.
+// in (torch_autocast's lower_precision_safe_modules, communication_data_type), the
+// WarmupDecayLR / WarmupCosineLR / OneCycle schedules end to end, and the world
+// initialize joins from the launcher's environment.
 //
 // Reduction references are plain LibTorch: every rank computes every rank's gradient on
 // a copy of the model (same values, same autocast), then reduces them as the engine's
@@ -10,18 +11,25 @@
 // compared bit for bit. Stage 2 reduces each backward's gradient as it comes; stages 0
 // and 1 accumulate the micro-batches and reduce once (their roundings differ).
 //
-// Schedule references: the learning rates from DeepSpeed's formulas (docs/config.md),
-// written out here, and torch::optim::Adam / AdamW given that lr at each step.
+// Schedule references: the learning rates (and OneCycle's betas) from DeepSpeed's
+// formulas (docs/config.md), written out here, and torch::optim::Adam / AdamW given them
+// at each step.
+//
+// Launch: initialize without a communicator joins the world mpirun launched, trained as
+// with MPI_COMM_WORLD passed, and refuses one it cannot join (variables set here).
 #include "support/torch_mpi.hpp"  // LibTorch, then Catch and MPI
 #include "support/torch_reference.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <numbers>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 using namespace mpzero::testing;  // mt, Tensor, json, world(), W(), R(), the reference helpers
@@ -342,5 +350,210 @@ TEST_CASE("torch: WarmupDecayLR and WarmupCosineLR through the engine match torc
       check_close(got[at], master[i].detach(), param_tol, param_atol, "master weight " + p.key());
       ++i;
     }
+  }
+}
+
+namespace {
+
+// DeepSpeed's OneCycle with cycle_first_step_size 2, cycle_second_step_size 2,
+// cycle_min_lr 1e-3, cycle_max_lr 3e-3, decay_step_size 2, decay_lr_rate 0.5,
+// cycle_min_mom 0.8, cycle_max_mom 0.9, decay_mom_rate 0.05, worked by hand: the
+// (lr, beta1) update k (0-based) uses; beta2 is 0.99 throughout. The cycle position of
+// k >= 1 is x = k/4 - floor(k/4) with peak at 1/2; past k = 4 the decay has run
+// (k - 4) / 2 intervals.
+struct lr_mom {
+  double lr, beta1;
+};
+constexpr lr_mom one_cycle_rows[] = {
+    {1e-3, 0.8},                        // k 0: min lr, min momentum
+    {2e-3, 0.85},                       // k 1: x 1/4, halfway up
+    {3e-3, 0.8},                        // k 2: x 1/2, the peak
+    {2e-3, 0.85},                       // k 3: x 3/4, halfway down
+    {1e-3, 0.9},                        // k 4: x 0, the end of the cycle
+    {1e-3 / 1.25, 0.9 * 1.025},         // k 5: decay, 1/2 interval
+    {1e-3 / 1.5, 0.9 * 1.05},           // k 6: 1 interval
+};
+
+}  // namespace
+
+TEST_CASE("torch: OneCycle cycles the learning rate and Adam's beta1 as DeepSpeed does", "[torch]") {
+  const int stage = GENERATE(0, 1, 2);
+  INFO("stage " << stage << ", world " << W());
+  json cfg = engine_config(stage, 1, 1e-3);
+  cfg["optimizer"] = {{"type", "Adam"}, {"params", {{"lr", 5e-2}, {"betas", {0.5, 0.5}}}}};  // both replaced
+  cfg["scheduler"] = {{"type", "OneCycle"},
+                      {"params",
+                       {{"cycle_min_lr", 1e-3}, {"cycle_max_lr", 3e-3}, {"cycle_first_step_size", 2},
+                        {"cycle_second_step_size", 2}, {"decay_step_size", 2}, {"decay_lr_rate", 0.5},
+                        {"cycle_min_mom", 0.8}, {"cycle_max_mom", 0.9}, {"decay_mom_rate", 0.05}}}};
+  Net ref(6);
+  const std::vector<Tensor> master = fp32_masters(ref->parameters());
+  torch::optim::Adam opt(master, torch::optim::AdamOptions(1e-3).weight_decay(0.0));
+  auto engine = mt::initialize(Net(6), cfg, world());
+  const auto names = engine.parameter_names();
+  for (int k = 0; k < static_cast<int>(std::size(one_cycle_rows)); ++k) {
+    INFO("update " << k + 1);
+    const lr_mom want = one_cycle_rows[k];
+    CHECK(engine.get_lr() == Approx(want.lr).epsilon(1e-12));
+    const auto mom = engine.get_mom();
+    REQUIRE(mom.has_value());
+    CHECK(mom->first == Approx(want.beta1).epsilon(1e-12));
+    CHECK(mom->second == 0.99);
+    const batch b = data(k, R(), 37, 4);
+    torch::mse_loss(engine(b.x), b.y).backward();
+    std::vector<Tensor> avg;
+    for (int r = 0; r < W(); ++r) {
+      const auto g = rank_grads(ref, data(k, r, 37, 4), false);
+      std::size_t i = 0;
+      for (const auto& p : ref->named_parameters()) {
+        if (r == 0) avg.push_back(g.at(p.key()) / static_cast<float>(W()));
+        else avg[i] = avg[i] + g.at(p.key()) / static_cast<float>(W());
+        ++i;
+      }
+    }
+    for (auto& group : opt.param_groups()) {
+      auto& o = static_cast<torch::optim::AdamOptions&>(group.options());
+      o.lr(want.lr);
+      o.betas({want.beta1, 0.99});
+    }
+    master_step(opt, master, avg, ref->parameters());
+    engine.step();
+    const auto got = engine.master_weights();
+    std::size_t i = 0;
+    for (const auto& p : ref->named_parameters()) {
+      const auto at = static_cast<std::size_t>(std::find(names.begin(), names.end(), p.key()) - names.begin());
+      REQUIRE(at < names.size());
+      check_close(got[at], master[i].detach(), param_tol, param_atol, "master weight " + p.key());
+      ++i;
+    }
+  }
+}
+
+TEST_CASE("torch: OneCycle's momentum cannot push beta1 to 1; SGD keeps its momentum", "[torch]") {
+  json cfg = engine_config(1, 1, 1e-3);
+  cfg["optimizer"] = {{"type", "Adam"}, {"params", {{"lr", 1e-3}}}};
+  cfg["scheduler"] = {{"type", "OneCycle"},
+                      {"params",
+                       {{"cycle_min_lr", 1e-3}, {"cycle_max_lr", 2e-3}, {"cycle_first_step_size", 1},
+                        {"decay_step_size", 1}, {"decay_mom_rate", 0.1}, {"cycle_max_mom", 0.95}}}};
+  auto engine = mt::initialize(Net(7), cfg, world());
+  // Updates 1-3 run the cycle and the first decay step (beta1 0.95 x 1.1 = 1.045 comes at
+  // the fourth).
+  for (int k = 0; k < 3; ++k) {
+    const batch b = data(k, R(), 41, 4);
+    torch::mse_loss(engine(b.x), b.y).backward();
+    engine.step();
+  }
+  const batch b = data(3, R(), 41, 4);
+  torch::mse_loss(engine(b.x), b.y).backward();
+  CHECK_THROWS_WITH(engine.step(), Catch::Contains("OneCycle schedule gives beta1 = 1.04") &&
+                                       Catch::Contains("decay_mom_rate"));
+
+  json sgd = engine_config(1, 1, 1e-3);
+  sgd["optimizer"] = {{"type", "SGD"}, {"params", {{"lr", 1e-3}, {"momentum", 0.5}}}};
+  sgd["scheduler"] = cfg["scheduler"];
+  const auto c = mt::parse_config(sgd, W());
+  CHECK_FALSE(c.scheduler.cycle_momentum);
+  REQUIRE(c.notices.size() == 1);
+  CHECK_THAT(c.notices[0], Catch::Contains("SGD has no betas"));
+  auto e2 = mt::initialize(Net(7), sgd, world());
+  CHECK_FALSE(e2.get_mom().has_value());
+}
+
+namespace {
+
+// Sets environment variables for a scope and restores what was there.
+class scoped_env {
+ public:
+  explicit scoped_env(std::map<std::string, std::string> vars) {
+    for (const auto& [k, v] : vars) {
+      const char* old = std::getenv(k.c_str());
+      saved_.emplace_back(k, old ? std::optional<std::string>(old) : std::nullopt);
+      if (v.empty()) {
+        ::unsetenv(k.c_str());
+      } else {
+        ::setenv(k.c_str(), v.c_str(), 1);
+      }
+    }
+  }
+  ~scoped_env() {
+    for (const auto& [k, v] : saved_) {
+      if (v) {
+        ::setenv(k.c_str(), v->c_str(), 1);
+      } else {
+        ::unsetenv(k.c_str());
+      }
+    }
+  }
+  scoped_env(const scoped_env&) = delete;
+  scoped_env& operator=(const scoped_env&) = delete;
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+// Two steps of a small stage-2 engine on `comm`; its master weights after them.
+std::vector<Tensor> two_steps(mt::engine<Net>& e) {
+  for (int k = 0; k < 2; ++k) {
+    const batch b = data(k, e.rank(), 43, 4);
+    torch::mse_loss(e(b.x), b.y).backward();
+    e.step();
+  }
+  return e.master_weights();
+}
+
+void check_same(const std::vector<Tensor>& a, const std::vector<Tensor>& b) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) CHECK(torch::equal(a[i], b[i]));
+}
+
+}  // namespace
+
+TEST_CASE("torch: initialize without a communicator joins the world mpirun launched", "[torch]") {
+  const json cfg = engine_config(2, 1, 1e-2);
+  auto joined = mt::initialize(Net(8), cfg);
+  CHECK(joined.world_size() == W());
+  CHECK(joined.rank() == R());
+  auto given = mt::initialize(Net(8), cfg, world());
+  check_same(two_steps(joined), two_steps(given));
+  // any_communicator::local() is one process whatever the launcher says.
+  auto alone = mt::initialize(Net(8), cfg, mt::any_communicator::local());
+  CHECK(alone.world_size() == 1);
+  const auto e = mt::read_launch_environment();
+  CHECK(e.launcher == "openmpi");
+  CHECK(e.world_size == W());
+  CHECK(e.rank == R());
+}
+
+TEST_CASE("torch: a launched world initialize cannot join is refused, naming what to set", "[torch]") {
+  const json cfg = engine_config(1, 1, 1e-2);
+  {
+    scoped_env env({{"WORLD_SIZE", "2"}, {"RANK", ""}});
+    CHECK_THROWS_WITH(mt::initialize(Net(3), cfg), Catch::Contains("WORLD_SIZE=2 is set but RANK is not"));
+  }
+  {
+    scoped_env env({{"WORLD_SIZE", "2"}, {"RANK", "2"}});
+    CHECK_THROWS_WITH(mt::initialize(Net(3), cfg), Catch::Contains("RANK='2' is not an integer in [0, 1]"));
+  }
+  {
+    scoped_env env({{"WORLD_SIZE", "two"}, {"RANK", "0"}});
+    CHECK_THROWS_WITH(mt::initialize(Net(3), cfg), Catch::Contains("WORLD_SIZE='two'"));
+  }
+  {
+    // torchrun's variables come first, as DeepSpeed reads them; on CPU parameters that
+    // world needs a communicator given in code.
+    scoped_env env({{"WORLD_SIZE", "2"}, {"RANK", "0"}});
+    const auto e = mt::read_launch_environment();
+    CHECK(e.launcher == "torchrun");
+    CHECK(e.world_size == 2);
+    CHECK_THROWS_WITH(mt::initialize(Net(3), cfg), Catch::Contains("2 processes launched by torchrun (this is rank 0)") &&
+                                                       Catch::Contains("launch with mpirun -np 2") &&
+                                                       Catch::Contains("any_communicator::local()"));
+    // A communicator given in code is used as it is.
+    CHECK(mt::initialize(Net(3), cfg, world()).world_size() == W());
+  }
+  {
+    scoped_env env({{"WORLD_SIZE", "1"}, {"RANK", "0"}});
+    CHECK(mt::initialize(Net(3), cfg).world_size() == 1);  // a world of one: no store needed
   }
 }

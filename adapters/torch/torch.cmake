@@ -115,7 +115,8 @@ set(_mpzero_torch_units
   ${CMAKE_CURRENT_SOURCE_DIR}/src/engine.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/src/param_use.cpp
   ${CMAKE_CURRENT_SOURCE_DIR}/src/zero_to_fp32.cpp
-  ${CMAKE_CURRENT_SOURCE_DIR}/src/process_group.cpp)
+  ${CMAKE_CURRENT_SOURCE_DIR}/src/process_group.cpp
+  ${CMAKE_CURRENT_SOURCE_DIR}/src/launch.cpp)
 if(MPZERO_TORCH_CUDA)
   list(APPEND _mpzero_torch_units ${CMAKE_CURRENT_SOURCE_DIR}/src/cuda_cores.cu)
 endif()
@@ -125,6 +126,19 @@ target_link_libraries(mpzero_torch PUBLIC mpzero::torch_config ${_mpzero_torch_l
 target_compile_features(mpzero_torch PUBLIC cxx_std_20)
 target_compile_options(mpzero_torch PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra>)
 set_target_properties(mpzero_torch PROPERTIES POSITION_INDEPENDENT_CODE ON)
+# initialize without a communicator joins the world mpirun launched through MPI
+# (src/launch.cpp); without MPI it refuses a launched world of several processes.
+find_package(MPI COMPONENTS CXX QUIET)
+option(MPZERO_TORCH_MPI "initialize joins an mpirun-launched world through MPI" ${MPI_CXX_FOUND})
+if(MPZERO_TORCH_MPI)
+  if(NOT MPI_CXX_FOUND)
+    message(FATAL_ERROR "mpzero: MPZERO_TORCH_MPI=ON needs MPI (Debian: libopenmpi-dev); set "
+                        "MPZERO_TORCH_MPI=OFF (initialize then needs a communicator for several processes)")
+  endif()
+  target_link_libraries(mpzero_torch PRIVATE MPI::MPI_CXX)
+  set_source_files_properties(${CMAKE_CURRENT_SOURCE_DIR}/src/launch.cpp PROPERTIES COMPILE_DEFINITIONS
+                              MPZERO_TORCH_MPI)
+endif()
 if(MPZERO_TORCH_CUDA)
   # nvcc sees cuda_cores.cu alone (torch-free).
   target_compile_definitions(mpzero_torch PUBLIC MPZERO_TORCH_CUDA)
@@ -167,6 +181,9 @@ if(MPZERO_INSTALL)
   endif()
   if(MPZERO_TORCH_CUDA)
     string(APPEND _lt "find_dependency(CUDAToolkit)  # CUDA::cudart, the CUDA cores' runtime\n")
+  endif()
+  if(MPZERO_TORCH_MPI)
+    string(APPEND _lt "find_dependency(MPI COMPONENTS CXX)  # initialize joins mpirun's world through MPI\n")
   endif()
   file(WRITE ${CMAKE_CURRENT_BINARY_DIR}/mpzeroLibTorch.cmake "${_lt}")
   install(FILES ${CMAKE_CURRENT_BINARY_DIR}/mpzeroLibTorch.cmake DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/mpzero)

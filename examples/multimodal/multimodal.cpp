@@ -10,7 +10,9 @@
 // so the hand-off between engines needs no care), and the loss on a held-out batch
 // must fall. Exit status 0 when both hold.
 //
-//   ./multimodal            (one process; wrap an MPI or c10d communicator for more)
+//   ./multimodal                  one process
+//   mpirun -np 2 ./multimodal     two: initialize joins the world mpirun launched (MPI), and
+//                                 each rank trains on its own batches
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
@@ -63,8 +65,8 @@ TORCH_MODULE(Whole);
 struct batch {
   torch::Tensor patches, text, target;
 };
-batch make_batch(int step) {
-  auto g = at::detail::createCPUGenerator(static_cast<std::uint64_t>(1000 + step));
+batch make_batch(int step, int rank) {
+  auto g = at::detail::createCPUGenerator(static_cast<std::uint64_t>(1000 + step + 100000 * rank));
   return {torch::randn({32, 16}, g), torch::randn({32, 8}, g), torch::randn({32, 4}, g)};
 }
 
@@ -94,7 +96,7 @@ int main() {
 
   // Learning is judged on one held-out batch, the same before and after training (the
   // training losses are of different random batches, too noisy to compare).
-  const batch held_out = make_batch(-1000);
+  const batch held_out = make_batch(-1000, 0);
   auto held_out_loss = [&] {
     torch::NoGradGuard no_grad;
     return dec_model->forward(enc_model->forward(held_out.patches.to(bf16)), held_out.text.to(bf16), held_out.target)
@@ -103,7 +105,7 @@ int main() {
   const double before = held_out_loss();
   double first = 0, last = 0;
   for (int k = 0; k < micro_steps; ++k) {
-    const batch b = make_batch(k);
+    const batch b = make_batch(k, encoder.rank());
 
     // Encoder side: forward, hand the embeddings over (detached, as across processes).
     torch::Tensor vision_out = encoder(b.patches.to(bf16));
@@ -145,6 +147,7 @@ int main() {
               micro_steps, static_cast<unsigned long long>(encoder.global_steps()), first, last, before, after);
   std::printf("max |split - whole| over all master weights: %.3g\n", worst);
   const bool ok = worst <= 1e-6 && after < before && encoder.global_steps() == micro_steps / 2;
-  std::printf("%s\n", ok ? "OK: two engines train exactly like one model" : "MISMATCH");
+  std::printf("%s (%d process%s)\n", ok ? "OK: two engines train exactly like one model" : "MISMATCH",
+              encoder.world_size(), encoder.world_size() == 1 ? "" : "es");
   return ok ? 0 : 1;
 }

@@ -843,7 +843,8 @@ void parse_optimizer(const json& j, config& c) {
   }
 }
 
-const std::vector<std::string_view> scheduler_types = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest"};
+const std::vector<std::string_view> scheduler_types = {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "LRRangeTest",
+                                                       "OneCycle"};
 
 // LRRangeTest's params, DeepSpeed's names and defaults.
 void parse_lr_range_test(const json& pj, const std::string& pp, scheduler_config& s) {
@@ -858,6 +859,53 @@ void parse_lr_range_test(const json& pj, const std::string& pp, scheduler_config
   require_finite_range(pr.path("lr_range_test_step_rate"), s.lr_range_test_step_rate, 0.0, 1e6,
                        "the learning rate grows by min_lr x step_rate every step_size steps");
   s.lr_range_test_staircase = pr.boolean("lr_range_test_staircase", false);
+}
+
+// OneCycle's params, DeepSpeed's names and defaults; the optimizer is parsed already.
+void parse_one_cycle(const json& pj, const std::string& pp, config& c) {
+  scheduler_config& s = c.scheduler;
+  check_keys(pj, pp,
+             {"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",
+              "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "cycle_momentum",
+              "cycle_min_mom", "cycle_max_mom", "decay_mom_rate"},
+             {{"last_batch_iteration", "-1", "the schedule starts at step 0; a checkpoint restores its position"}});
+  reader pr(pj, pp);
+  for (const char* k : {"cycle_min_lr", "cycle_max_lr"}) {
+    if (!pr.has(k)) {
+      fail("'" + pr.path(k) + "' is missing; OneCycle needs cycle_min_lr and cycle_max_lr (DeepSpeed requires "
+           "them too)");
+    }
+  }
+  s.cycle_min_lr = pr.number("cycle_min_lr", 0.0);
+  s.cycle_max_lr = pr.number("cycle_max_lr", 0.0);
+  require_finite_range(pr.path("cycle_min_lr"), s.cycle_min_lr, 0.0, 1e6, "");
+  require_finite_range(pr.path("cycle_max_lr"), s.cycle_max_lr, 0.0, 1e6, "");
+  s.decay_lr_rate = pr.number("decay_lr_rate", 0.0);
+  require_finite_range(pr.path("decay_lr_rate"), s.decay_lr_rate, 0.0, 1e6,
+                       "after the cycle, lr = cycle_min_lr / (1 + decay_lr_rate x intervals)");
+  s.cycle_first_step_size = pr.unsigned_integer("cycle_first_step_size", 2000, 1);
+  s.cycle_second_step_size = pr.unsigned_integer("cycle_second_step_size", s.cycle_first_step_size, 1);
+  s.cycle_first_stair_count = pr.unsigned_integer("cycle_first_stair_count", 0, 0);
+  s.cycle_second_stair_count = pr.unsigned_integer("cycle_second_stair_count", s.cycle_first_stair_count, 0);
+  s.decay_step_size = pr.unsigned_integer("decay_step_size", 0, 0);
+  s.cycle_momentum = pr.boolean("cycle_momentum", true);
+  s.cycle_min_mom = pr.number("cycle_min_mom", 0.8);
+  s.cycle_max_mom = pr.number("cycle_max_mom", 0.9);
+  s.decay_mom_rate = pr.number("decay_mom_rate", 0.0);
+  require_finite_range(pr.path("cycle_min_mom"), s.cycle_min_mom, 0.0, 1.0, "it becomes the optimizer's beta1");
+  require_finite_range(pr.path("cycle_max_mom"), s.cycle_max_mom, 0.0, 1.0, "it becomes the optimizer's beta1");
+  require_finite_range(pr.path("decay_mom_rate"), s.decay_mom_rate, 0.0, 1e6,
+                       "after the cycle, beta1 = cycle_max_mom x (1 + decay_mom_rate x intervals)");
+  if (s.cycle_momentum && (s.cycle_min_mom >= 1.0 || s.cycle_max_mom >= 1.0)) {
+    fail("'" + pr.path(s.cycle_min_mom >= 1.0 ? "cycle_min_mom" : "cycle_max_mom") +
+         "' must be below 1: it becomes the optimizer's beta1");
+  }
+  if (s.cycle_momentum && c.optimizer.type == optimizer_type::sgd) {
+    // DeepSpeed warns and turns the cycling off for an optimizer without betas.
+    s.cycle_momentum = false;
+    c.notices.push_back("'scheduler.params.cycle_momentum' is off: SGD has no betas to cycle (as DeepSpeed; set it "
+                        "to false to silence this)");
+  }
 }
 
 void parse_scheduler(const json& j, config& c) {
@@ -879,9 +927,10 @@ void parse_scheduler(const json& j, config& c) {
     s.type = scheduler_type::warmup_cosine_lr;
   } else if (type == "LRRangeTest") {
     s.type = scheduler_type::lr_range_test;
+  } else if (type == "OneCycle") {
+    s.type = scheduler_type::one_cycle;
   } else {
     std::string msg = "'scheduler.type' = \"" + type + "\" is not supported by mpzero";
-    if (type == "OneCycle") msg += " (DeepSpeed's OneCycle is not implemented)";
     msg += "; supported: " + list(scheduler_types);
     const std::string guess = closest(type, scheduler_types);
     if (!guess.empty() && guess != type) msg += "; did you mean " + squote(guess) + "?";
@@ -892,6 +941,7 @@ void parse_scheduler(const json& j, config& c) {
   const json& pj = params ? *params : empty;
   const std::string pp = "scheduler.params";
   if (s.type == scheduler_type::lr_range_test) return parse_lr_range_test(pj, pp, s);
+  if (s.type == scheduler_type::one_cycle) return parse_one_cycle(pj, pp, c);
   const foreign_key last_iter{"last_batch_iteration", "-1",
                               "the schedule starts at step 0; a checkpoint restores its position"};
   reader pr(pj, pp);
@@ -1176,6 +1226,7 @@ std::string_view scheduler_name(scheduler_type t) {
     case scheduler_type::warmup_decay_lr: return "WarmupDecayLR";
     case scheduler_type::warmup_cosine_lr: return "WarmupCosineLR";
     case scheduler_type::lr_range_test: return "LRRangeTest";
+    case scheduler_type::one_cycle: return "OneCycle";
   }
   return "?";
 }
@@ -1383,6 +1434,21 @@ json to_json(const config& c) {
                         {"lr_range_test_step_size", s.lr_range_test_step_size},
                         {"lr_range_test_step_rate", s.lr_range_test_step_rate},
                         {"lr_range_test_staircase", s.lr_range_test_staircase}}}};
+  } else if (s.type == scheduler_type::one_cycle) {
+    j["scheduler"] = {{"type", scheduler_name(s.type)},
+                      {"params",
+                       {{"cycle_min_lr", s.cycle_min_lr},
+                        {"cycle_max_lr", s.cycle_max_lr},
+                        {"decay_lr_rate", s.decay_lr_rate},
+                        {"cycle_first_step_size", s.cycle_first_step_size},
+                        {"cycle_second_step_size", s.cycle_second_step_size},
+                        {"cycle_first_stair_count", s.cycle_first_stair_count},
+                        {"cycle_second_stair_count", s.cycle_second_stair_count},
+                        {"decay_step_size", s.decay_step_size},
+                        {"cycle_momentum", s.cycle_momentum},
+                        {"cycle_min_mom", s.cycle_min_mom},
+                        {"cycle_max_mom", s.cycle_max_mom},
+                        {"decay_mom_rate", s.decay_mom_rate}}}};
   } else if (s.type != scheduler_type::none) {
     json sp = {{"warmup_num_steps", s.warmup_num_steps}, {"warmup_type", s.warmup_type}};
     if (s.type == scheduler_type::warmup_cosine_lr) {

@@ -524,6 +524,23 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     return (micro_steps_ + 1) % cfg_.gradient_accumulation_steps == 0;
   }
   double next_lr() const { return lr_at(cfg_.scheduler, cfg_.optimizer.lr, scheduler_steps_); }
+  std::optional<std::pair<double, double>> next_betas() const {
+    if (auto b = betas_at(cfg_.scheduler, scheduler_steps_)) return b;
+    return core_->betas();
+  }
+  // The schedule's learning rate and, when it cycles momentum, betas, for the next update.
+  void apply_schedule() {
+    core_->set_lr(next_lr());
+    const auto b = betas_at(cfg_.scheduler, scheduler_steps_);
+    if (!b) return;
+    try {
+      core_->set_betas(b->first, b->second);
+    } catch (const mpzero::invalid_argument& e) {
+      fail("engine.step(): the OneCycle schedule gives beta1 = " + format_double(b->first) + " after " +
+           std::to_string(scheduler_steps_) + " steps, which the optimizer refuses (" + e.what() +
+           "); lower scheduler.params.decay_mom_rate or cycle_max_mom, or set cycle_momentum to false");
+    }
+  }
   std::size_t index_of(const ::torch::Tensor& t, const char* what) const {
     if (!t.defined()) fail(std::string(what) + ": the tensor is undefined; pass one of engine.parameters()");
     auto it = index_.find(t.unsafeGetTensorImpl());
@@ -1776,7 +1793,7 @@ void engine_state::step() {
   if (is_boundary()) {
     bw_.drop_stale_passes();
     z3_.release_all();  // ZeRO-3: the step rewrites the partitions the gathered copies came from
-    core_->set_lr(next_lr());
+    apply_schedule();
     core_waits();
     try {
       last_ = core_->step();
@@ -2297,6 +2314,7 @@ std::uint64_t engine_base::global_steps() const { return st_->global_steps_; }
 std::uint64_t engine_base::micro_steps() const { return st_->micro_steps_; }
 std::uint64_t engine_base::skipped_steps() const { return st_->skipped_steps_; }
 double engine_base::get_lr() const { return st_->next_lr(); }
+std::optional<std::pair<double, double>> engine_base::get_mom() const { return st_->next_betas(); }
 double engine_base::loss_scale() const { return st_->core_->loss_scale(); }
 double engine_base::global_grad_norm() const {
   return st_->stepped_ ? st_->last_.grad_norm : std::numeric_limits<double>::quiet_NaN();

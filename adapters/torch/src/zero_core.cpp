@@ -37,6 +37,11 @@ class offload_kernel final : public step_kernel {
     device_->set_lr(lr);
     host_->set_lr(lr);
   }
+  std::optional<std::pair<double, double>> betas() const noexcept override { return device_->betas(); }
+  void set_betas(double beta1, double beta2) override {
+    device_->set_betas(beta1, beta2);
+    host_->set_betas(beta1, beta2);
+  }
   std::unique_ptr<stepper> make_stepper(std::vector<step_buffers> tensors, bool on_host,
                                         int host_threads) const override {
     return (on_host ? host_ : device_)->make_stepper(std::move(tensors), on_host, host_threads);
@@ -168,6 +173,8 @@ step_report zero_core::step() {
   return z_->step();
 }
 void zero_core::set_lr(double lr) { z_->kernel().set_lr(lr); }
+std::optional<std::pair<double, double>> zero_core::betas() const { return z_->kernel().betas(); }
+void zero_core::set_betas(double beta1, double beta2) { z_->kernel().set_betas(beta1, beta2); }
 double zero_core::loss_scale() const { return z_->loss_scale(); }
 memory_report zero_core::memory() const { return z_->memory(); }
 

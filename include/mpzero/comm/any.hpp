@@ -229,8 +229,11 @@ class any_communicator : public blocking_collectives<any_communicator> {
  public:
   using request_type = any_request;
 
-  // World size 1, no MPI or c10d needed.
-  any_communicator() : any_communicator(own(local_communicator{}, "local")) {}
+  // World size 1, no MPI or c10d needed. is_default() tells this one from any other, so
+  // that a caller can treat "no communicator given" as its own choice (the LibTorch
+  // engine joins the launcher's world then); local() is the same world chosen explicitly.
+  any_communicator() : any_communicator(own(local_communicator{}, "local")) { default_ = true; }
+  static any_communicator local() { return own(local_communicator{}, "local"); }
   explicit any_communicator(std::shared_ptr<communicator_base> impl) : impl_(std::move(impl)) {
     if (!impl_) throw mpzero::invalid_argument("mpzero::any_communicator: got a null communicator");
   }
@@ -252,6 +255,7 @@ class any_communicator : public blocking_collectives<any_communicator> {
   int size() const { return impl_->size(); }
   std::string name() const { return impl_->name(); }
   communicator_base& base() const noexcept { return *impl_; }
+  bool is_default() const noexcept { return default_; }
 
   template <wire_type T>
   any_request iall_reduce(const T* in, T* out, std::uint64_t n, reduce_op op) {
@@ -281,6 +285,7 @@ class any_communicator : public blocking_collectives<any_communicator> {
 
  private:
   std::shared_ptr<communicator_base> impl_;
+  bool default_ = false;
 };
 
 static_assert(communicator<any_communicator>);

@@ -10,7 +10,9 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "spec.hpp"
@@ -58,6 +60,12 @@ class step_kernel {
   virtual double lr() const noexcept = 0;
   // Validates first (the rule's prepare()), changing nothing when it throws.
   virtual void set_lr(double lr) = 0;
+  // (beta1, beta2) of a rule that has them (Adam, AdamW, Lion), nullopt for one that does
+  // not (SGD). A schedule that cycles momentum (OneCycle) sets them between steps.
+  virtual std::optional<std::pair<double, double>> betas() const noexcept = 0;
+  // Validates first, changing nothing when it throws; throws invalid_argument for a rule
+  // without betas.
+  virtual void set_betas(double beta1, double beta2) = 0;
 
   // A stepper over `tensors` in the backend's memory, or with on_host, in host memory
   // (ZeRO-Offload's step, run by the host backend with `host_threads` threads; 0: OpenMP's

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <memory>
+#include <optional>
+#include <string>
 #include <type_traits>
 #include <string_view>
 #include <utility>
@@ -25,6 +27,10 @@ template <precision_policy Policy, optim::rule Optimizer, class Backend, bool Ho
 class typed_step_kernel final : public step_kernel {
  public:
   using options_type = typename Optimizer::options;
+  static constexpr bool has_betas = requires(options_type o) {
+    o.beta1 = 0.0;
+    o.beta2 = 0.0;
+  };
 
   // The core validates the hyperparameters at construction (validate()), collectively.
   typed_step_kernel(Backend backend, const options_type& o) : backend_(std::move(backend)), opt_(o) {}
@@ -44,6 +50,23 @@ class typed_step_kernel final : public step_kernel {
     options_type o = opt_;
     o.lr = lr;
     set_options(o);
+  }
+  std::optional<std::pair<double, double>> betas() const noexcept override {
+    if constexpr (has_betas) {
+      return std::pair<double, double>{opt_.beta1, opt_.beta2};
+    } else {
+      return std::nullopt;
+    }
+  }
+  void set_betas(double beta1, double beta2) override {
+    if constexpr (has_betas) {
+      options_type o = opt_;
+      o.beta1 = beta1;
+      o.beta2 = beta2;
+      set_options(o);
+    } else {
+      detail::throw_invalid("set_betas: " + std::string(optimizer_name()) + " has no betas (beta1, beta2)");
+    }
   }
 
   std::unique_ptr<stepper> make_stepper(std::vector<step_buffers> tensors, bool on_host,

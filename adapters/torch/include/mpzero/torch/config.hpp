@@ -24,7 +24,7 @@ class config_error : public mpzero::invalid_argument {
 };
 
 enum class optimizer_type { adam, adamw, sgd, lion };
-enum class scheduler_type { none, warmup_lr, warmup_decay_lr, warmup_cosine_lr, lr_range_test };
+enum class scheduler_type { none, warmup_lr, warmup_decay_lr, warmup_cosine_lr, lr_range_test, one_cycle };
 enum class offload_device { none, cpu };
 
 struct optimizer_config {
@@ -54,6 +54,17 @@ struct scheduler_config {
   std::uint64_t lr_range_test_step_size = 2000;
   double lr_range_test_step_rate = 1.0;
   bool lr_range_test_staircase = false;
+  // OneCycle (DeepSpeed's names and defaults; cycle_min_lr and cycle_max_lr are required):
+  // a cycle of first + second steps from min to max lr and back, beta1 the other way
+  // between max_mom and min_mom, then lr decaying and beta1 growing every decay_step_size
+  // steps (lr_schedule.hpp). DeepSpeed accepts the stair counts but does not use them.
+  double cycle_min_lr = 0.0, cycle_max_lr = 0.0;
+  double decay_lr_rate = 0.0;
+  std::uint64_t cycle_first_step_size = 2000, cycle_second_step_size = 2000;
+  std::uint64_t cycle_first_stair_count = 0, cycle_second_stair_count = 0;
+  std::uint64_t decay_step_size = 0;
+  bool cycle_momentum = true;  // off when the optimizer has no betas (SGD), as in DeepSpeed
+  double cycle_min_mom = 0.8, cycle_max_mom = 0.9, decay_mom_rate = 0.0;
 };
 
 struct zero_config {

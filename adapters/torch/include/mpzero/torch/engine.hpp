@@ -91,6 +91,7 @@
 #include <torch/torch.h>
 
 #include <mpzero/torch/communicator.hpp>
+#include <mpzero/torch/launch.hpp>
 #include <mpzero/torch/config.hpp>
 #include <mpzero/numeric/dtype.hpp>
 #include <mpzero/zero/options.hpp>
@@ -143,6 +144,8 @@ class engine_base {
   std::uint64_t micro_steps() const;
   std::uint64_t skipped_steps() const;
   double get_lr() const;      // the learning rate the next step will use
+  // The (beta1, beta2) the next step will use (OneCycle cycles them); nullopt for SGD.
+  std::optional<std::pair<double, double>> get_mom() const;
   double loss_scale() const;  // the fp16 loss scale (1 without fp16)
   // The global gradient norm of the last step (unscaled, before clipping); NaN before the first.
   double global_grad_norm() const;
@@ -369,6 +372,10 @@ void partition_module(::torch::nn::Module& m);
 // A JSON string ('{' first) or a path.
 mpzero::torch::config config_from_string(const std::string& path_or_json, int world_size);
 
+// `comm`, or when it is the default (none given), the launcher's world for the device of
+// `m`'s parameters (communicator_from_environment); rank 0 says which it joined.
+any_communicator launched(any_communicator comm, const ::torch::nn::Module& m);
+
 }  // namespace detail
 
 // ---- ZeRO-3: gathered submodules --------------------------------------------------
@@ -397,15 +404,18 @@ auto gathered_forward(M&& module, Args&&... args) {
 }
 
 // ---- initialize ---------------------------------------------------------------------
-// `comm` decides the world: any_communicator{} (default) is one process; wrap an MPI or
-// other comm::communicator with any_communicator::wrap(c); a c10d ProcessGroup with
-// process_group_communicator (process_group.hpp). Collective over comm.
+// `comm` decides the world. Not given (any_communicator{}): the world the launcher started
+// (torchrun's or mpirun's environment, launch.hpp), joined through MPI, Gloo or NCCL, or
+// one process without a launcher; any_communicator::local() is one process regardless.
+// Wrap an MPI or other comm::communicator with any_communicator::wrap(c); a c10d
+// ProcessGroup with process_group_communicator (process_group.hpp). Collective over comm.
 //
 // A rank that fails its own checks (its configuration or its model) throws why, and
 // every other rank throws mpzero::error naming that rank; ranks that pass different
 // models or configurations all throw. No rank is left waiting, and no model changes.
 template <class Model>
 engine<Model> initialize(Model model, mpzero::torch::config cfg, any_communicator comm = {}) {
+  comm = detail::launched(std::move(comm), *detail::module_ptr(model));
   auto st = detail::make_engine_state(
       detail::module_ptr(model), [&]() -> mpzero::torch::config { return std::move(cfg); }, std::move(comm));
   return engine<Model>(std::move(model), std::move(st));
@@ -477,6 +487,7 @@ M partitioned(M module) {
 
 template <class Model>
 engine<Model> initialize(Model model, const nlohmann::json& cfg, any_communicator comm = {}) {
+  comm = detail::launched(std::move(comm), *detail::module_ptr(model));
   const int world = comm.size();
   auto st = detail::make_engine_state(
       detail::module_ptr(model), [&] { return parse_config(cfg, world); }, std::move(comm));
@@ -485,6 +496,7 @@ engine<Model> initialize(Model model, const nlohmann::json& cfg, any_communicato
 // A path to a JSON file, or JSON text (anything whose first non-blank character is '{').
 template <class Model>
 engine<Model> initialize(Model model, const std::string& path_or_json, any_communicator comm = {}) {
+  comm = detail::launched(std::move(comm), *detail::module_ptr(model));
   const int world = comm.size();
   auto st = detail::make_engine_state(
       detail::module_ptr(model), [&] { return detail::config_from_string(path_or_json, world); }, std::move(comm));
@@ -504,6 +516,7 @@ engine<Model> initialize(Model model, const char* path_or_json, any_communicator
 template <class Model>
 engine<Model> initialize(Model model, const nlohmann::json& cfg, const optimizer_config& optimizer,
                          any_communicator comm = {}) {
+  comm = detail::launched(std::move(comm), *detail::module_ptr(model));
   const int world = comm.size();
   auto st = detail::make_engine_state(
       detail::module_ptr(model), [&] { return parse_config_with_optimizer(cfg, optimizer, world); }, std::move(comm));
@@ -512,6 +525,7 @@ engine<Model> initialize(Model model, const nlohmann::json& cfg, const optimizer
 template <class Model>
 engine<Model> initialize(Model model, const std::string& path_or_json, const optimizer_config& optimizer,
                          any_communicator comm = {}) {
+  comm = detail::launched(std::move(comm), *detail::module_ptr(model));
   const int world = comm.size();
   auto st = detail::make_engine_state(
       detail::module_ptr(model),

@@ -17,8 +17,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <mpzero/numeric/dtype.hpp>
@@ -118,6 +120,9 @@ class zero_core {
 
   step_report step();
   void set_lr(double lr);
+  // The optimizer's (beta1, beta2); nullopt for SGD. set_betas validates first.
+  std::optional<std::pair<double, double>> betas() const;
+  void set_betas(double beta1, double beta2);
   double loss_scale() const;
   memory_report memory() const;
 
