@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <memory>
 #include <numbers>
@@ -65,15 +66,15 @@ batch data(int k, int r, int salt, std::int64_t out_features) {
   return random_batch(static_cast<std::uint64_t>(7919 * salt + 1009 * k + r + 1), out_features);
 }
 
-// CPU autocast to bf16 for a scope, as torch.autocast("cpu", torch.bfloat16) would.
+// CPU autocast to `dtype` for a scope, as torch.autocast("cpu", dtype) would.
 class autocast_scope {
  public:
-  explicit autocast_scope(bool on) : on_(on) {
+  explicit autocast_scope(bool on, at::ScalarType dtype = at::kBFloat16) : on_(on) {
     if (!on_) return;
     prev_enabled_ = at::autocast::is_autocast_enabled(at::kCPU);
     prev_dtype_ = at::autocast::get_autocast_dtype(at::kCPU);
     at::autocast::set_autocast_enabled(at::kCPU, true);
-    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::set_autocast_dtype(at::kCPU, dtype);
     at::autocast::increment_nesting();
   }
   ~autocast_scope() {
@@ -555,5 +556,208 @@ TEST_CASE("torch: a launched world initialize cannot join is refused, naming wha
   {
     scoped_env env({{"WORLD_SIZE", "1"}, {"RANK", "0"}});
     CHECK(mt::initialize(Net(3), cfg).world_size() == 1);  // a world of one: no store needed
+  }
+}
+
+TEST_CASE("torch: torch_autocast in fp16 loss-scales an fp32 model, refuses an unscaled backward, skips overflows",
+          "[torch]") {
+  const int stage = GENERATE(0, 1, 2);
+  INFO("stage " << stage << ", world " << W());
+  // Every gradient reduced in fp32 (no lower-precision-safe modules), so that the
+  // reference below is the engine's arithmetic: the fp16 forward, the loss times the
+  // scale in fp32, the scaled gradients summed over ranks, then divided by scale x ranks
+  // (powers of two: exact).
+  const json cfg = engine_config(stage, 1, 1e-2,
+                                 {{"torch_autocast",
+                                   {{"enabled", true}, {"dtype", "float16"}, {"lower_precision_safe_modules", json::array()}}}});
+  {
+    auto e = mt::initialize(Net(10), cfg, world());
+    CHECK(e.loss_scale() == 65536.0);  // 2^initial_scale_power, the fp16 section's default
+    const batch b = data(0, R(), 47, 4);
+    CHECK_THROWS_WITH(torch::mse_loss(e(b.x).to(torch::kFloat), b.y).backward(),
+                      Catch::Contains("Loss scaling is required"));
+  }
+  auto engine = mt::initialize(Net(10), cfg, world());
+  Net ref(10);
+  const std::vector<Tensor> master = fp32_masters(ref->parameters());
+  torch::optim::Adam opt(master, torch::optim::AdamOptions(1e-2).weight_decay(0.0));
+  const auto names = engine.parameter_names();
+  const double scale = 65536.0;
+  for (int k = 0; k < 3; ++k) {
+    INFO("update " << k + 1);
+    const batch b = data(k, R(), 47, 4);
+    engine.backward(torch::mse_loss(engine(b.x).to(torch::kFloat), b.y));
+    std::vector<Tensor> avg;
+    for (int r = 0; r < W(); ++r) {
+      for (auto& p : ref->parameters()) p.mutable_grad().reset();
+      const batch br = data(k, r, 47, 4);
+      Tensor out;
+      {
+        autocast_scope ac(true, at::kHalf);
+        out = ref->forward(br.x);
+      }
+      (torch::mse_loss(out.to(torch::kFloat), br.y) * scale).backward();
+      std::size_t i = 0;
+      for (const auto& p : ref->parameters()) {
+        const Tensor g = p.grad().detach().to(torch::kFloat);
+        if (r == 0) avg.push_back(g);
+        else avg[i] = avg[i] + g;
+        ++i;
+      }
+    }
+    for (auto& g : avg) g = g / static_cast<float>(scale * W());
+    master_step(opt, master, avg, ref->parameters());
+    engine.step();
+    CHECK(engine.skipped_steps() == 0);
+    const auto got = engine.master_weights();
+    std::size_t i = 0;
+    for (const auto& p : ref->named_parameters()) {
+      const auto at = static_cast<std::size_t>(std::find(names.begin(), names.end(), p.key()) - names.begin());
+      REQUIRE(at < names.size());
+      check_close(got[at], master[i].detach(), param_tol, param_atol, "master weight " + p.key());
+      ++i;
+    }
+  }
+  // An overflow (here an infinite loss) is skipped: no update, the step counted as skipped.
+  const auto before = engine.master_weights();
+  const batch b = data(9, R(), 47, 4);
+  engine.backward(torch::mse_loss(engine(b.x).to(torch::kFloat), b.y) * std::numeric_limits<float>::infinity());
+  engine.step();
+  CHECK(engine.skipped_steps() == 1);
+  check_same(engine.master_weights(), before);
+}
+
+namespace {
+
+// One low-precision configuration the config can select: its keys and the dtypes it
+// stores the parameters, master weights, gradients and optimizer states in.
+struct states_case {
+  const char* name;
+  json patch;
+  at::ScalarType param, master, grad, state;
+  double loss_scale;  // the initial dynamic scale (fp16), 1 without scaling
+};
+
+std::vector<states_case> states_cases() {
+  const auto bf = torch::kBFloat16, h = torch::kHalf, f = torch::kFloat;
+  return {
+      {"bf16_master_weights_and_grads", {{"bf16", {{"enabled", true}, {"bf16_master_weights_and_grads", true}}}},
+       bf, bf, bf, f, 1.0},
+      {"bf16_master_weights_and_grads + bf16_optimizer_states",
+       {{"bf16", {{"enabled", true}, {"bf16_master_weights_and_grads", true}, {"bf16_optimizer_states", true}}}},
+       bf, bf, bf, bf, 1.0},
+      {"bf16 (fp32 master and states)", {{"bf16", {{"enabled", true}}}}, bf, f, bf, f, 1.0},
+      {"bf16 with grad_accum_dtype fp32", {{"bf16", {{"enabled", true}}}, {"data_types", {{"grad_accum_dtype", "fp32"}}}},
+       bf, f, f, f, 1.0},
+      {"fp16_master_weights_and_grads, dynamic loss scaling",
+       {{"fp16", {{"enabled", true}, {"fp16_master_weights_and_grads", true}, {"initial_scale_power", 8}}}},
+       h, h, h, f, 256.0},
+  };
+}
+
+std::int64_t bytes_of(at::ScalarType t) { return static_cast<std::int64_t>(c10::elementSize(t)); }
+
+}  // namespace
+
+TEST_CASE("torch: low-precision model states through initialize, backward and step equal a LibTorch reference "
+          "that stores each state in its dtype",
+          "[torch]") {
+  // The reference, from the definitions: the model in the parameter dtype computes each
+  // rank's gradient; the ranks' gradients, in the gradient dtype, are summed in fp32 and
+  // rounded to it once (one combine at two ranks), then multiplied by 1 / (loss scale x
+  // ranks) in fp32; AdamW runs in fp32 on the stored master weights and moments, one
+  // rounding per operation, in the fused step's order (optim/adam.hpp), and each result
+  // is stored back in its dtype. The engine must give those bits, and hold its states in
+  // those dtypes: bytes per element of its master weights and moments, on the device or,
+  // offloaded, on the host.
+  const auto cases = states_cases();
+  const int which = GENERATE(0, 1, 2, 3, 4);
+  const int stage = GENERATE(1, 2, 3);
+  const bool offload = GENERATE(false, true);
+  const states_case& c = cases[static_cast<std::size_t>(which)];
+  INFO(c.name << ", stage " << stage << (offload ? ", offload" : "") << ", world " << W());
+  const double lr = 1e-2, b1 = 0.9, b2 = 0.999, eps = 1e-8, wd = 0.01;
+  json cfg = engine_config(stage, 1, lr, c.patch);
+  cfg["optimizer"] = {{"type", "AdamW"}, {"params", {{"lr", lr}, {"betas", {b1, b2}}, {"eps", eps}, {"weight_decay", wd}}}};
+  if (offload) cfg["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
+  auto engine = mt::initialize(Net(11), cfg, world());
+  CHECK(engine.loss_scale() == c.loss_scale);
+
+  Net ref(11);
+  ref->to(c.param);
+  const auto names = engine.parameter_names();
+  std::vector<Tensor> master, m, v;
+  for (const auto& p : ref->parameters()) {
+    master.push_back(p.detach().to(c.master));
+    m.push_back(torch::zeros_like(p, torch::TensorOptions().dtype(c.state)));
+    v.push_back(torch::zeros_like(p, torch::TensorOptions().dtype(c.state)));
+  }
+  auto f32 = [](double x) { return static_cast<float>(x); };
+  for (int k = 1; k <= 3; ++k) {
+    INFO("update " << k);
+    const batch b = data(k, R(), 53, 4);
+    const Tensor loss = torch::mse_loss(engine(b.x.to(c.param)).to(torch::kFloat), b.y);
+    if (c.loss_scale == 1.0) {
+      loss.backward();
+    } else {
+      engine.backward(loss);  // fp16 needs the scaled loss (engine.scale(loss).backward() is the same)
+    }
+    engine.step();
+    // The ranks' gradients in the gradient dtype, reduced as the communicator does.
+    std::vector<Tensor> g;
+    for (int r = 0; r < W(); ++r) {
+      for (auto& p : ref->parameters()) p.mutable_grad().reset();
+      const batch br = data(k, r, 53, 4);
+      (torch::mse_loss(ref->forward(br.x.to(c.param)).to(torch::kFloat), br.y) * c.loss_scale).backward();
+      std::size_t i = 0;
+      for (const auto& p : ref->parameters()) {
+        const Tensor gi = p.grad().detach().to(c.grad).to(torch::kFloat);
+        if (r == 0) g.push_back(gi);
+        else g[i] = (g[i] + gi).to(c.grad).to(torch::kFloat);
+        ++i;
+      }
+    }
+    const float grad_scale = f32(1.0 / (c.loss_scale * W()));
+    const float decay = f32(1.0 - lr * wd), step_size = f32(lr / (1.0 - std::pow(b1, k)));
+    const float inv_sqrt_bias2 = f32(1.0 / std::sqrt(1.0 - std::pow(b2, k)));
+    for (std::size_t i = 0; i < master.size(); ++i) {
+      const Tensor gi = g[i] * grad_scale;
+      Tensor w = master[i].to(torch::kFloat) * decay;
+      const Tensor mi = m[i].to(torch::kFloat) * f32(b1) + gi * f32(1.0 - b1);
+      const Tensor vi = v[i].to(torch::kFloat) * f32(b2) + (gi * f32(1.0 - b2)) * gi;
+      const Tensor denom = vi.sqrt() * inv_sqrt_bias2 + f32(eps);
+      w = w - (mi / denom) * step_size;
+      master[i] = w.to(c.master);
+      m[i] = mi.to(c.state);
+      v[i] = vi.to(c.state);
+    }
+    {
+      torch::NoGradGuard ng;
+      std::size_t i = 0;
+      for (auto& p : ref->parameters()) p.copy_(master[i++].to(c.param));
+    }
+    const auto got = engine.master_weights();
+    std::size_t i = 0;
+    for (const auto& p : ref->named_parameters()) {
+      const auto at = static_cast<std::size_t>(std::find(names.begin(), names.end(), p.key()) - names.begin());
+      REQUIRE(at < names.size());
+      INFO("master weight " << p.key());
+      CHECK(torch::equal(got[at], master[i].to(torch::kFloat)));
+      ++i;
+    }
+  }
+  // What the engine holds: the model's parameters in the parameter dtype, and the master
+  // weights and two moments of this rank's partition in theirs, where the step runs.
+  for (const auto& p : engine.module()->parameters()) CHECK(p.scalar_type() == c.param);
+  const mpzero::memory_report mem = engine.memory();
+  const auto part = static_cast<std::int64_t>((mem.model_numel + mem.padding_numel) / static_cast<std::uint64_t>(W()));
+  const std::int64_t states = 2 * part * bytes_of(c.state);
+  CHECK(static_cast<std::int64_t>(offload ? mem.host_states : mem.states) == states);
+  CHECK(static_cast<std::int64_t>(offload ? mem.states : mem.host_states) == 0);
+  if (c.master != c.param || offload) {
+    // A master of its own (fp32, or the offloaded step's host copy).
+    CHECK(static_cast<std::int64_t>(offload ? mem.host_master : mem.master) == part * bytes_of(c.master));
+  } else {
+    CHECK(mem.master == 0);  // the 16-bit master is the parameter itself
   }
 }

@@ -517,6 +517,8 @@ void parse_fp16(const json& j, config& c) {
   // The dynamic options are typed always but range-checked only when dynamic scaling uses
   // them (as DeepSpeed, whose ints have no range otherwise): an unused value is stored
   // clamped to the scaler's int. The ranges below are the scaler's (loss_scaler.hpp).
+  // torch_autocast in fp16 uses them too; its section may come later, so a value it
+  // would use out of range is refused by the scaler at initialize.
   const bool used = c.fp16 && o.dynamic;
   constexpr double int_max = std::numeric_limits<int>::max();
   auto option = [&](std::string_view key, int dflt, double lo, double hi, const std::string& meaning,

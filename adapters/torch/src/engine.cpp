@@ -1243,7 +1243,7 @@ std::pair<std::string, std::string> engine_state::prepare() {
     place.device = device_.index();
     place.stream = core_stream_->native_handle();
   }
-  needs_scaling_ = cfg_.fp16;
+  needs_scaling_ = cfg_.loss_scaling();
 
   comm_dtypes_ = reduction_dtypes();
   core_plan planned = plan_core(cfg_, device, comm_dtypes_);

@@ -194,7 +194,7 @@ core_plan plan_core(const config& cfg, core_device device, std::span<const dtype
   zo.reduce_bucket_numel = std::max<std::uint64_t>(1, cfg.zero.reduce_bucket_size);
   zo.param_persistence_threshold = cfg.zero.stage3_param_persistence_threshold;
   zo.gradient_clipping = cfg.gradient_clipping;
-  zo.loss_scaling = cfg.fp16;
+  zo.loss_scaling = cfg.loss_scaling();
   zo.loss_scale = cfg.loss_scaler;
   zo.check_overflow = cfg.fp16 || !cfg.bf16 || cfg.check_grad_overflow;
   zo.average_gradients = true;

@@ -156,6 +156,9 @@ struct config {
   // parameters of lower_precision_safe_modules are reduced in the autocast dtype instead.
   dtype comm_dtype() const;
   bool stochastic_rounding() const { return rounding == "stochastic"; }
+  // Loss scaling with loss_scaler's options (the "fp16" section's keys): fp16 weights, or
+  // torch_autocast in fp16, whose fp16 activations' gradients underflow just the same.
+  bool loss_scaling() const { return fp16 || (torch_autocast.enabled && torch_autocast.dtype_ == dtype::fp16); }
 };
 
 // The names the config uses ("AdamW", "WarmupCosineLR", "cpu"; "" for scheduler_type::none).
