@@ -293,6 +293,39 @@ double cosine_lr(int k) {
 
 }  // namespace
 
+namespace {
+
+// The reference gradient of update k: each rank's micro-batch gradient on `ref`, averaged
+// over the ranks in fp32.
+std::vector<Tensor> averaged_grads(Net& ref, int k, int salt) {
+  std::vector<Tensor> avg;
+  for (int r = 0; r < W(); ++r) {
+    const auto g = rank_grads(ref, data(k, r, salt, 4), false);
+    std::size_t i = 0;
+    for (const auto& p : ref->named_parameters()) {
+      if (r == 0) avg.push_back(g.at(p.key()) / static_cast<float>(W()));
+      else avg[i] = avg[i] + g.at(p.key()) / static_cast<float>(W());
+      ++i;
+    }
+  }
+  return avg;
+}
+
+// The engine's master weights against the reference's, by parameter name.
+void check_masters(mt::engine_base& engine, Net& ref, const std::vector<Tensor>& master) {
+  const auto names = engine.parameter_names();
+  const auto got = engine.master_weights();
+  std::size_t i = 0;
+  for (const auto& p : ref->named_parameters()) {
+    const auto at = static_cast<std::size_t>(std::find(names.begin(), names.end(), p.key()) - names.begin());
+    REQUIRE(at < names.size());
+    check_close(got[at], master[i].detach(), param_tol, param_atol, "master weight " + p.key());
+    ++i;
+  }
+}
+
+}  // namespace
+
 TEST_CASE("torch: WarmupDecayLR and WarmupCosineLR through the engine match torch Adam/AdamW at the schedule's lr",
           "[torch]") {
   const int stage = GENERATE(0, 1, 2);
@@ -320,7 +353,6 @@ TEST_CASE("torch: WarmupDecayLR and WarmupCosineLR through the engine match torc
   }
   auto lr_of = [&](int k) { return cosine ? cosine_lr(k) : decay_lr(k); };
   auto engine = mt::initialize(Net(5), cfg, world());
-  const auto names = engine.parameter_names();
   // 8 updates: warmup, decay, and two past total_num_steps (the rate stays at its floor).
   for (int k = 0; k < 8; ++k) {
     INFO("update " << k + 1);
@@ -328,29 +360,12 @@ TEST_CASE("torch: WarmupDecayLR and WarmupCosineLR through the engine match torc
     const batch b = data(k, R(), 31, 4);
     torch::mse_loss(engine(b.x), b.y).backward();
     // The reference: the gradient averaged over ranks, the optimizer at this update's lr.
-    std::vector<Tensor> avg;
-    for (int r = 0; r < W(); ++r) {
-      const auto g = rank_grads(ref, data(k, r, 31, 4), false);
-      std::size_t i = 0;
-      for (const auto& p : ref->named_parameters()) {
-        if (r == 0) avg.push_back(g.at(p.key()) / static_cast<float>(W()));
-        else avg[i] = avg[i] + g.at(p.key()) / static_cast<float>(W());
-        ++i;
-      }
-    }
     set_learning_rate(*opt, lr_of(k));
-    master_step(*opt, master, avg, ref->parameters());
+    master_step(*opt, master, averaged_grads(ref, k, 31), ref->parameters());
     engine.step();
     CHECK(engine.global_steps() == static_cast<std::uint64_t>(k + 1));
     CHECK(engine.get_lr() == Approx(lr_of(k + 1)).epsilon(1e-12).margin(1e-18));
-    const auto got = engine.master_weights();
-    std::size_t i = 0;
-    for (const auto& p : ref->named_parameters()) {
-      const auto at = static_cast<std::size_t>(std::find(names.begin(), names.end(), p.key()) - names.begin());
-      REQUIRE(at < names.size());
-      check_close(got[at], master[i].detach(), param_tol, param_atol, "master weight " + p.key());
-      ++i;
-    }
+    check_masters(engine, ref, master);
   }
 }
 
@@ -391,7 +406,6 @@ TEST_CASE("torch: OneCycle cycles the learning rate and Adam's beta1 as DeepSpee
   const std::vector<Tensor> master = fp32_masters(ref->parameters());
   torch::optim::Adam opt(master, torch::optim::AdamOptions(1e-3).weight_decay(0.0));
   auto engine = mt::initialize(Net(6), cfg, world());
-  const auto names = engine.parameter_names();
   for (int k = 0; k < static_cast<int>(std::size(one_cycle_rows)); ++k) {
     INFO("update " << k + 1);
     const lr_mom want = one_cycle_rows[k];
@@ -402,31 +416,14 @@ TEST_CASE("torch: OneCycle cycles the learning rate and Adam's beta1 as DeepSpee
     CHECK(mom->second == 0.99);
     const batch b = data(k, R(), 37, 4);
     torch::mse_loss(engine(b.x), b.y).backward();
-    std::vector<Tensor> avg;
-    for (int r = 0; r < W(); ++r) {
-      const auto g = rank_grads(ref, data(k, r, 37, 4), false);
-      std::size_t i = 0;
-      for (const auto& p : ref->named_parameters()) {
-        if (r == 0) avg.push_back(g.at(p.key()) / static_cast<float>(W()));
-        else avg[i] = avg[i] + g.at(p.key()) / static_cast<float>(W());
-        ++i;
-      }
-    }
     for (auto& group : opt.param_groups()) {
       auto& o = static_cast<torch::optim::AdamOptions&>(group.options());
       o.lr(want.lr);
       o.betas({want.beta1, 0.99});
     }
-    master_step(opt, master, avg, ref->parameters());
+    master_step(opt, master, averaged_grads(ref, k, 37), ref->parameters());
     engine.step();
-    const auto got = engine.master_weights();
-    std::size_t i = 0;
-    for (const auto& p : ref->named_parameters()) {
-      const auto at = static_cast<std::size_t>(std::find(names.begin(), names.end(), p.key()) - names.begin());
-      REQUIRE(at < names.size());
-      check_close(got[at], master[i].detach(), param_tol, param_atol, "master weight " + p.key());
-      ++i;
-    }
+    check_masters(engine, ref, master);
   }
 }
 
@@ -581,7 +578,6 @@ TEST_CASE("torch: torch_autocast in fp16 loss-scales an fp32 model, refuses an u
   Net ref(10);
   const std::vector<Tensor> master = fp32_masters(ref->parameters());
   torch::optim::Adam opt(master, torch::optim::AdamOptions(1e-2).weight_decay(0.0));
-  const auto names = engine.parameter_names();
   const double scale = 65536.0;
   for (int k = 0; k < 3; ++k) {
     INFO("update " << k + 1);
@@ -609,14 +605,7 @@ TEST_CASE("torch: torch_autocast in fp16 loss-scales an fp32 model, refuses an u
     master_step(opt, master, avg, ref->parameters());
     engine.step();
     CHECK(engine.skipped_steps() == 0);
-    const auto got = engine.master_weights();
-    std::size_t i = 0;
-    for (const auto& p : ref->named_parameters()) {
-      const auto at = static_cast<std::size_t>(std::find(names.begin(), names.end(), p.key()) - names.begin());
-      REQUIRE(at < names.size());
-      check_close(got[at], master[i].detach(), param_tol, param_atol, "master weight " + p.key());
-      ++i;
-    }
+    check_masters(engine, ref, master);
   }
   // An overflow (here an infinite loss) is skipped: no update, the step counted as skipped.
   const auto before = engine.master_weights();
@@ -683,8 +672,9 @@ TEST_CASE("torch: low-precision model states through initialize, backward and st
   auto engine = mt::initialize(Net(11), cfg, world());
   CHECK(engine.loss_scale() == c.loss_scale);
 
+  // The master weights start from the model as built (fp32), rounded to their dtype; the
+  // model's parameters are then stored in theirs.
   Net ref(11);
-  ref->to(c.param);
   const auto names = engine.parameter_names();
   std::vector<Tensor> master, m, v;
   for (const auto& p : ref->parameters()) {
@@ -692,6 +682,7 @@ TEST_CASE("torch: low-precision model states through initialize, backward and st
     m.push_back(torch::zeros_like(p, torch::TensorOptions().dtype(c.state)));
     v.push_back(torch::zeros_like(p, torch::TensorOptions().dtype(c.state)));
   }
+  ref->to(c.param);
   auto f32 = [](double x) { return static_cast<float>(x); };
   for (int k = 1; k <= 3; ++k) {
     INFO("update " << k);
@@ -741,7 +732,8 @@ TEST_CASE("torch: low-precision model states through initialize, backward and st
     for (const auto& p : ref->named_parameters()) {
       const auto at = static_cast<std::size_t>(std::find(names.begin(), names.end(), p.key()) - names.begin());
       REQUIRE(at < names.size());
-      INFO("master weight " << p.key());
+      INFO("master weight " << p.key() << ": max |engine - reference| "
+                             << (got[at] - master[i].to(torch::kFloat)).abs().max().item<double>());
       CHECK(torch::equal(got[at], master[i].to(torch::kFloat)));
       ++i;
     }
