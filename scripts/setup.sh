@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what mpzero's build, tests and main job need, skipping what is already there:
 # Debian packages (ccache: scripts/build.sh compiles through it), PyPI's torch wheel for
-# the LibTorch adapter (pinned; the same version the GPU machines have), matplotlib (the main job's plots, which its tests
-# draw too) and safetensors, which the tests read exported files with.
+# the LibTorch adapter (pinned; the same version the GPU machines have), matplotlib (the
+# main job's plots, which its tests draw too) and safetensors, which the tests read
+# exported files with.
 # MPZERO_NO_TORCH=1 skips the PyPI packages (the adapter and the main job are then not
 # built). Arguments name further Debian packages to install the same way (scripts/fuzz.sh:
 # clang).
