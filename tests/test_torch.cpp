@@ -627,16 +627,26 @@ TEST_CASE("torch: several backward calls per step with CPU offload equal the run
 TEST_CASE("hooks: a second backward without a new forward accumulates and runs its own epilogue", "[hooks]") {
   const int stage = GENERATE(0, 1, 2, 3);
   const bool two_losses = GENERATE(false, true);
-  INFO(label(stage, "fp32") << (two_losses ? ", two losses of one forward" : ", retain_graph twice"));
+  const bool via_scale = GENERATE(false, true);  // DeepSpeed's engine.scale(loss, retain_graph).backward(...)
+  INFO(label(stage, "fp32") << (two_losses ? ", two losses of one forward" : ", retain_graph twice")
+                            << (via_scale ? ", through engine.scale" : ""));
   auto engine = make_engine(Net(13), make_config(stage, "fp32"));
   reference<Net> ref(Net(13), torch::kFloat, stage);
   const batch b = data(0, R(), 8);
   Tensor out = engine(b.x);
   Tensor l1 = torch::mse_loss(out, b.y);
   Tensor l2 = two_losses ? out.pow(2).mean() : l1;
-  l1.backward({}, /*retain_graph=*/true);
+  if (via_scale) {
+    engine.scale(l1, /*retain_graph=*/true).backward({}, /*retain_graph=*/true);
+  } else {
+    l1.backward({}, /*retain_graph=*/true);
+  }
   CHECK(engine.epilogues() == 1);
-  l2.backward();
+  if (via_scale) {
+    engine.scale(l2).backward();
+  } else {
+    l2.backward();
+  }
   CHECK(engine.epilogues() == 2);
   ref.accumulate([&](Net& m, int r) { auto d = data(0, r, 8); return torch::mse_loss(m->forward(d.x), d.y); }, 1.0);
   ref.accumulate([&](Net& m, int r) {

@@ -2305,6 +2305,7 @@ void engine_base::explain_forward_error(const c10::Error& e, const std::vector<a
   return st_->bw_.backward(loss, retain_graph, scale_wrt_gas);
 }
 ::torch::Tensor engine_base::scale(const ::torch::Tensor& loss) { return st_->bw_.scale(loss); }
+::torch::Tensor engine_base::scale(const ::torch::Tensor& loss, bool /*retain_graph*/) { return st_->bw_.scale(loss); }
 void engine_base::step() { st_->step(); }
 void engine_base::zero_grad() { st_->zero_grad(); }
 bool engine_base::is_gradient_accumulation_boundary() const { return st_->is_boundary(); }

@@ -128,6 +128,10 @@ class engine_base {
   // Without fp16 it returns loss. One-element tensors only. Engines sharing a loss
   // each scale their own term: (e1.scale(l1) + e2.scale(l2)).backward().
   ::torch::Tensor scale(const ::torch::Tensor& loss);
+  // DeepSpeed's scale(loss, retain_graph): the same. The flag changes nothing here: a later
+  // backward over the retained graph finds the parameters (ZeRO-3 gathers them again), so
+  // pass retain_graph to the backward itself: engine.scale(loss, true).backward({}, true).
+  ::torch::Tensor scale(const ::torch::Tensor& loss, bool retain_graph);
   // Counts a micro-step; at the gradient accumulation boundary also updates the
   // parameters (and the learning rate from the scheduler). Collective at the boundary.
   void step();
