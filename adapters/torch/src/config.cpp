@@ -1350,9 +1350,13 @@ config load_config_file(const std::string& path, int world_size) {
   return in_file(path, [&] { return parse_config_text(text, world_size); });
 }
 
-json read_config_json(const std::string& path_or_json) {
+bool is_config_text(std::string_view path_or_json) {
   const auto first = std::find_if(path_or_json.begin(), path_or_json.end(), [](unsigned char ch) { return !std::isspace(ch); });
-  if (first != path_or_json.end() && *first == '{') return parse_text(path_or_json);
+  return first != path_or_json.end() && *first == '{';
+}
+
+json read_config_json(const std::string& path_or_json) {
+  if (is_config_text(path_or_json)) return parse_text(path_or_json);
   const std::string text = read_file(path_or_json);
   return in_file(path_or_json, [&] { return parse_text(text); });
 }

@@ -2172,9 +2172,7 @@ std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Mod
 }
 
 mpzero::torch::config config_from_string(const std::string& s, int world_size) {
-  const auto first = std::find_if(s.begin(), s.end(), [](unsigned char c) { return !std::isspace(c); });
-  if (first != s.end() && *first == '{') return parse_config_text(s, world_size);
-  return load_config_file(s, world_size);
+  return is_config_text(s) ? parse_config_text(s, world_size) : load_config_file(s, world_size);
 }
 
 void partition_module(::torch::nn::Module& m) {
@@ -2287,7 +2285,7 @@ void engine_base::watch(const ::torch::Tensor& out) {
   });
 }
 
-void engine_base::explain_forward_error(const c10::Error& e, const std::vector<at::ScalarType>& inputs) const {
+void engine_base::explain_forward_error(const c10::Error& e, std::span<const at::ScalarType> inputs) const {
   const at::ScalarType param = st_->param_type_;
   if (param == at::kFloat || st_->cfg_.torch_autocast.enabled) return;
   const std::string what = e.what_without_backtrace();

@@ -178,6 +178,9 @@ config load_config_file(const std::string& path, int world_size);
 config parse_config_with_optimizer(const nlohmann::json& j, const optimizer_config& optimizer, int world_size);
 // A path to a JSON file, or JSON text (its first non-blank character is '{'), as JSON.
 nlohmann::json read_config_json(const std::string& path_or_json);
+// Whether initialize's string argument is JSON text (its first non-blank character is
+// '{') rather than a path.
+bool is_config_text(std::string_view path_or_json);
 
 // The resolved configuration as JSON: every key spelled out, defaults included. Parsing
 // it again (with the same world size) gives the same configuration.

@@ -76,11 +76,14 @@
 // docs/torch.md, "ZeRO-3", has the rules.
 #pragma once
 
+#include <array>
 #include <concepts>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -253,7 +256,7 @@ class engine_base {
   void watch(const ::torch::Tensor& out);
   // A forward's c10::Error that a floating input of another dtype than the engine's
   // 16-bit parameters explains: thrown again as mpzero::error that says what to cast.
-  void explain_forward_error(const c10::Error& e, const std::vector<at::ScalarType>& inputs) const;
+  void explain_forward_error(const c10::Error& e, std::span<const at::ScalarType> inputs) const;
   template <class T>
   void watch_any(const T& out) {
     // Outputs with no tensors we can see: parameter hooks still find the backward.
@@ -280,10 +283,15 @@ class engine : public engine_base {
   template <class... Args>
   auto forward(Args&&... args) {
     forward_scope scope(*st_);
-    std::vector<at::ScalarType> inputs;
+    // The first floating inputs' dtypes, read before the arguments are handed on (and
+    // possibly moved); a fixed array, so that a forward allocates nothing for it.
+    std::array<at::ScalarType, 8> inputs{};
+    std::size_t n_inputs = 0;
     (detail::for_each_tensor(args,
                              [&](const ::torch::Tensor& t) {
-                               if (t.defined() && t.is_floating_point()) inputs.push_back(t.scalar_type());
+                               if (n_inputs < inputs.size() && t.defined() && t.is_floating_point()) {
+                                 inputs[n_inputs++] = t.scalar_type();
+                               }
                              }),
      ...);
     try {
@@ -291,7 +299,7 @@ class engine : public engine_base {
       watch_any(out);
       return out;
     } catch (const c10::Error& e) {
-      explain_forward_error(e, inputs);  // throws mpzero::error, or returns to rethrow
+      explain_forward_error(e, std::span<const at::ScalarType>(inputs.data(), n_inputs));  // throws, or returns
       throw;
     }
   }
