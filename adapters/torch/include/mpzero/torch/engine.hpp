@@ -416,9 +416,9 @@ auto gathered_forward(M&& module, Args&&... args) {
 }
 
 // ---- initialize ---------------------------------------------------------------------
-// `comm` decides the world. Not given (any_communicator{}): the world the launcher started
-// (torchrun's or mpirun's environment, launch.hpp), joined through MPI, Gloo or NCCL, or
-// one process without a launcher; any_communicator::local() is one process regardless.
+// `comm` decides the world. Not given (any_communicator{}): the world mpirun started,
+// joined through MPI (launch.hpp; a launched world it cannot join is refused), or one
+// process without a launcher; any_communicator::local() is one process regardless.
 // Wrap an MPI or other comm::communicator with any_communicator::wrap(c); a c10d
 // ProcessGroup with process_group_communicator (process_group.hpp). Collective over comm.
 //
