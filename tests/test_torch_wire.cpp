@@ -625,6 +625,7 @@ struct states_case {
   json patch;
   at::ScalarType param, master, grad, state;
   double loss_scale;  // the initial dynamic scale (fp16), 1 without scaling
+  std::optional<at::ScalarType> autocast = std::nullopt;  // torch_autocast's dtype, when on
 };
 
 std::vector<states_case> states_cases() {
@@ -641,6 +642,16 @@ std::vector<states_case> states_cases() {
       {"fp16_master_weights_and_grads, dynamic loss scaling",
        {{"fp16", {{"enabled", true}, {"fp16_master_weights_and_grads", true}, {"initial_scale_power", 8}}}},
        h, h, h, f, 256.0},
+      // DeepSpeed's test_with_autocast configurations: all-bf16 states under bf16 autocast,
+      // and fp16 master weights and gradients under fp16 autocast.
+      {"bf16 master, gradients and states under bf16 torch_autocast",
+       {{"bf16", {{"enabled", true}, {"bf16_master_weights_and_grads", true}, {"bf16_optimizer_states", true}}},
+        {"torch_autocast", {{"enabled", true}, {"dtype", "bfloat16"}}}},
+       bf, bf, bf, bf, 1.0, bf},
+      {"fp16 master and gradients under fp16 torch_autocast",
+       {{"fp16", {{"enabled", true}, {"fp16_master_weights_and_grads", true}, {"initial_scale_power", 8}}},
+        {"torch_autocast", {{"enabled", true}, {"dtype", "float16"}}}},
+       h, h, h, f, 256.0, h},
   };
 }
 
@@ -660,7 +671,7 @@ TEST_CASE("torch: low-precision model states through initialize, backward and st
   // those dtypes: bytes per element of its master weights and moments, on the device or,
   // offloaded, on the host.
   const auto cases = states_cases();
-  const int which = GENERATE(0, 1, 2, 3, 4);
+  const int which = GENERATE(0, 1, 2, 3, 4, 5, 6);
   const int stage = GENERATE(1, 2, 3);
   const bool offload = GENERATE(false, true);
   const states_case& c = cases[static_cast<std::size_t>(which)];
@@ -699,7 +710,12 @@ TEST_CASE("torch: low-precision model states through initialize, backward and st
     for (int r = 0; r < W(); ++r) {
       for (auto& p : ref->parameters()) p.mutable_grad().reset();
       const batch br = data(k, r, 53, 4);
-      (torch::mse_loss(ref->forward(br.x.to(c.param)).to(torch::kFloat), br.y) * c.loss_scale).backward();
+      Tensor out;
+      {
+        autocast_scope ac(c.autocast.has_value(), c.autocast.value_or(at::kBFloat16));
+        out = ref->forward(br.x.to(c.param));
+      }
+      (torch::mse_loss(out.to(torch::kFloat), br.y) * c.loss_scale).backward();
       std::size_t i = 0;
       for (const auto& p : ref->parameters()) {
         const Tensor gi = p.grad().detach().to(c.grad).to(torch::kFloat);
