@@ -661,11 +661,11 @@ std::int64_t bytes_of(at::ScalarType t) { return static_cast<std::int64_t>(c10::
 
 TEST_CASE("torch: low-precision model states through initialize, backward and step equal a LibTorch reference "
           "that stores each state in its dtype",
-          "[torch]") {
+          "[torch][precision]") {
   // The reference, from the definitions: the model in the parameter dtype computes each
   // rank's gradient; the ranks' gradients, in the gradient dtype, are summed in fp32 and
-  // rounded to it once (one combine at two ranks), then multiplied by 1 / (loss scale x
-  // ranks) in fp32; AdamW runs in fp32 on the stored master weights and moments, one
+  // rounded to it after each combine (one combine at two ranks; at three, in rank order,
+  // which MPI may not follow), then multiplied by 1 / (loss scale x ranks) in fp32; AdamW runs in fp32 on the stored master weights and moments, one
   // rounding per operation, in the fused step's order (optim/adam.hpp), and each result
   // is stored back in its dtype. The engine must give those bits, and hold its states in
   // those dtypes: bytes per element of its master weights and moments, on the device or,
@@ -748,9 +748,16 @@ TEST_CASE("torch: low-precision model states through initialize, backward and st
     for (const auto& p : ref->named_parameters()) {
       const auto at = static_cast<std::size_t>(std::find(names.begin(), names.end(), p.key()) - names.begin());
       REQUIRE(at < names.size());
-      INFO("master weight " << p.key() << ": max |engine - reference| "
-                             << (got[at] - master[i].to(torch::kFloat)).abs().max().item<double>());
-      CHECK(torch::equal(got[at], master[i].to(torch::kFloat)));
+      const Tensor want = master[i].to(torch::kFloat);
+      INFO("master weight " << p.key() << ": max |engine - reference| " << (got[at] - want).abs().max().item<double>());
+      if (W() <= 2) {
+        CHECK(torch::equal(got[at], want));  // one combine per element: the order cannot matter
+      } else {
+        // MPI orders three ranks' sums its own way: within twice the master dtype's
+        // epsilon relative to each reference value (two roundings' worth).
+        const double eps = c.master == torch::kFloat ? 0x1p-23 : c.master == torch::kHalf ? 0x1p-10 : 0x1p-7;
+        CHECK(((got[at] - want).abs() <= want.abs().clamp_min(1e-6) * (2 * eps)).all().item<bool>());
+      }
       ++i;
     }
   }

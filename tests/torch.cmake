@@ -4,9 +4,16 @@
 # mpirun at 1, 2 and 3 ranks (stage 3's scenarios included). Needs LibTorch (adapters/torch/torch.cmake).
 if(TARGET mpzero_torch AND MPI_CXX_FOUND)
   mpzero_add_test(test_torch SOURCES test_torch.cpp TAGS torch hooks MPI 1 2 3 LIBS mpzero::torch)
-  # Gradient reduction dtypes (torch_autocast, communication_data_type) and the LR
-  # schedules end to end; a TU of its own so that it rebuilds without test_torch.cpp.
+  # Gradient reduction dtypes (torch_autocast, communication_data_type), the LR schedules
+  # end to end, launch, and the low-precision model states ([precision], also at 3 ranks,
+  # where MPI's reduction order is its own: within twice each master dtype's epsilon
+  # there); a TU of its own so that it rebuilds without test_torch.cpp.
   mpzero_add_test(test_torch_wire SOURCES test_torch_wire.cpp TAGS torch MPI 1 2 LIBS mpzero::torch)
+  add_test(NAME test_torch_wire.precision.np3
+           COMMAND ${MPIEXEC_EXECUTABLE} ${MPIEXEC_NUMPROC_FLAG} 3 ${MPZERO_MPIEXEC_FLAGS} $<TARGET_FILE:test_torch_wire>
+                   "[precision]~[gpu]")
+  set_tests_properties(test_torch_wire.precision.np3 PROPERTIES LABELS "torch;mpi" PROCESSORS 3
+                       ENVIRONMENT OMP_NUM_THREADS=1 TIMEOUT 900)
   # ZeRO-3 in the engine ([zero3]): stage 3 against stage 2 bit for bit, gathered_forward's
   # gathers and releases, checkpoints across stages, partitioned construction (zero_init;
   # at 3 ranks too, where slices are uneven).
