@@ -552,8 +552,8 @@ TEST_CASE("config: bad configurations are refused with a message that names the 
            "remove cpu_offload"}},
       {"{" M R"(, "zero_optimization": {"stage": 3, "cpu_offload_param": false, "offload_param": {"device": "none"}}})",
        1, {"'zero_optimization.cpu_offload_param' is DeepSpeed's deprecated form"}},
-      {"{" M R"(, "managed_gradient_accumulation": false})", 1,
-       {"'managed_gradient_accumulation' = false is not supported", "only true is accepted"}},
+      {"{" M R"(, "managed_gradient_accumulation": "false"})", 1,
+       {"'managed_gradient_accumulation' must be a boolean", "without quotes"}},
       // the seed blog's spelling of the fp16 flag
       {"{" M R"(, "fp16": {"enabled": true, "fp16_master_weights_and_gradients": true}})", 1,
        {"unknown key 'fp16.fp16_master_weights_and_gradients'", "did you mean 'fp16_master_weights_and_grads'?"}},

@@ -585,6 +585,32 @@ TEST_CASE("torch: several backward calls per step with set_gradient_accumulation
   CHECK(engine.global_steps() == 2);
 }
 
+TEST_CASE("torch: managed_gradient_accumulation false: every step() applies one update of what backward accumulated",
+          "[torch]") {
+  // DeepSpeed's unmanaged mode: the caller decides how many backward calls make a step
+  // (here 1, 3, then 2, with gradient_accumulation_steps 4 in the config); each averages
+  // its own micro-batches and passes scale_wrt_gas = false.
+  const int stage = GENERATE(0, 1, 2, 3);
+  INFO(label(stage, "fp32"));
+  auto engine = make_engine(Net(9), make_config(stage, "fp32", 4, {{"managed_gradient_accumulation", false}}));
+  reference<Net> ref(Net(9), torch::kFloat, stage);
+  CHECK(engine.is_gradient_accumulation_boundary());
+  int k = 0;
+  for (const int n : {1, 3, 2}) {
+    for (int i = 0; i < n; ++i, ++k) {
+      const batch b = data(k, R(), 17);
+      engine.backward(engine(b.x, b.y) / static_cast<float>(n), /*retain_graph=*/false, /*scale_wrt_gas=*/false);
+      ref.accumulate([&](Net& m, int r) { auto d = data(k, r, 17); return m->forward(d.x, d.y) / static_cast<float>(n); },
+                     1.0);
+    }
+    engine.step();
+    ref.step();
+    check_weights(engine, ref.weights(), std::to_string(n) + " backward calls");
+  }
+  CHECK(engine.global_steps() == 3);
+  CHECK(engine.micro_steps() == 3);
+}
+
 TEST_CASE("torch: several backward calls per step with CPU offload equal the run without (DeepSpeed #7981)",
           "[torch]") {
   // DeepSpeed kept only the last backward's gradient here with offload on. With N = 1 no

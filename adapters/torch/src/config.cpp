@@ -432,7 +432,7 @@ std::string_view dtype_json_name(dtype d) { return name_of(d); }
 const std::vector<std::string_view> top_level_keys = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "fp16",
     "torch_autocast", "zero_optimization", "gradient_clipping", "optimizer", "scheduler", "communication_data_type",
-    "data_types", "seed", "rounding", "bfloat16"};
+    "data_types", "seed", "rounding", "bfloat16", "managed_gradient_accumulation"};
 
 const std::vector<foreign_key> top_level_foreign = {
     {"steps_per_print", "*", "logging only"},
@@ -449,8 +449,6 @@ const std::vector<foreign_key> top_level_foreign = {
     {"zero_allow_untested_optimizer", "*", "mpzero runs only its own optimizers"},
     {"zero_force_ds_cpu_optimizer", "*", "the CPU optimizer is mpzero's own"},
     {"aio", "*", "asynchronous I/O for NVMe offload, which mpzero does not have"},
-    {"managed_gradient_accumulation", "true",
-     "the engine counts micro-batches up to gradient_accumulation_steps"},
     // Each leaves the averaged gradient DeepSpeed's average (they move where DeepSpeed
     // divides, against fp16 overflow); parse_config checks their types and ranges.
     {"prescale_gradients", "*", "gradients are averaged after the reduction"},
@@ -1284,6 +1282,7 @@ config parse_config(const json& j, int world_size) {
   if (const json* v = r.object("scheduler")) parse_scheduler(*v, c);
   if (const json* v = r.object("data_types")) parse_data_types(*v, c);
   c.gradient_clipping = r.number("gradient_clipping", 1.0);
+  c.managed_gradient_accumulation = r.boolean("managed_gradient_accumulation", true);
   if (const json* v = r.find("communication_data_type")) {
     if (!v->is_string()) r.type_error("communication_data_type", *v, "a string (\"fp32\", \"bf16\" or \"fp16\")");
     // DeepSpeed lower-cases the value and accepts exactly these three names.
@@ -1379,6 +1378,7 @@ json to_json(const config& c) {
   j["train_batch_size"] = c.train_batch_size;
   j["train_micro_batch_size_per_gpu"] = c.train_micro_batch_size_per_gpu;
   j["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
+  j["managed_gradient_accumulation"] = c.managed_gradient_accumulation;
   j["bf16"] = {{"enabled", c.bf16},
                {"bf16_master_weights_and_grads", c.bf16_master_weights_and_grads},
                {"bf16_optimizer_states", c.bf16_optimizer_states},

@@ -521,6 +521,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   }
   bool is_boundary() const {
     if (boundary_override_) return *boundary_override_;
+    if (!cfg_.managed_gradient_accumulation) return true;  // the caller's step() is the boundary
     return (micro_steps_ + 1) % cfg_.gradient_accumulation_steps == 0;
   }
   double next_lr() const { return lr_at(cfg_.scheduler, cfg_.optimizer.lr, scheduler_steps_); }

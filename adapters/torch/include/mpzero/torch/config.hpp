@@ -122,6 +122,11 @@ struct config {
   std::uint64_t train_batch_size = 0;
   std::uint64_t train_micro_batch_size_per_gpu = 0;
   std::uint64_t gradient_accumulation_steps = 1;
+  // DeepSpeed's managed_gradient_accumulation: true, the engine steps at every
+  // gradient_accumulation_steps-th step() call; false, the caller owns the boundary and
+  // every step() applies one update (backward still divides by gradient_accumulation_steps
+  // unless engine.backward(loss, ..., scale_wrt_gas = false)).
+  bool managed_gradient_accumulation = true;
 
   bool bf16 = false;
   bool bf16_master_weights_and_grads = false;

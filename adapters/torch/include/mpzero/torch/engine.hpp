@@ -140,7 +140,8 @@ class engine_base {
   void step();
   // Drops the gradients accumulated so far.
   void zero_grad();
-  // (micro_steps + 1) % gradient_accumulation_steps == 0, unless overridden.
+  // (micro_steps + 1) % gradient_accumulation_steps == 0, unless overridden; always with
+  // managed_gradient_accumulation false (every step() is a boundary).
   bool is_gradient_accumulation_boundary() const;
   // Overrides the boundary until the next call (or clear_...): e.g. several backward
   // calls per optimizer step with gradient_accumulation_steps = 1.
