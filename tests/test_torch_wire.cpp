@@ -521,6 +521,7 @@ TEST_CASE("torch: initialize without a communicator joins the world mpirun launc
   CHECK(e.launcher == "openmpi");
   CHECK(e.world_size == W());
   CHECK(e.rank == R());
+  CHECK(e.local_rank == R());  // one node
 }
 
 TEST_CASE("torch: a launched world initialize cannot join is refused, naming what to set", "[torch]") {
@@ -540,10 +541,11 @@ TEST_CASE("torch: a launched world initialize cannot join is refused, naming wha
   {
     // torchrun's variables come first, as DeepSpeed reads them; on CPU parameters that
     // world needs a communicator given in code.
-    scoped_env env({{"WORLD_SIZE", "2"}, {"RANK", "0"}});
+    scoped_env env({{"WORLD_SIZE", "2"}, {"RANK", "0"}, {"LOCAL_RANK", "1"}});
     const auto e = mt::read_launch_environment();
     CHECK(e.launcher == "torchrun");
     CHECK(e.world_size == 2);
+    CHECK(e.local_rank == 1);
     CHECK_THROWS_WITH(mt::initialize(Net(3), cfg), Catch::Contains("2 processes launched by torchrun (this is rank 0)") &&
                                                        Catch::Contains("launch with mpirun -np 2") &&
                                                        Catch::Contains("any_communicator::local()"));

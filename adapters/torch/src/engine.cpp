@@ -2144,8 +2144,9 @@ std::uint64_t set_startup_window_elements(std::uint64_t elements) {
 }
 
 std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Module> module,
-                                                const std::function<mpzero::torch::config()>& make_config,
+                                                const std::function<mpzero::torch::config(int)>& make_config,
                                                 any_communicator comm) {
+  if (module) comm = launched(std::move(comm), *module);
   // This rank's own checks (the configuration, the model). A rank that fails one must
   // not leave the others waiting for it in the first collective until the
   // communicator's timeout: every rank reaches the agreement below, where one
@@ -2161,7 +2162,7 @@ std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Mod
       },
       "engine.initialize", "no rank made an engine, and the model is unchanged", "models or configurations", [&] {
         if (!module) fail("initialize: the model is null");
-        st = std::make_shared<engine_state>(std::move(module), make_config(), comm);
+        st = std::make_shared<engine_state>(std::move(module), make_config(comm.size()), comm);
         return st->prepare();
       });
   st->start();
@@ -2303,7 +2304,6 @@ void engine_base::explain_forward_error(const c10::Error& e, std::span<const at:
 ::torch::Tensor engine_base::backward(const ::torch::Tensor& loss, bool retain_graph, bool scale_wrt_gas) {
   return st_->bw_.backward(loss, retain_graph, scale_wrt_gas);
 }
-::torch::Tensor engine_base::scale(const ::torch::Tensor& loss) { return st_->bw_.scale(loss); }
 ::torch::Tensor engine_base::scale(const ::torch::Tensor& loss, bool /*retain_graph*/) { return st_->bw_.scale(loss); }
 void engine_base::step() { st_->step(); }
 void engine_base::zero_grad() { st_->zero_grad(); }

@@ -26,9 +26,10 @@
 //   their own epilogue and their gradients add up; a backward nested inside another
 //   backward (reentrant checkpointing) or started inside forward runs no epilogue of its
 //   own. Bookkeeping is O(1) per hook.
-// - fp16: a backward must be scaled, by engine.backward(loss) or engine.scale(loss);
-//   an unscaled one throws "Loss scaling is required" from its first hook, on every
-//   rank, before any collective (no hang), for dynamic and static loss scales.
+// - fp16 (weights, or torch_autocast in fp16): a backward must be scaled, by
+//   engine.backward(loss) or engine.scale(loss); an unscaled one throws "Loss scaling is
+//   required" from its first hook, on every rank, before any collective (no hang), for
+//   dynamic and static loss scales.
 //
 // Threads: one backward at a time per engine. CPU parameters: the hooks run on the
 // thread that called backward, which must own the communicator (MPI: the main thread).
@@ -127,14 +128,14 @@ class engine_base {
   // A non-scalar output with gradient grad: backward((out * grad).sum()), the same
   // gradients as out.backward(grad), with the fp16 loss scale.
   ::torch::Tensor backward(const ::torch::Tensor& loss, bool retain_graph = false, bool scale_wrt_gas = true);
-  // loss times the current fp16 loss scale, marked as scaled (for loss.backward()).
-  // Without fp16 it returns loss. One-element tensors only. Engines sharing a loss
+  // loss times the current loss scale (fp16 weights, or torch_autocast in fp16), marked
+  // as scaled (for loss.backward()). Without loss scaling it returns loss. One-element
+  // tensors only. Engines sharing a loss
   // each scale their own term: (e1.scale(l1) + e2.scale(l2)).backward().
-  ::torch::Tensor scale(const ::torch::Tensor& loss);
-  // DeepSpeed's scale(loss, retain_graph): the same. The flag changes nothing here: a later
-  // backward over the retained graph finds the parameters (ZeRO-3 gathers them again), so
-  // pass retain_graph to the backward itself: engine.scale(loss, true).backward({}, true).
-  ::torch::Tensor scale(const ::torch::Tensor& loss, bool retain_graph);
+  // retain_graph is DeepSpeed's parameter and changes nothing here: a later backward over
+  // the retained graph finds the parameters (ZeRO-3 gathers them again), so pass it to the
+  // backward itself: engine.scale(loss, true).backward({}, true).
+  ::torch::Tensor scale(const ::torch::Tensor& loss, bool retain_graph = false);
   // Counts a micro-step; at the gradient accumulation boundary also updates the
   // parameters (and the learning rate from the scheduler). Collective at the boundary.
   void step();
@@ -154,7 +155,7 @@ class engine_base {
   double get_lr() const;      // the learning rate the next step will use
   // The (beta1, beta2) the next step will use (OneCycle cycles them); nullopt for SGD.
   std::optional<std::pair<double, double>> get_mom() const;
-  double loss_scale() const;  // the fp16 loss scale (1 without fp16)
+  double loss_scale() const;  // the loss scale (1 without loss scaling)
   // The global gradient norm of the last step (unscaled, before clipping); NaN before the first.
   double global_grad_norm() const;
   const step_report& last_step_report() const;
@@ -359,11 +360,12 @@ void unit_outputs(const std::shared_ptr<unit_call>& c, const T& out) {
 std::uint64_t startup_window_elements();
 std::uint64_t set_startup_window_elements(std::uint64_t elements);
 
-// Collective: make_config() runs inside, so that a rank whose configuration fails to
-// parse (a file missing on one node, say) is refused on every rank like one whose model
-// fails a check, rather than leaving the others waiting in the first collective.
+// Collective: `comm` is resolved first (launched(), below), then make_config(world size)
+// runs inside, so that a rank whose configuration fails to parse (a file missing on one
+// node, say) is refused on every rank like one whose model fails a check, rather than
+// leaving the others waiting in the first collective.
 std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Module> module,
-                                                const std::function<mpzero::torch::config()>& make_config,
+                                                const std::function<mpzero::torch::config(int)>& make_config,
                                                 any_communicator comm);
 
 template <class Model>
@@ -428,9 +430,8 @@ auto gathered_forward(M&& module, Args&&... args) {
 // models or configurations all throw. No rank is left waiting, and no model changes.
 template <class Model>
 engine<Model> initialize(Model model, mpzero::torch::config cfg, any_communicator comm = {}) {
-  comm = detail::launched(std::move(comm), *detail::module_ptr(model));
   auto st = detail::make_engine_state(
-      detail::module_ptr(model), [&]() -> mpzero::torch::config { return std::move(cfg); }, std::move(comm));
+      detail::module_ptr(model), [&](int) -> mpzero::torch::config { return std::move(cfg); }, std::move(comm));
   return engine<Model>(std::move(model), std::move(st));
 }
 // ---- partitioned construction: DeepSpeed's zero.Init ---------------------------------
@@ -500,19 +501,15 @@ M partitioned(M module) {
 
 template <class Model>
 engine<Model> initialize(Model model, const nlohmann::json& cfg, any_communicator comm = {}) {
-  comm = detail::launched(std::move(comm), *detail::module_ptr(model));
-  const int world = comm.size();
   auto st = detail::make_engine_state(
-      detail::module_ptr(model), [&] { return parse_config(cfg, world); }, std::move(comm));
+      detail::module_ptr(model), [&](int world) { return parse_config(cfg, world); }, std::move(comm));
   return engine<Model>(std::move(model), std::move(st));
 }
 // A path to a JSON file, or JSON text (anything whose first non-blank character is '{').
 template <class Model>
 engine<Model> initialize(Model model, const std::string& path_or_json, any_communicator comm = {}) {
-  comm = detail::launched(std::move(comm), *detail::module_ptr(model));
-  const int world = comm.size();
   auto st = detail::make_engine_state(
-      detail::module_ptr(model), [&] { return detail::config_from_string(path_or_json, world); }, std::move(comm));
+      detail::module_ptr(model), [&](int world) { return detail::config_from_string(path_or_json, world); }, std::move(comm));
   return engine<Model>(std::move(model), std::move(st));
 }
 template <class Model>
@@ -529,20 +526,16 @@ engine<Model> initialize(Model model, const char* path_or_json, any_communicator
 template <class Model>
 engine<Model> initialize(Model model, const nlohmann::json& cfg, const optimizer_config& optimizer,
                          any_communicator comm = {}) {
-  comm = detail::launched(std::move(comm), *detail::module_ptr(model));
-  const int world = comm.size();
   auto st = detail::make_engine_state(
-      detail::module_ptr(model), [&] { return parse_config_with_optimizer(cfg, optimizer, world); }, std::move(comm));
+      detail::module_ptr(model), [&](int world) { return parse_config_with_optimizer(cfg, optimizer, world); }, std::move(comm));
   return engine<Model>(std::move(model), std::move(st));
 }
 template <class Model>
 engine<Model> initialize(Model model, const std::string& path_or_json, const optimizer_config& optimizer,
                          any_communicator comm = {}) {
-  comm = detail::launched(std::move(comm), *detail::module_ptr(model));
-  const int world = comm.size();
   auto st = detail::make_engine_state(
       detail::module_ptr(model),
-      [&] { return parse_config_with_optimizer(read_config_json(path_or_json), optimizer, world); }, std::move(comm));
+      [&](int world) { return parse_config_with_optimizer(read_config_json(path_or_json), optimizer, world); }, std::move(comm));
   return engine<Model>(std::move(model), std::move(st));
 }
 template <class Model>
