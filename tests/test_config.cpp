@@ -33,6 +33,7 @@ std::string error_of(const std::string& text, int world = 1) {
 
 // Every field of two configs, compared one by one.
 void require_same(const config& a, const config& b) {
+  CHECK(a.param_groups == b.param_groups);
   CHECK(a.train_batch_size == b.train_batch_size);
   CHECK(a.train_micro_batch_size_per_gpu == b.train_micro_batch_size_per_gpu);
   CHECK(a.gradient_accumulation_steps == b.gradient_accumulation_steps);
@@ -1037,6 +1038,9 @@ TEST_CASE("config: to_json round-trips", "[config]") {
           "zero_optimization": {"stage": 2, "sub_group_size": 4096, "allgather_bucket_size": 0},
           "optimizer": {"type": "AdamW", "params": {"torch_adam": true}}})",
        1},
+      {R"({"train_batch_size": 2, "param_groups": [{"name": "no_decay", "patterns": ["bias$", "norm"],
+          "weight_decay": 0}, {"name": "head", "patterns": "^lm_head\\.", "lr": 2.5e-4}]})",
+       1},
   };
   for (const auto& [text, world] : cases) {
     INFO(text);
@@ -1098,6 +1102,38 @@ TEST_CASE("config: files: errors name the path; comments allowed", "[config]") {
     temp_file f("dup.json", R"({"train_batch_size": 8, "train_batch_size": 16})");
     CHECK_THROWS_WITH(load_config_file(f.path.string(), 1), Catch::Contains("duplicate key 'train_batch_size'"));
   }
+}
+
+TEST_CASE("config: param_groups are read from JSON and checked, naming the group", "[config]") {
+  const config c = parse_config_text(R"({"train_batch_size": 1, "param_groups": [
+      {"name": "no_decay", "patterns": ["bias$", "LayerNorm\\.weight"], "weight_decay": 0.0},
+      {"name": "embeddings", "patterns": "^embed", "lr": 1e-4}]})", 1);
+  REQUIRE(c.param_groups.size() == 2);
+  CHECK(c.param_groups[0].name == "no_decay");
+  CHECK(c.param_groups[0].patterns == std::vector<std::string>{"bias$", "LayerNorm\\.weight"});
+  CHECK_FALSE(c.param_groups[0].lr);
+  CHECK(c.param_groups[0].weight_decay == 0.0);
+  CHECK(c.param_groups[1].patterns == std::vector<std::string>{"^embed"});
+  CHECK(c.param_groups[1].lr == 1e-4);
+  CHECK_FALSE(c.param_groups[1].weight_decay);
+  const auto bad = [](const std::string& groups) {
+    return parse_config_text(R"({"train_batch_size": 1, "param_groups": )" + groups + "}", 1);
+  };
+  CHECK_THROWS_WITH(bad(R"({"name": "a"})"), Catch::Contains("'param_groups' must be an array"));
+  CHECK_THROWS_WITH(bad(R"([{"patterns": ["x"]}])"), Catch::Contains("param_groups[0] has no name"));
+  CHECK_THROWS_WITH(bad(R"([{"name": "a"}])"), Catch::Contains("param_groups[0] ('a') has no patterns"));
+  CHECK_THROWS_WITH(bad(R"([{"name": "a", "patterns": ["x"]}, {"name": "a", "patterns": ["y"]}])"),
+                    Catch::Contains("param_groups[1] ('a'): another group has this name"));
+  CHECK_THROWS_WITH(bad(R"([{"name": "default", "patterns": ["x"]}])"),
+                    Catch::Contains("\"default\" names the parameters no group matches"));
+  CHECK_THROWS_WITH(bad(R"([{"name": "a", "patterns": ["bias("]}])"),
+                    Catch::Contains("pattern \"bias(\" is not a regular expression"));
+  CHECK_THROWS_WITH(bad(R"([{"name": "a", "patterns": ["x"], "lr": -1}])"),
+                    Catch::Contains("('a'): lr = -1 is invalid"));
+  CHECK_THROWS_WITH(bad(R"([{"name": "a", "patterns": ["x"], "weight_decay": "0.1"}])"),
+                    Catch::Contains("weight_decay' must be a number"));
+  CHECK_THROWS_WITH(bad(R"([{"name": "a", "patterns": ["x"], "weight_dacay": 0.1}])"),
+                    Catch::Contains("weight_decay"));
 }
 
 TEST_CASE("config: names of enums", "[config]") {

@@ -18,12 +18,14 @@
 // Launch: initialize without a communicator joins the world mpirun launched, trained as
 // with MPI_COMM_WORLD passed, and refuses one it cannot join (variables set here).
 #include "support/torch_mpi.hpp"  // LibTorch, then Catch and MPI
+#include "support/shared_dir.hpp"
 #include "support/torch_reference.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
@@ -367,6 +369,102 @@ TEST_CASE("torch: WarmupDecayLR and WarmupCosineLR through the engine match torc
     CHECK(engine.get_lr() == Approx(lr_of(k + 1)).epsilon(1e-12).margin(1e-18));
     check_masters(engine, ref, master);
   }
+}
+
+// =================================================================================
+// Parameter groups.
+// =================================================================================
+namespace {
+
+// Net's parameters in three groups: "no_decay" takes the biases (l1.bias, and l2.bias
+// before "head" can), "head" takes l2.weight at twice the lr and its own decay, and
+// l1.weight stays in the default group with the optimizer's.
+json grouped_config(int stage, bool offload) {
+  json cfg = engine_config(stage, 1, 1e-3);
+  cfg["optimizer"] = {{"type", "AdamW"}, {"params", {{"lr", 2e-3}, {"weight_decay", 0.01}}}};
+  cfg["scheduler"] = {{"type", "WarmupCosineLR"},
+                      {"params",
+                       {{"total_num_steps", 6}, {"warmup_num_steps", 3}, {"warmup_min_ratio", 0.1},
+                        {"cos_min_ratio", 0.05}, {"warmup_type", "linear"}}}};
+  cfg["param_groups"] = json::array({{{"name", "no_decay"}, {"patterns", {"bias$"}}, {"weight_decay", 0.0}},
+                                     {{"name", "head"}, {"patterns", {"^l2\\."}}, {"lr", 4e-3}, {"weight_decay", 0.05}}});
+  if (offload) cfg["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
+  return cfg;
+}
+
+}  // namespace
+
+TEST_CASE("torch: parameter groups train with their own lr and weight decay, through every stage, offload and a "
+          "checkpoint", "[torch]") {
+  const auto [stage, offload] = GENERATE(table<int, bool>({{0, false}, {1, false}, {2, false}, {3, false}, {2, true}}));
+  INFO("stage " << stage << (offload ? ", offload" : "") << ", world " << W());
+  const json cfg = grouped_config(stage, offload);
+  // The reference: torch's AdamW with the same three groups, each at the schedule's lr
+  // times its ratio to the optimizer's (WarmupCosineLR scales every group's own lr).
+  Net ref(5);
+  const std::vector<Tensor> master = fp32_masters(ref->parameters());  // l1.weight, l1.bias, l2.weight, l2.bias
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<Tensor>{master[0]}, std::make_unique<torch::optim::AdamWOptions>(
+                                                          torch::optim::AdamWOptions(2e-3).weight_decay(0.01)));
+  groups.emplace_back(std::vector<Tensor>{master[1], master[3]},
+                      std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(2e-3).weight_decay(0.0)));
+  groups.emplace_back(std::vector<Tensor>{master[2]}, std::make_unique<torch::optim::AdamWOptions>(
+                                                          torch::optim::AdamWOptions(4e-3).weight_decay(0.05)));
+  torch::optim::AdamW opt(std::move(groups));
+  const double ratio[3] = {1.0, 1.0, 2.0};
+
+  mpzero::testing::shared_dir dir;
+  std::optional<mt::engine<Net>> engine;
+  engine.emplace(mt::initialize(Net(5), cfg, world()));
+  for (int k = 0; k < 6; ++k) {
+    INFO("update " << k + 1);
+    if (k == 3) {
+      // Half way: save, and go on in a new engine from the checkpoint (at another stage:
+      // the groups' elements are spread over the shards otherwise).
+      engine->save_checkpoint(dir.path.string(), "half");
+      const json meta = json::parse(std::ifstream(dir.path / "half" / "mpzero_engine.json"));
+      CHECK(meta.at("param_groups").at("parameter_groups") ==
+            json::array({"default", "no_decay", "head", "no_decay"}));
+      engine.reset();
+      engine.emplace(mt::initialize(Net(9), grouped_config(stage == 3 ? 1 : 3, false), world()));
+      REQUIRE(engine->load_checkpoint(dir.path.string(), "half"));
+    }
+    CHECK(engine->get_lr() == Approx(cosine_lr(k)).epsilon(1e-12).margin(1e-18));
+    CHECK(engine->get_lr("default") == engine->get_lr());
+    CHECK(engine->get_lr("no_decay") == engine->get_lr());
+    CHECK(engine->get_lr("head") == Approx(2 * cosine_lr(k)).epsilon(1e-12).margin(1e-18));
+    const batch b = data(k, R(), 37, 4);
+    torch::mse_loss((*engine)(b.x), b.y).backward();
+    for (std::size_t g = 0; g < 3; ++g) opt.param_groups()[g].options().set_lr(cosine_lr(k) * ratio[g]);
+    master_step(opt, master, averaged_grads(ref, k, 37), ref->parameters());
+    engine->step();
+    check_masters(*engine, ref, master);
+  }
+  CHECK_THROWS_WITH(engine->get_lr("heads"),
+                    Catch::Contains("get_lr(\"heads\"): no parameter group of that name; the groups are 'default', "
+                                    "'no_decay', 'head'"));
+}
+
+TEST_CASE("torch: parameter groups that take no parameter, or an lr against a zero optimizer lr, are refused",
+          "[torch]") {
+  const auto init = [](const json& groups, double lr = 1e-3) {
+    json cfg = engine_config(1, 1, lr);
+    cfg["param_groups"] = groups;
+    return mt::initialize(Net(5), cfg, world());
+  };
+  CHECK_THROWS_WITH(init(json::array({{{"name", "norms"}, {"patterns", {"norm"}}, {"weight_decay", 0.0}}})),
+                    Catch::Contains("param_groups 'norms' (patterns \"norm\") has no trainable parameter (the "
+                                    "trainable parameters: l1.weight, l1.bias, l2.weight, l2.bias)"));
+  CHECK_THROWS_WITH(init(json::array({{{"name", "all"}, {"patterns", {"."}}},
+                                      {{"name", "bias"}, {"patterns", {"bias"}}, {"weight_decay", 0.0}}})),
+                    Catch::Contains("param_groups 'bias' (patterns \"bias\") has no trainable parameter: "
+                                    "'l1.bias' matches, but the earlier group 'all' takes it"));
+  CHECK_THROWS_WITH(init(json::array({{{"name", "head"}, {"patterns", {"^l2"}}, {"lr", 1e-3}}}), 0.0),
+                    Catch::Contains("param_groups 'head' sets lr = 0.001, but optimizer.params.lr is 0"));
+  // Groups set in code are checked as the JSON's are.
+  mt::config c = mt::parse_config(engine_config(1, 1, 1e-3), W());
+  c.param_groups.push_back({"", {"bias"}, std::nullopt, 0.0});
+  CHECK_THROWS_WITH(mt::initialize(Net(5), c, world()), Catch::Contains("param_groups[0] has no name"));
 }
 
 namespace {

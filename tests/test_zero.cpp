@@ -167,14 +167,36 @@ outcome run_reference(const scenario& sc, const typename Opt::options& opt, cons
       if constexpr (!Policy::master_is_param) master[flat_offset[p] + e] = from_float<M>(init_value(p, e));
     }
   }
-  step_tensor<Policy, Opt> t;
-  t.param = param.data();
-  if constexpr (!Policy::master_is_param) t.master = master.data();
-  t.grad = grad.data();
-  t.states[0] = s0.data();
-  if constexpr (Opt::n_states > 1) t.states[1] = s1.data();
-  t.numel = padded;
-  fused_step<Policy, Opt> fs({t});
+  // The whole model as one tensor; with parameter groups (zero_options::param_groups),
+  // each parameter as its own tensor, stepped with its group's lr (the optimizer's times
+  // lr_scale) and weight decay (the group's, else the optimizer's).
+  const auto tensor = [&](std::uint64_t at, std::uint64_t numel) {
+    step_tensor<Policy, Opt> t;
+    t.param = param.data() + at;
+    if constexpr (!Policy::master_is_param) t.master = master.data() + at;
+    t.grad = grad.data() + at;
+    t.states[0] = s0.data() + at;
+    if constexpr (Opt::n_states > 1) t.states[1] = s1.data() + at;
+    t.numel = numel;
+    t.global_offset = at;
+    return t;
+  };
+  std::vector<fused_step<Policy, Opt>> steps;
+  std::vector<typename Opt::options> step_opts;
+  if (sc.zo.param_groups.empty()) {
+    steps.emplace_back(std::vector<step_tensor<Policy, Opt>>{tensor(0, padded)});
+    step_opts.push_back(opt);
+  } else {
+    for (std::size_t p = 0; p < sc.numels.size(); ++p) {
+      if (sc.numels[p] == 0) continue;
+      const param_group_options& g = sc.zo.param_groups[sc.zo.group_of[p]];
+      typename Opt::options o = opt;
+      o.lr = opt.lr * g.lr_scale;
+      if (g.weight_decay) o.weight_decay = *g.weight_decay;
+      steps.emplace_back(std::vector<step_tensor<Policy, Opt>>{tensor(flat_offset[p], sc.numels[p])});
+      step_opts.push_back(o);
+    }
+  }
   outcome out;
   for (int step = 1; step <= sc.steps; ++step) {
     long double norm_sq = 0;
@@ -192,7 +214,10 @@ outcome run_reference(const scenario& sc, const typename Opt::options& opt, cons
       }
     }
     out.norms.push_back(static_cast<double>(std::sqrt(norm_sq) / W));
-    host::run(fs, make_step_args<Opt>(opt, static_cast<std::uint64_t>(step), static_cast<float>(1.0 / W), sc.zo.seed));
+    for (std::size_t k = 0; k < steps.size(); ++k) {
+      host::run(steps[k], make_step_args<Opt>(step_opts[k], static_cast<std::uint64_t>(step),
+                                              static_cast<float>(1.0 / W), sc.zo.seed));
+    }
   }
   out.params.resize(padded);
   out.master.resize(padded);
@@ -280,6 +305,80 @@ TEST_CASE("ZeRO stages match the reference: all bf16 with stochastic rounding", 
 
 TEST_CASE("ZeRO stages match the reference: bf16 master (the parameters) with fp32 states", "[zero]") {
   all_stages<policies::bf16_master_fp32_states, optim::adamw>(uneven(), adamw_opts());
+}
+
+// Parameter groups: three groups (the optimizer's own hyperparameters; half the lr and
+// no weight decay, the usual group of biases and norms; twice the lr and more decay)
+// interleaved over the uneven model, so each rank's shard holds pieces of every group.
+scenario grouped() {
+  scenario sc = uneven();
+  sc.zo.param_groups = {{}, {0.5, 0.0}, {2.0, 0.3}};
+  sc.zo.group_of = {0, 1, 2, 1, 0, 2, 1, 2, 0, 1};
+  return sc;
+}
+
+TEST_CASE("ZeRO parameter groups: each group's lr and weight decay, every stage, bit for bit", "[zero]") {
+  all_stages<policies::fp32, optim::adamw>(grouped(), adamw_opts());
+}
+
+TEST_CASE("ZeRO parameter groups: stochastic rounding keeps each element's key; Lion and SGD", "[zero]") {
+  all_stages<policies::bf16_all_sr, optim::adamw>(grouped(), adamw_opts());
+  optim::lion::options lion;
+  lion.weight_decay = 0.05;
+  optim::sgd::options sgd;
+  sgd.momentum = 0.9;
+  sgd.weight_decay = 0.01;
+  SECTION("Lion, stage 2") { check_against_reference<policies::bf16_fp32_master, optim::lion, 2>(grouped(), lion); }
+  SECTION("SGD, stage 3") { check_against_reference<policies::fp32, optim::sgd, 3>(grouped(), sgd); }
+}
+
+TEST_CASE("ZeRO parameter groups: an lr change moves every group in proportion", "[zero]") {
+  auto& c = world();
+  const scenario sc = grouped();
+  ZeroOptimizer<policies::fp32, optim::adamw, stage<1>, comm::mpi_communicator> z(c, sc.numels, adamw_opts(), sc.zo);
+  REQUIRE(z.num_groups() == 3);
+  optim::adamw::options o = z.options();
+  o.lr = 4e-3;
+  z.set_options(o);
+  REQUIRE(z.lr(0) == 4e-3);
+  REQUIRE(z.lr(1) == 2e-3);
+  REQUIRE(z.lr(2) == 8e-3);
+  REQUIRE_THROWS_WITH(z.lr(3), Catch::Contains("lr(3): there are 3 parameter groups"));
+  // Without groups: one, the optimizer's own.
+  ZeroOptimizer<policies::fp32, optim::adamw, stage<1>, comm::mpi_communicator> plain(c, sc.numels, o, uneven().zo);
+  REQUIRE(plain.num_groups() == 1);
+  REQUIRE(plain.lr(0) == 4e-3);
+}
+
+TEST_CASE("ZeRO parameter groups: a wrong group list or hyperparameter is refused with a message", "[zero]") {
+  auto& c = world();
+  const scenario base = grouped();
+  const auto make = [&](const zero_options& zo) {
+    ZeroOptimizer<policies::fp32, optim::adamw, stage<2>, comm::mpi_communicator> z(c, base.numels, adamw_opts(), zo);
+  };
+  zero_options zo = base.zo;
+  zo.group_of.pop_back();
+  REQUIRE_THROWS_WITH(make(zo), Catch::Contains("group_of has 9 entries for 10 parameters"));
+  zo = base.zo;
+  zo.group_of[4] = 3;
+  REQUIRE_THROWS_WITH(make(zo), Catch::Contains("group_of[4] = 3, but there are 3 groups") &&
+                                    Catch::Contains("use an index below 3"));
+  zo = base.zo;
+  zo.param_groups.clear();
+  REQUIRE_THROWS_WITH(make(zo), Catch::Contains("there is 1 group"));
+  zo = base.zo;
+  zo.param_groups[1].lr_scale = -1.0;
+  REQUIRE_THROWS_WITH(make(zo), Catch::Contains("param_groups[1].lr_scale = -1"));
+  zo = base.zo;
+  zo.param_groups[2].weight_decay = -0.5;
+  REQUIRE_THROWS_WITH(make(zo), Catch::Contains("weight_decay") && Catch::Contains("parameter group 2") &&
+                                    Catch::Contains("weight_decay -0.5"));
+  // Ranks that pass other groups are refused alike on every rank.
+  if (c.size() > 1) {
+    zo = base.zo;
+    if (c.rank() == 1) zo.group_of[0] = 1;
+    REQUIRE_THROWS_WITH(make(zo), Catch::Contains("parameter layouts or options"));
+  }
 }
 
 TEST_CASE("ZeRO: accumulation over several backward passes per step, a shared weight, a missing gradient", "[zero]") {
@@ -920,6 +1019,12 @@ TEST_CASE("ZeRO-Offload: parameters and states equal the reference (offload off)
 TEST_CASE("ZeRO-Offload: bf16 or fp16 master with fp32 states, fp32 master with bf16 params", "[offload]") {
   offload_stages<policies::bf16_master_fp32_states, optim::adamw>(uneven(), adamw_opts());
   offload_stages<policies::bf16_fp32_master, optim::adam>(uneven(), optim::adam::options{});
+}
+
+TEST_CASE("ZeRO-Offload: parameter groups, in sub-groups that split them", "[offload]") {
+  scenario sc = grouped();
+  sc.zo.offload_sub_group_numel = 7000;
+  offload_stages<policies::bf16_all_sr, optim::adamw>(sc, adamw_opts());
 }
 
 TEST_CASE("ZeRO-Offload: several backward passes per step are summed (DeepSpeed #7981)", "[offload]") {

@@ -297,6 +297,7 @@ struct engine_meta {
   std::vector<param> params;  // the trainable parameters, in the core's order
   std::uint64_t global_steps = 0, micro_steps = 0, skipped_steps = 0, scheduler_steps = 0;
   nlohmann::json client_state = nlohmann::json::object();
+  nlohmann::json param_groups;  // the engine's param_group_record() at the save; null without groups
 };
 
 inline engine_meta read_engine_meta(const std::string& who, const fs::path& path) {
@@ -313,6 +314,7 @@ inline engine_meta read_engine_meta(const std::string& who, const fs::path& path
     m.skipped_steps = j.at("skipped_steps").get<std::uint64_t>();
     m.scheduler_steps = j.at("scheduler_steps").get<std::uint64_t>();
     m.client_state = j.value("client_state", nlohmann::json::object());
+    m.param_groups = j.value("param_groups", nlohmann::json());
   } catch (const nlohmann::json::exception& e) {
     fail(who + ": " + quoted(path) + " is not an engine state save_checkpoint wrote (" + e.what() + ")");
   }

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <regex>
 #include <set>
 #include <sstream>
 
@@ -432,7 +433,7 @@ std::string_view dtype_json_name(dtype d) { return name_of(d); }
 const std::vector<std::string_view> top_level_keys = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "fp16",
     "torch_autocast", "zero_optimization", "gradient_clipping", "optimizer", "scheduler", "communication_data_type",
-    "data_types", "seed", "rounding", "bfloat16", "managed_gradient_accumulation"};
+    "data_types", "seed", "rounding", "bfloat16", "managed_gradient_accumulation", "param_groups"};
 
 const std::vector<foreign_key> top_level_foreign = {
     {"steps_per_print", "*", "logging only"},
@@ -589,6 +590,26 @@ bool parse_autocast(const json& j, config& c) {
     c.torch_autocast.lower_precision_safe_modules_given = true;
   }
   return r.has("dtype");
+}
+
+void parse_param_groups(const json& v, config& c) {
+  if (!v.is_array()) {
+    fail("'param_groups' must be an array of groups such as {\"name\": \"no_decay\", \"patterns\": [\"bias$\", "
+         "\"norm\"], \"weight_decay\": 0.0}, got " + describe(v));
+  }
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    const std::string p = "param_groups[" + std::to_string(i) + "]";
+    if (!v[i].is_object()) fail(squote(p) + " must be an object with \"name\" and \"patterns\", got " + describe(v[i]));
+    check_keys(v[i], p, {"name", "patterns", "lr", "weight_decay"});
+    reader r(v[i], p);
+    param_group g;
+    g.name = r.string("name", "");
+    g.patterns = r.strings("patterns", {}, true);
+    if (r.has("lr")) g.lr = r.number("lr", 0.0);
+    if (r.has("weight_decay")) g.weight_decay = r.number("weight_decay", 0.0);
+    c.param_groups.push_back(std::move(g));
+  }
+  check_param_groups(c.param_groups);
 }
 
 std::vector<std::string> dedup(std::vector<std::string> v) {
@@ -1233,6 +1254,38 @@ std::string_view scheduler_name(scheduler_type t) {
 
 std::string_view offload_device_name(offload_device d) { return d == offload_device::cpu ? "cpu" : "none"; }
 
+void check_param_groups(const std::vector<param_group>& groups) {
+  std::set<std::string> names;
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    const param_group& g = groups[i];
+    const std::string who = "param_groups[" + std::to_string(i) + "]" + (g.name.empty() ? "" : " ('" + g.name + "')");
+    if (g.name.empty()) fail(who + " has no name; name it (e.g. \"no_decay\"): messages, get_lr and checkpoints use it");
+    if (g.name == "default") {
+      fail(who + ": \"default\" names the parameters no group matches; choose another name");
+    }
+    if (!names.insert(g.name).second) fail(who + ": another group has this name; give each group its own");
+    if (g.patterns.empty()) {
+      fail(who + " has no patterns; give regular expressions over parameter names, e.g. [\"bias$\", \"norm\"]");
+    }
+    for (const std::string& pat : g.patterns) {
+      try {
+        (void)std::regex(pat, std::regex::ECMAScript);
+      } catch (const std::regex_error& e) {
+        fail(who + ": pattern \"" + pat + "\" is not a regular expression (" + e.what() +
+             "); write an ECMAScript pattern, e.g. \"\\\\.bias$\" (escape dots)");
+      }
+    }
+    const auto check = [&](const std::optional<double>& v, const char* key) {
+      if (v && (!(*v >= 0) || !std::isfinite(*v))) {
+        fail(who + ": " + key + " = " + format_number(*v) + " is invalid; use a finite value >= 0, or leave it out "
+             "for the optimizer's");
+      }
+    };
+    check(g.lr, "lr");
+    check(g.weight_decay, "weight_decay");
+  }
+}
+
 config parse_config(const json& j, int world_size) {
   if (world_size < 1) {
     fail("world_size = " + std::to_string(world_size) + " is invalid; pass the number of data-parallel ranks (>= 1)");
@@ -1299,6 +1352,7 @@ config parse_config(const json& j, int world_size) {
   }
   c.seed = r.unsigned_integer("seed", 0, 0);
   c.rounding = r.string("rounding", "nearest");
+  if (const json* v = r.find("param_groups")) parse_param_groups(*v, c);
 
   auto batch = [&](const char* key) -> std::optional<std::uint64_t> {
     if (!r.has(key)) return std::nullopt;
@@ -1472,6 +1526,16 @@ json to_json(const config& c) {
   if (c.grad_accum_dtype) j["data_types"] = {{"grad_accum_dtype", dtype_json_name(*c.grad_accum_dtype)}};
   j["seed"] = c.seed;
   j["rounding"] = c.rounding;
+  if (!c.param_groups.empty()) {
+    json groups = json::array();
+    for (const param_group& g : c.param_groups) {
+      json e = {{"name", g.name}, {"patterns", g.patterns}};
+      if (g.lr) e["lr"] = *g.lr;
+      if (g.weight_decay) e["weight_decay"] = *g.weight_decay;
+      groups.push_back(std::move(e));
+    }
+    j["param_groups"] = std::move(groups);
+  }
   return j;
 }
 

@@ -27,6 +27,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <regex>
 #include <set>
 #include <stdexcept>
 #include <system_error>
@@ -504,6 +505,24 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   // prepare()'s parts: each managed parameter's gradient reduction dtype (DeepSpeed's
   // get_comm_dtype), and what the ranks compare.
   std::vector<dtype> reduction_dtypes() const;
+  // Matches the managed parameters' names to config::param_groups and sets the core's
+  // groups (zero_options::param_groups and group_of); nothing without groups.
+  void assign_param_groups(zero_options& zo);
+  // The lr group g's next step uses, and its weight decay.
+  double group_lr(std::size_t g) const { return next_lr() * group_opts_[g].lr_scale; }
+  double group_weight_decay(std::size_t g) const {
+    return group_opts_[g].weight_decay.value_or(cfg_.optimizer.weight_decay);
+  }
+  // Each group's name, next lr and weight decay, and each managed parameter's group, as
+  // checkpoints record them; null without groups.
+  nlohmann::json param_group_record() const {
+    if (group_of_.empty()) return nullptr;
+    nlohmann::json groups = nlohmann::json::array(), of = nlohmann::json::array();
+    for (std::size_t g = 0; g < group_names_.size(); ++g)
+      groups.push_back({{"name", group_names_[g]}, {"lr", group_lr(g)}, {"weight_decay", group_weight_decay(g)}});
+    for (std::size_t i = 0; i < group_of_.size(); ++i) of.push_back(group_names_[group_of_[i]]);
+    return {{"groups", groups}, {"parameter_groups", of}};
+  }
   std::pair<std::string, std::string> rank_identity(const core_spec& spec, const zero_options& zo,
                                                     const std::vector<::torch::Tensor>& frozen,
                                                     const std::vector<std::pair<std::string, ::torch::Tensor>>& kept) const;
@@ -650,6 +669,12 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::vector<std::string> names_;
   std::unordered_map<const c10::TensorImpl*, std::size_t> index_;
   std::vector<dtype> comm_dtypes_;  // per managed parameter: the dtype its gradient is reduced in
+  // Parameter groups (config::param_groups): "default" (the parameters no group matches)
+  // first, then the config's, with the core's hyperparameter adjustments; and each
+  // managed parameter's group.
+  std::vector<std::string> group_names_{"default"};
+  std::vector<param_group_options> group_opts_{param_group_options{}};
+  std::vector<std::uint32_t> group_of_;
   c10::Device device_ = c10::Device(c10::kCPU);  // where the managed parameters live
   std::optional<c10::Stream> core_stream_;       // a CUDA core's stream
   bool needs_scaling_ = false;
@@ -1248,6 +1273,7 @@ std::pair<std::string, std::string> engine_state::prepare() {
 
   comm_dtypes_ = reduction_dtypes();
   core_plan planned = plan_core(cfg_, device, comm_dtypes_);
+  assign_param_groups(planned.zo);
   const core_spec& spec = planned.spec;
   const zero_options& zo = planned.zo;
 
@@ -1261,6 +1287,60 @@ std::pair<std::string, std::string> engine_state::prepare() {
   if (world > 1) id = rank_identity(spec, zo, frozen, kept);
   frozen_ = std::move(frozen);
   return id;
+}
+
+void engine_state::assign_param_groups(zero_options& zo) {
+  const std::vector<param_group>& groups = cfg_.param_groups;
+  if (groups.empty()) return;
+  check_param_groups(groups);  // the config may have been changed in code after parsing
+  group_of_.assign(params_.size(), 0);
+  std::vector<std::size_t> members(groups.size(), 0);
+  std::vector<std::vector<std::regex>> res(groups.size());
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    for (const std::string& p : groups[g].patterns) res[g].emplace_back(p, std::regex::ECMAScript);
+  std::vector<std::string> taken(groups.size());  // per group: a parameter it matches that an earlier group took
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      const bool match = std::any_of(res[g].begin(), res[g].end(),
+                                     [&](const std::regex& re) { return std::regex_search(names_[i], re); });
+      if (!match) continue;
+      if (group_of_[i] == 0) {
+        group_of_[i] = static_cast<std::uint32_t>(g + 1);
+        ++members[g];
+      } else if (taken[g].empty()) {
+        taken[g] = "'" + names_[i] + "' matches, but the earlier group '" + groups[group_of_[i] - 1].name +
+                   "' takes it";
+      }
+    }
+  }
+  const double base = cfg_.optimizer.lr;
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    const param_group& pg = groups[g];
+    std::string patterns;
+    for (const std::string& p : pg.patterns) patterns += (patterns.empty() ? "\"" : ", \"") + p + "\"";
+    if (members[g] == 0) {
+      std::string some;
+      for (std::size_t i = 0; i < std::min<std::size_t>(names_.size(), 6); ++i) some += (i ? ", " : "") + names_[i];
+      if (names_.size() > 6) some += ", ...";
+      fail("param_groups '" + pg.name + "' (patterns " + patterns + ") has no trainable parameter" +
+           (taken[g].empty() ? " (the trainable parameters: " + some + ")" : ": " + taken[g]) +
+           "; fix the patterns, reorder the groups (the first match takes a parameter) or remove the group");
+    }
+    param_group_options o;
+    if (pg.lr) {
+      if (base == 0.0 && *pg.lr != 0.0) {
+        fail("param_groups '" + pg.name + "' sets lr = " + format_double(*pg.lr) +
+             ", but optimizer.params.lr is 0: a group's lr is kept in proportion to it under every schedule; "
+             "give the optimizer a non-zero lr");
+      }
+      o.lr_scale = base == 0.0 ? 1.0 : *pg.lr / base;
+    }
+    o.weight_decay = pg.weight_decay;
+    group_names_.push_back(pg.name);
+    group_opts_.push_back(o);
+  }
+  zo.param_groups = group_opts_;
+  zo.group_of = group_of_;
 }
 
 // The dtype each gradient is reduced in, per managed parameter.
@@ -1843,6 +1923,7 @@ nlohmann::json engine_checkpoints::engine_json(const std::string& tag, const nlo
           {"precision", e_.core_->spec().describe()},
           {"save_id", save_id},
           {"parameters", params},
+          {"param_groups", e_.param_group_record()},
           {"client_state", client_state}};
 }
 
@@ -2021,6 +2102,7 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
   std::vector<::torch::Tensor> trainable(e_.params_.size());
   nlohmann::json client_state;
   std::uint64_t counters[4] = {};
+  nlohmann::json saved_groups;
   e_.agree("load_checkpoint", "nothing was loaded", [&] {
     check_tag("engine.load_checkpoint", tag);
     e_.require_boundary("load_checkpoint");
@@ -2046,6 +2128,7 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
     counters[2] = meta.skipped_steps;
     counters[3] = meta.scheduler_steps;
     client_state = meta.client_state;
+    saved_groups = meta.param_groups;
 
     if (!module_only) {
       const fs::path shard = checkpoint::shard_path(dir, 0);
@@ -2122,6 +2205,16 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
     e_.micro_steps_ = counters[1];
     e_.skipped_steps_ = counters[2];
     e_.scheduler_steps_ = counters[3];
+    // Hyperparameters come from the config and the code, as optimizer.params.lr does;
+    // groups that differ from the checkpoint's are worth a line (said once, by rank 0).
+    const nlohmann::json now = e_.param_group_record();
+    if (saved_groups != now && e_.comm_.rank() == 0) {
+      std::fprintf(stderr,
+                   "mpzero: engine.load_checkpoint: the checkpoint's parameter groups were %s; this engine's are %s "
+                   "and apply from the next step\n",
+                   saved_groups.is_null() ? "none" : saved_groups.dump().c_str(),
+                   now.is_null() ? "none" : now.dump().c_str());
+    }
   }
   e_.join_core();
   {
@@ -2314,6 +2407,16 @@ std::uint64_t engine_base::global_steps() const { return st_->global_steps_; }
 std::uint64_t engine_base::micro_steps() const { return st_->micro_steps_; }
 std::uint64_t engine_base::skipped_steps() const { return st_->skipped_steps_; }
 double engine_base::get_lr() const { return st_->next_lr(); }
+double engine_base::get_lr(const std::string& group) const {
+  const auto& names = st_->group_names_;
+  const auto it = std::find(names.begin(), names.end(), group);
+  if (it == names.end()) {
+    std::string known;
+    for (const std::string& n : names) known += (known.empty() ? "'" : ", '") + n + "'";
+    fail("engine.get_lr(\"" + group + "\"): no parameter group of that name; the groups are " + known);
+  }
+  return st_->group_lr(static_cast<std::size_t>(it - names.begin()));
+}
 std::optional<std::pair<double, double>> engine_base::get_mom() const { return st_->next_betas(); }
 double engine_base::loss_scale() const { return st_->core_->loss_scale(); }
 double engine_base::global_grad_norm() const {

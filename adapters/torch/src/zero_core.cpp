@@ -28,7 +28,7 @@ class offload_kernel final : public step_kernel {
  public:
   offload_kernel(std::unique_ptr<step_kernel> device, std::unique_ptr<step_kernel> host)
       : device_(std::move(device)), host_(std::move(host)) {}
-  void validate() const override { device_->validate(); }
+  void validate(const param_group_options& group) const override { device_->validate(group); }
   precision_spec precision() const noexcept override { return device_->precision(); }
   int n_states() const noexcept override { return device_->n_states(); }
   std::string_view optimizer_name() const noexcept override { return device_->optimizer_name(); }
@@ -42,9 +42,9 @@ class offload_kernel final : public step_kernel {
     device_->set_betas(beta1, beta2);
     host_->set_betas(beta1, beta2);
   }
-  std::unique_ptr<stepper> make_stepper(std::vector<step_buffers> tensors, bool on_host,
-                                        int host_threads) const override {
-    return (on_host ? host_ : device_)->make_stepper(std::move(tensors), on_host, host_threads);
+  std::unique_ptr<stepper> make_stepper(std::vector<step_buffers> tensors, bool on_host, int host_threads,
+                                        const param_group_options& group) const override {
+    return (on_host ? host_ : device_)->make_stepper(std::move(tensors), on_host, host_threads, group);
   }
 
  private:

@@ -266,13 +266,14 @@ class zero_core {
       rep.skipped = rep.overflow && s_.zo.check_overflow;
     }
     if (!rep.skipped) {
+      validate_groups();  // before any group updates: a set_lr that no group takes changes nothing
       rep.clip_coefficient = clip_coefficient(rep.grad_norm, s_.zo.gradient_clipping);
       ++steps_;
       const step_call call{steps_, static_cast<float>(unscale * rep.clip_coefficient), s_.zo.seed};
       if (s_.offloaded()) {
         run_offloaded_step(call);
       } else {
-        stepper_->run(call);
+        for (auto& st : steppers_) st->run(call);
       }
       gather_updated_params();
     }
@@ -298,6 +299,16 @@ class zero_core {
   const flat_layout& layout() const noexcept { return s_.layout; }
   flat_range shard() const noexcept { return s_.shard; }
   std::uint64_t steps() const noexcept { return steps_; }
+  // Parameter groups (zero_options::param_groups; one when none is given) and the
+  // learning rate group g's next step uses.
+  std::size_t num_groups() const noexcept { return s_.num_groups(); }
+  double lr(std::size_t group) const {
+    if (group >= s_.num_groups()) {
+      detail::throw_invalid("ZeroOptimizer::lr(" + std::to_string(group) + "): there are " +
+                            std::to_string(s_.num_groups()) + " parameter groups");
+    }
+    return kernel_->lr() * s_.group(group).lr_scale;
+  }
   bool grads_pending() const noexcept { return grads_pending_; }
   double loss_scale() const noexcept { return scaler_ ? scaler_->scale() : 1.0; }
   const std::optional<loss_scaler>& scaler() const noexcept { return scaler_; }
@@ -426,25 +437,51 @@ class zero_core {
       detail::throw_invalid("ZeroOptimizer: gradient_clipping = " + std::to_string(zo.gradient_clipping) +
                     "; use a finite max norm >= 0 (0 disables clipping)");
     }
-    kernel_->validate();  // the hyperparameters now, not at the first step
     if (zo.loss_scaling) scaler_.emplace(zo.loss_scale);
     threads_ = s_.be.host_threads().value_or(0);
-    const std::size_t n_large = detail::build_layout(s_, numels);
+    const std::size_t n_large = detail::build_layout(s_, numels);  // checks the group lists
+    validate_groups();  // the hyperparameters now, not at the first step
     detail::allocate(s_);  // first: a model that cannot be held fails here, before its buckets are planned
     if (s_.stage() >= 2) reducer_.plan(n_large);
     groups_.init();
     if (s_.offloaded()) {
-      // One stepper per sub-group: a sub-group's upload overlaps the next one's update.
-      for (const step_buffers& t : detail::sub_groups(s_, detail::shard_tensors(s_)))
-        host_steppers_.push_back(make_host_stepper(t));
+      // Steppers per sub-group: a sub-group's upload overlaps the next one's update.
+      for (const step_buffers& t : detail::sub_groups(s_, detail::shard_tensors(s_))) {
+        host_steppers_.push_back(make_steppers({t}, true));
+      }
     } else {
-      stepper_ = kernel_->make_stepper(detail::shard_tensors(s_), false, threads_);
+      steppers_ = make_steppers(detail::shard_tensors(s_), false);
     }
     if (s_.world == 1) return {};
     return detail::core_identity(s_, kernel_->optimizer_name(), numels);
   }
 
-  std::unique_ptr<stepper> make_host_stepper(const step_buffers& t) { return kernel_->make_stepper({t}, true, threads_); }
+  // One stepper per parameter group that has elements in `tensors`.
+  std::vector<std::unique_ptr<stepper>> make_steppers(const std::vector<step_buffers>& tensors, bool on_host) {
+    std::vector<std::unique_ptr<stepper>> out;
+    std::vector<std::vector<step_buffers>> parts = detail::by_group(s_, tensors);
+    for (std::size_t g = 0; g < parts.size(); ++g) {
+      if (!parts[g].empty()) out.push_back(kernel_->make_stepper(std::move(parts[g]), on_host, threads_, s_.group(g)));
+    }
+    return out;
+  }
+
+  // Every parameter group's hyperparameters, as the kernel's current ones and the group's
+  // adjustments give them.
+  void validate_groups() const {
+    for (std::size_t g = 0; g < s_.num_groups(); ++g) {
+      try {
+        kernel_->validate(s_.group(g));
+      } catch (const invalid_argument& e) {
+        if (s_.zo.param_groups.empty()) throw;
+        const param_group_options& o = s_.group(g);
+        throw invalid_argument(std::string(e.what()) + " (parameter group " + std::to_string(g) + ": lr " +
+                               detail::format_double(kernel_->lr()) + " x lr_scale " +
+                               detail::format_double(o.lr_scale) +
+                               (o.weight_decay ? ", weight_decay " + detail::format_double(*o.weight_decay) : "") + ")");
+      }
+    }
+  }
 
   void zero_all_grads() {
     grads_pending_ = false;
@@ -463,8 +500,8 @@ class zero_core {
     wait_uploads();
     const std::uint64_t g = s_.zo.offload_sub_group_numel;
     std::uint64_t begin = s_.shard.begin;
-    for (auto& st : host_steppers_) {
-      st->run(call);
+    for (auto& sub : host_steppers_) {
+      for (auto& st : sub) st->run(call);
       const std::uint64_t end = std::min(begin + g, s_.shard.end);
       upload_params(flat_range{begin, end});
       begin = end;
@@ -618,8 +655,8 @@ class zero_core {
   bool reduced_ = false;        // reduce_gradients() ran for this step
   bool grads_pending_ = false;  // gradients reported since the last step() or zero_grad()
   bool pass_ended_ = false;     // stages 2-3: end_backward() ran since the last step() or zero_grad()
-  std::unique_ptr<stepper> stepper_;
-  std::vector<std::unique_ptr<stepper>> host_steppers_;  // offload: one per sub-group of the shard
+  std::vector<std::unique_ptr<stepper>> steppers_;  // one per parameter group present in the shard
+  std::vector<std::vector<std::unique_ptr<stepper>>> host_steppers_;  // offload: per sub-group of the shard, per group
   std::vector<async_transfer> uploads_;                  // offload: the last step's parameter uploads
 };
 

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -40,6 +41,10 @@ inline std::pair<std::string, std::string> core_identity(const core_state& s, st
         std::to_string(zo.check_overflow) + std::to_string(zo.average_gradients) + ", wire " +
         std::to_string(static_cast<int>(s.spec.wire));
   for (const dtype d : zo.wire_dtypes) id += " " + std::to_string(static_cast<int>(d));
+  id += "\ngroups";
+  for (const param_group_options& g : zo.param_groups)
+    id += " " + format_double(g.lr_scale) + "/" + (g.weight_decay ? format_double(*g.weight_decay) : "-");
+  for (const std::uint32_t g : zo.group_of) id += " " + std::to_string(g);
   if (zo.loss_scaling) {
     const loss_scale_options& l = zo.loss_scale;
     id += "\nscaler " + std::to_string(l.dynamic) + " " + format_double(l.static_scale) + " " +
@@ -106,6 +111,55 @@ inline void plan_wire_runs(core_state& s, const std::vector<std::size_t>& order)
   }
 }
 
+// Validates zero_options::param_groups and group_of and splits [0, padded) into runs of
+// one group, in flat order. The padding between and after parameters (zero, and kept
+// zero by every rule) goes with the run before it.
+inline void plan_group_runs(core_state& s, const std::vector<std::size_t>& order) {
+  const zero_options& zo = s.zo;
+  const std::size_t n_groups = s.num_groups();
+  for (std::size_t g = 0; g < zo.param_groups.size(); ++g) {
+    const param_group_options& o = zo.param_groups[g];
+    if (!(o.lr_scale >= 0) || !std::isfinite(o.lr_scale)) {
+      throw_invalid("ZeroOptimizer: zero_options::param_groups[" + std::to_string(g) + "].lr_scale = " +
+                    format_double(o.lr_scale) + "; use a finite factor >= 0 (1: the optimizer's lr)");
+    }
+  }
+  if (!zo.group_of.empty() && zo.group_of.size() != order.size()) {
+    throw_invalid("ZeroOptimizer: zero_options::group_of has " + std::to_string(zo.group_of.size()) +
+                  " entries for " + std::to_string(order.size()) +
+                  " parameters; give one group index per parameter, in the order of numels, or leave it empty "
+                  "(every parameter in group 0)");
+  }
+  for (std::size_t i = 0; i < zo.group_of.size(); ++i) {
+    if (zo.group_of[i] >= n_groups) {
+      throw_invalid("ZeroOptimizer: zero_options::group_of[" + std::to_string(i) + "] = " +
+                    std::to_string(zo.group_of[i]) + ", but there " +
+                    (n_groups == 1 ? std::string("is 1 group") : "are " + std::to_string(n_groups) + " groups") +
+                    " (zero_options::param_groups); use an index below " + std::to_string(n_groups) +
+                    " or add the group");
+    }
+  }
+  auto& runs = s.group_runs;
+  runs.clear();
+  for (std::size_t sl = 0; sl < order.size(); ++sl) {
+    const flat_range r = s.layout.param_range(sl);
+    if (r.empty()) continue;
+    const std::uint32_t g = zo.group_of.empty() ? 0 : zo.group_of[order[sl]];
+    if (!runs.empty() && runs.back().group == g) {
+      runs.back().range.end = r.end;
+    } else {
+      if (!runs.empty()) runs.back().range.end = r.begin;  // the padding before r
+      runs.push_back(group_run{r, g});
+    }
+  }
+  if (runs.empty()) {
+    runs.push_back(group_run{flat_range{0, s.layout.padded_numel()}, 0});
+  } else {
+    runs.front().range.begin = 0;
+    runs.back().range.end = s.layout.padded_numel();
+  }
+}
+
 // The layout: the slots (large parameters first, in the caller's order, then the small
 // ones), the flat layout, the persistent range, this rank's shard and the wire runs.
 // Returns how many parameters are large (the reducer's bucket plan splits there).
@@ -131,6 +185,7 @@ inline std::size_t build_layout(core_state& s, std::span<const std::uint64_t> nu
   if (s.stage() < 3 || s.persistent_begin == s.layout.total_numel()) s.persistent_begin = s.layout.padded_numel();
   s.shard = s.stage() == 0 ? flat_range{0, s.layout.padded_numel()} : s.layout.partition(s.rank);
   plan_wire_runs(s, order);
+  plan_group_runs(s, order);
   return n_large;
 }
 
@@ -190,6 +245,31 @@ inline std::vector<step_buffers> shard_tensors(const core_state& s) {
     t.numel = p.size();
     t.global_offset = p.begin;
     out.push_back(t);
+  }
+  return out;
+}
+
+// Splits step tensors at the parameter groups' boundaries: entry g holds group g's pieces.
+inline std::vector<std::vector<step_buffers>> by_group(const core_state& s, const std::vector<step_buffers>& tensors) {
+  std::vector<std::vector<step_buffers>> out(s.num_groups());
+  const auto skip = [](const void* p, std::uint64_t k, dtype t) -> void* {
+    return p == nullptr ? nullptr : const_cast<unsigned char*>(static_cast<const unsigned char*>(p)) + k * size_of(t);
+  };
+  for (const step_buffers& t : tensors) {
+    const flat_range whole{t.global_offset, t.global_offset + t.numel};
+    for (const group_run& run : s.group_runs) {
+      const flat_range r = intersect(whole, run.range);
+      if (r.empty()) continue;
+      const std::uint64_t off = r.begin - whole.begin;
+      step_buffers piece = t;
+      piece.param = skip(t.param, off, s.master_is_param() ? s.master_t() : s.param_t());
+      piece.master = skip(t.master, off, s.master_t());
+      piece.grad = skip(t.grad, off, s.grad_t());
+      for (std::size_t k = 0; k < static_cast<std::size_t>(s.n_states); ++k) piece.states[k] = skip(t.states[k], off, s.state_t());
+      piece.numel = r.size();
+      piece.global_offset = r.begin;
+      out[run.group].push_back(piece);
+    }
   }
   return out;
 }

@@ -26,6 +26,12 @@ struct wire_run {
   dtype wire;
 };
 
+// A flat range of one parameter group.
+struct group_run {
+  flat_range range;
+  std::uint32_t group;
+};
+
 // The element type a communicator moves for a storage dtype.
 constexpr comm::wire_dtype wire_of(dtype d) noexcept {
   switch (d) {
@@ -145,6 +151,7 @@ struct core_state {
   flat_range shard{};
   std::vector<wire_run> runs;  // [0, padded) in runs of equal wire dtype (one run by default)
   std::array<std::uint64_t, 3> longest_run{1, 1, 1};  // per wire dtype: its longest run
+  std::vector<group_run> group_runs;  // [0, padded) in runs of one parameter group (one run by default)
 
   // Model states, in the backend's memory.
   raw_buffer params;      // stages 0-2: all parameters; stage 3: this rank's partitioned ones
@@ -199,6 +206,11 @@ struct core_state {
     return slot_of[i];
   }
   std::size_t num_params() const noexcept { return slot_of.size(); }
+  std::size_t num_groups() const noexcept { return zo.param_groups.empty() ? 1 : zo.param_groups.size(); }
+  const param_group_options& group(std::size_t g) const {
+    static const param_group_options kernel_own{};
+    return zo.param_groups.empty() ? kernel_own : zo.param_groups[g];
+  }
   std::uint64_t numel(std::size_t i) const { return layout.numel(slot(i)); }
 
   // Memory for communication buffers, counted by the meters.

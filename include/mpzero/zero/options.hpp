@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "../numeric/dtype.hpp"
@@ -10,6 +11,14 @@
 #include "loss_scaler.hpp"
 
 namespace mpzero {
+
+// One parameter group's hyperparameters (torch's and DeepSpeed's param_groups), relative
+// to the step kernel's: set_lr and a schedule change every group's lr in proportion.
+struct param_group_options {
+  double lr_scale = 1.0;                 // the group's lr: the kernel's lr times this (finite, >= 0)
+  std::optional<double> weight_decay{};  // the group's weight decay; nullopt: the kernel's
+  friend bool operator==(const param_group_options&, const param_group_options&) = default;
+};
 
 struct zero_options {
   // Gradient elements reduced together in stages 2 and 3 (DeepSpeed's reduce_bucket_size).
@@ -41,6 +50,12 @@ struct zero_options {
   // travels in the optimizer's Wire type. Contiguous parameters of one wire dtype are
   // reduced together; a bucket that mixes dtypes costs one collective per run.
   std::vector<dtype> wire_dtypes{};
+  // Parameter groups: each group's hyperparameters (empty: one group, the kernel's own),
+  // and the group of each parameter, one entry per parameter in the caller's order
+  // (empty: every parameter in group 0). Gradient clipping and the overflow check see
+  // every group at once; the update applies each group's hyperparameters.
+  std::vector<param_group_options> param_groups{};
+  std::vector<std::uint32_t> group_of{};
 };
 
 struct step_report {

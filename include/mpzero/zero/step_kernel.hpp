@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "options.hpp"
 #include "spec.hpp"
 
 namespace mpzero {
@@ -55,8 +56,9 @@ class step_kernel {
   // The optimizer's name under its current options (checkpoints record it): "AdamW",
   // "SGD", ...; adam_runtime gives "Adam" or "AdamW".
   virtual std::string_view optimizer_name() const noexcept = 0;
-  // Throws invalid_argument naming a bad hyperparameter (the rule's prepare()).
-  virtual void validate() const = 0;
+  // Throws invalid_argument naming a bad hyperparameter (the rule's prepare()), of the
+  // kernel's own or as a parameter group adjusts them.
+  virtual void validate(const param_group_options& group = {}) const = 0;
   virtual double lr() const noexcept = 0;
   // Validates first (the rule's prepare()), changing nothing when it throws.
   virtual void set_lr(double lr) = 0;
@@ -69,9 +71,10 @@ class step_kernel {
 
   // A stepper over `tensors` in the backend's memory, or with on_host, in host memory
   // (ZeRO-Offload's step, run by the host backend with `host_threads` threads; 0: OpenMP's
-  // default). The kernel outlives its steppers.
-  virtual std::unique_ptr<stepper> make_stepper(std::vector<step_buffers> tensors, bool on_host,
-                                                int host_threads) const = 0;
+  // default), with the kernel's hyperparameters as `group` adjusts them (read at every
+  // run: set_lr applies to the next step). The kernel outlives its steppers.
+  virtual std::unique_ptr<stepper> make_stepper(std::vector<step_buffers> tensors, bool on_host, int host_threads,
+                                                const param_group_options& group) const = 0;
 };
 
 }  // namespace mpzero

@@ -41,7 +41,7 @@ class typed_step_kernel final : public step_kernel {
     opt_ = o;
   }
 
-  void validate() const override { (void)Optimizer::prepare(opt_, 1); }
+  void validate(const param_group_options& group = {}) const override { (void)Optimizer::prepare(adjusted(opt_, group), 1); }
   precision_spec precision() const noexcept override { return precision_spec_of<Policy>(); }
   int n_states() const noexcept override { return Optimizer::n_states; }
   std::string_view optimizer_name() const noexcept override { return optim::name_of<Optimizer>(opt_); }
@@ -69,8 +69,8 @@ class typed_step_kernel final : public step_kernel {
     }
   }
 
-  std::unique_ptr<stepper> make_stepper(std::vector<step_buffers> tensors, bool on_host,
-                                        int host_threads) const override {
+  std::unique_ptr<stepper> make_stepper(std::vector<step_buffers> tensors, bool on_host, int host_threads,
+                                        const param_group_options& group) const override {
     std::vector<step_tensor<Policy, Optimizer>> typed;
     typed.reserve(tensors.size());
     for (const step_buffers& b : tensors) typed.push_back(typed_tensor(b));
@@ -79,30 +79,40 @@ class typed_step_kernel final : public step_kernel {
         host_backend h;
         h.options.threads = host_threads;
         return std::make_unique<bound_stepper<host_backend::stepper<Policy, Optimizer>>>(
-            h.template make_stepper<Policy, Optimizer>(std::move(typed)), opt_);
+            h.template make_stepper<Policy, Optimizer>(std::move(typed)), opt_, group);
       } else {
         detail::throw_invalid("typed_step_kernel: this kernel makes no host steppers (HostSteps = false); pair it "
                               "with a host_backend kernel for ZeRO-Offload");
       }
     }
     return std::make_unique<bound_stepper<typename Backend::template stepper<Policy, Optimizer>>>(
-        backend_.template make_stepper<Policy, Optimizer>(std::move(typed)), opt_);
+        backend_.template make_stepper<Policy, Optimizer>(std::move(typed)), opt_, group);
   }
 
  private:
-  // A backend's stepper with the kernel's hyperparameters (read at every run: set_lr
-  // applies to the next step).
+  // The hyperparameters of a parameter group: every rule's options have lr and weight_decay.
+  static options_type adjusted(options_type o, const param_group_options& group) {
+    if (group == param_group_options{}) return o;
+    o.lr *= group.lr_scale;
+    if (group.weight_decay) o.weight_decay = *group.weight_decay;
+    return o;
+  }
+
+  // A backend's stepper with the kernel's hyperparameters as its group adjusts them
+  // (read at every run: set_lr applies to the next step).
   template <class S>
   class bound_stepper final : public stepper {
    public:
-    bound_stepper(S s, const options_type& opt) : s_(std::move(s)), opt_(opt) {}
+    bound_stepper(S s, const options_type& opt, const param_group_options& group)
+        : s_(std::move(s)), opt_(opt), group_(group) {}
     void run(const step_call& c) override {
-      s_.run(make_step_args<Optimizer>(opt_, c.step, c.grad_scale, c.seed));
+      s_.run(make_step_args<Optimizer>(adjusted(opt_, group_), c.step, c.grad_scale, c.seed));
     }
 
    private:
     S s_;
     const options_type& opt_;
+    param_group_options group_;
   };
 
   static step_tensor<Policy, Optimizer> typed_tensor(const step_buffers& b) {

@@ -183,7 +183,12 @@ class ZeroOptimizer {
   // The threading of the host step (offload: the offloaded step's, which copies the host
   // backend's; otherwise the host backend's).
   host::options host_options() const noexcept { return host::options{core_.host_threads()}; }
+  // The optimizer's hyperparameters; parameter groups (zero_options::param_groups) adjust
+  // them, so a new lr moves every group's in proportion.
   void set_options(const typename Optimizer::options& o) { kernel_.set_options(o); }
+  // Parameter groups (one when zero_options::param_groups is empty) and the lr of group g.
+  std::size_t num_groups() const noexcept { return core_.num_groups(); }
+  double lr(std::size_t group) const { return core_.lr(group); }
   // Flat element index of parameter i's first element.
   std::uint64_t flat_offset(std::size_t i) const { return core_.flat_offset(i); }
 

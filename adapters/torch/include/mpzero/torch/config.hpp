@@ -108,6 +108,28 @@ struct autocast_config {
   bool lower_precision_safe_modules_given = false;
 };
 
+// A parameter group (torch's param_groups, which DeepSpeed takes from the client's
+// optimizer): the trainable parameters whose names (as model->named_parameters() gives
+// them) match one of `patterns`, trained with their own lr and weight decay. The first
+// group with a match takes a parameter; those no group matches form the default group,
+// with the optimizer's hyperparameters. Given in code (config::param_groups) or as the
+// top-level "param_groups" key (an mpzero extension).
+struct param_group {
+  std::string name;                   // names the group in messages, engine.get_lr(name) and checkpoints
+  std::vector<std::string> patterns;  // ECMAScript regular expressions, searched anywhere in the name
+  // The group's lr where the schedule gives optimizer.params.lr: every schedule moves it
+  // in proportion. Absent: the optimizer's lr.
+  std::optional<double> lr;
+  std::optional<double> weight_decay;  // absent: the optimizer's
+  friend bool operator==(const param_group&, const param_group&) = default;
+};
+
+// Throws config_error naming the group and the fix for a group without a name or a
+// pattern, two groups of one name (or one named "default", the ungrouped parameters'),
+// a pattern that is not a regular expression, or an lr or weight_decay that is negative
+// or not finite. parse_config and initialize call it.
+void check_param_groups(const std::vector<param_group>& groups);
+
 // The whole configuration after parsing, defaulting and validation.
 struct config {
   // One line each for what the config spells in a way DeepSpeed has deprecated and still
@@ -149,6 +171,8 @@ struct config {
   // "data_types.grad_accum_dtype" (DeepSpeed's key): the dtype gradients are accumulated
   // in; unset means the model's dtype, as in DeepSpeed. mpzero honours it at every stage.
   std::optional<dtype> grad_accum_dtype;
+  // Parameter groups, in order of precedence (param_group).
+  std::vector<param_group> param_groups;
 
   // The storage dtypes the configuration selects (DeepSpeed's rules; see config.cpp).
   dtype param_dtype() const;

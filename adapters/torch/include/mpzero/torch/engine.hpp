@@ -152,7 +152,10 @@ class engine_base {
   std::uint64_t global_steps() const;  // optimizer steps taken (skipped overflow steps included, as in DeepSpeed)
   std::uint64_t micro_steps() const;
   std::uint64_t skipped_steps() const;
-  double get_lr() const;      // the learning rate the next step will use
+  double get_lr() const;      // the learning rate the next step will use (the "default" group's)
+  // The learning rate parameter group `group` (a config::param_groups name, or "default"
+  // for the parameters no group takes) will use in the next step.
+  double get_lr(const std::string& group) const;
   // The (beta1, beta2) the next step will use (OneCycle cycles them); nullopt for SGD.
   std::optional<std::pair<double, double>> get_mom() const;
   double loss_scale() const;  // the loss scale (1 without loss scaling)
