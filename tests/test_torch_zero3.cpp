@@ -165,6 +165,62 @@ TEST_CASE("zero3: the engine at stage 3 trains bit for bit as at stage 2", "[tor
   if (W() == 1) CHECK(m3.params >= m2.params);
 }
 
+TEST_CASE("zero3: with torch_autocast, Linear weights are gathered in the autocast dtype and train bit for bit as "
+          "at stage 2", "[torch][zero3]") {
+  const bool units = GENERATE(false, true);
+  INFO((units ? "gathered_forward blocks" : "no gathered_forward") << ", world " << W());
+  const auto make_ac = [&](int stage) {
+    json cfg = config(stage, "fp32", 32);
+    cfg["torch_autocast"] = {{"enabled", true}, {"dtype", "bfloat16"}};
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = true;
+    return mt::initialize(Stack(1234, units), cfg, world());
+  };
+  auto z2 = make_ac(2);
+  auto z3 = make_ac(3);
+  auto& m3 = z3.module();
+  // While gathered for the forward, the Linear weights are bf16 (as autocast would cast
+  // them); between steps the empty parameters keep the model's dtype.
+  std::size_t seen = 0;
+  bool in_z3 = false;
+  probe = [&](const char* where) {
+    if (!in_z3 || std::string(where) != "blocks done") return;
+    CHECK(m3->out->weight.scalar_type() == torch::kBFloat16);  // gathered, or waiting for its operation
+    CHECK(m3->out->bias.scalar_type() == torch::kFloat);         // persistent: whole, in fp32
+    ++seen;
+  };
+  for (int k = 0; k < 4; ++k) {
+    const float l2 = micro_step(z2, k);
+    in_z3 = true;
+    const float l3 = micro_step(z3, k);
+    in_z3 = false;
+    INFO("micro-step " << k);
+    REQUIRE(l2 == l3);
+    CHECK(m3->out->weight.numel() == 0);
+    CHECK(m3->out->weight.scalar_type() == torch::kFloat);
+  }
+  probe = nullptr;
+  CHECK(seen == 4);
+  require_equal(whole_params(z2), whole_params(z3), "master weights after 4 micro-steps");
+  // A save gathers in the model's dtype: the fp32 weights, not their bf16 rounding.
+  shared_dir dir;
+  z3.save_16bit_model(dir.path.string());
+  const auto want = whole_params(z2);  // collective
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (R() == 0) {
+    std::ifstream in(dir.path / "pytorch_model.bin", std::ios::binary);
+    const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto saved = torch::jit::pickle_load(bytes).toGenericDict();
+    const auto names = z2.parameter_names();
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      INFO(names[i]);
+      const Tensor t = saved.at(names[i]).toTensor();
+      REQUIRE(t.scalar_type() == torch::kFloat);
+      REQUIRE(torch::equal(t.reshape(-1), want[i].reshape(-1)));
+    }
+  }
+  for (int k = 4; k < 6; ++k) REQUIRE(micro_step(z2, k) == micro_step(z3, k));
+}
+
 TEST_CASE("zero3: gathered_forward holds a block's parameters only around its forward and its backward",
           "[torch][zero3]") {
   const std::string prec = GENERATE(std::string("fp32"), std::string("bf16"));

@@ -381,6 +381,69 @@ TEST_CASE("ZeRO parameter groups: a wrong group list or hyperparameter is refuse
   }
 }
 
+TEST_CASE("ZeRO-3: gather_dtypes gathers chosen parameters in bf16, a save's gather reads fp32", "[zero]") {
+  auto& c = world();
+  const scenario base = uneven();
+  zero_options zo = base.zo;
+  const std::size_t n = base.numels.size();
+  for (std::size_t i = 0; i < n; ++i) zo.gather_dtypes.push_back(i % 2 == 0 ? dtype::bf16 : dtype::fp32);
+  ZeroOptimizer<policies::fp32, optim::adamw, stage<3>, comm::mpi_communicator> z(c, base.numels, adamw_opts(), zo);
+  ZeroOptimizer<policies::fp32, optim::adamw, stage<3>, comm::mpi_communicator> plain(c, base.numels, adamw_opts(),
+                                                                                      base.zo);
+  for (auto* o : {&z, &plain}) {
+    for (std::size_t p = 0; p < n; ++p) {
+      std::vector<float> v(base.numels[p]);
+      for (std::uint64_t e = 0; e < v.size(); ++e) v[e] = init_value(p, e) * 1.0009765625f;  // not exact in bf16
+      o->load_param(p, v.data());
+    }
+  }
+  // bf16 from fp32 by the format's definition: round to nearest, ties to even.
+  const auto bf16_bits = [](float x) {
+    const std::uint32_t u = std::bit_cast<std::uint32_t>(x);
+    return static_cast<std::uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  };
+  z.gather(0, n, true);
+  std::vector<std::vector<float>> stored(n);
+  for (std::size_t p = 0; p < n; ++p) {
+    const auto v = z.param(p);
+    stored[p].assign(v.begin(), v.end());
+  }
+  z.release(0, n);
+  plain.gather(0, n);
+  const std::uint64_t plain_bytes = plain.memory().buckets;
+  plain.release(0, n);
+  z.gather(0, n);
+  if (c.size() > 1) CHECK(z.memory().buckets < plain_bytes);
+  std::size_t checked = 0;
+  for (std::size_t p = 0; p < n; ++p) {
+    INFO("parameter " << p << ", rank " << c.rank() << " of " << c.size());
+    const dtype want = z.is_persistent(p) || base.numels[p] == 0 ? dtype::fp32 : zo.gather_dtypes[p];
+    REQUIRE(z.core().param_dtype(p) == want);
+    if (want == dtype::fp32) {
+      const float* got = static_cast<const float*>(z.core().param(p));
+      for (std::uint64_t e = 0; e < base.numels[p]; ++e) REQUIRE(got[e] == stored[p][e]);
+      continue;
+    }
+    REQUIRE_THROWS_WITH(z.param(p), Catch::Contains("is gathered in bf16 (zero_options::gather_dtypes)"));
+    const auto* got = static_cast<const std::uint16_t*>(z.core().param(p));
+    for (std::uint64_t e = 0; e < base.numels[p]; ++e, ++checked) REQUIRE(got[e] == bf16_bits(stored[p][e]));
+  }
+  CHECK(checked == 1000 + 70001 + 25000);
+  // One group, one way at a time.
+  REQUIRE_THROWS_WITH(z.gather(0, n, true), Catch::Contains("gathered in zero_options::gather_dtypes; release() it"));
+  z.release(0, n);
+  // A wrong list is refused.
+  zero_options bad = base.zo;
+  bad.gather_dtypes.assign(n - 1, dtype::bf16);
+  REQUIRE_THROWS_WITH((ZeroOptimizer<policies::fp32, optim::adamw, stage<3>, comm::mpi_communicator>(
+                          c, base.numels, adamw_opts(), bad)),
+                      Catch::Contains("gather_dtypes has 9 entries for 10 parameters"));
+  bad.gather_dtypes.assign(n, dtype::fp16);
+  REQUIRE_THROWS_WITH((ZeroOptimizer<policies::bf16_fp32_master, optim::adamw, stage<3>, comm::mpi_communicator>(
+                          c, base.numels, adamw_opts(), bad)),
+                      Catch::Contains("gather_dtypes[0] = fp16 would round bf16 parameters"));
+}
+
 TEST_CASE("ZeRO: accumulation over several backward passes per step, a shared weight, a missing gradient", "[zero]") {
   scenario sc = uneven();
   sc.passes = 3;

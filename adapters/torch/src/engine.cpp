@@ -281,6 +281,11 @@ class zero3_gatherer {
   // nothing (unbind: partitioned; an armed one keeps its shape over a storage without data).
   void bind(std::size_t i);
   void unbind(std::size_t i);
+  // The dtype parameter i is gathered in for forward and backward (the autocast dtype for
+  // the lower_precision_safe_modules' at ZeRO-3, zero_options::gather_dtypes).
+  at::ScalarType gather_type(std::size_t i) const;
+  // While set (a save's gathers), parameters are gathered in the parameter dtype.
+  bool stored_dtype_ = false;
 
   // engine.forward's partitioned parameters outside every unit. Armed while a forward's
   // graph lives (one count per forward): each keeps its shape over a storage without
@@ -505,6 +510,9 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   // prepare()'s parts: each managed parameter's gradient reduction dtype (DeepSpeed's
   // get_comm_dtype), and what the ranks compare.
   std::vector<dtype> reduction_dtypes() const;
+  // Per managed parameter: whether it belongs to a lower_precision_safe_modules class
+  // (torch_autocast enabled; all false otherwise).
+  std::vector<bool> lower_precision_safe() const;
   // Matches the managed parameters' names to config::param_groups and sets the core's
   // groups (zero_options::param_groups and group_of); nothing without groups.
   void assign_param_groups(zero_options& zo);
@@ -669,6 +677,9 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   std::vector<std::string> names_;
   std::unordered_map<const c10::TensorImpl*, std::size_t> index_;
   std::vector<dtype> comm_dtypes_;  // per managed parameter: the dtype its gradient is reduced in
+  // ZeRO-3 with torch_autocast on an fp32 model: per managed parameter, the dtype it is
+  // gathered in (zero_options::gather_dtypes); empty otherwise.
+  std::vector<dtype> gather_dtypes_;
   // Parameter groups (config::param_groups): "default" (the parameters no group matches)
   // first, then the config's, with the core's hyperparameter adjustments; and each
   // managed parameter's group.
@@ -794,16 +805,30 @@ struct outside_listener final : use_listener {
   void before_use(const std::vector<c10::StorageImpl*>& storages) noexcept override;
 };
 
+at::ScalarType zero3_gatherer::gather_type(std::size_t i) const {
+  return e_.gather_dtypes_.empty() ? e_.param_type_ : scalar_type_of(e_.gather_dtypes_[i]);
+}
+
 void zero3_gatherer::bind(std::size_t i) {
   const unobserved own;
   void* data = e_.core_->param_data(i);
-  if (!storages_[i]) {
+  const at::ScalarType type = scalar_type_of(e_.core_->param_data_dtype(i));
+  const auto blob = [&] {
     // target_device: no driver lookup of the pointer (which fails on the null pointer of
     // an empty model's buffer).
-    e_.params_[i].set_data(at::for_blob(data, e_.shapes_[i])
-                            .options(::torch::TensorOptions().dtype(e_.param_type_).device(e_.device_))
-                            .target_device(e_.device_)
-                            .make_tensor());
+    return at::for_blob(data, e_.shapes_[i])
+        .options(::torch::TensorOptions().dtype(type).device(e_.device_))
+        .target_device(e_.device_)
+        .make_tensor();
+  };
+  if (type != gather_type(i)) {
+    // A save's gather in the parameter dtype: a tensor of its own, so that the storage
+    // forward's saved views share keeps the gather dtype.
+    e_.params_[i].set_data(blob());
+    return;
+  }
+  if (!storages_[i]) {
+    e_.params_[i].set_data(blob());
     storages_[i] = e_.params_[i].storage();
     return;
   }
@@ -811,15 +836,15 @@ void zero3_gatherer::bind(std::size_t i) {
   // so that views of it that forward saved for backward (Linear saves weight.t()) read
   // the copy backward gathers, not the one released after forward.
   storages_[i].set_data_ptr_noswap(c10::DataPtr(data, e_.device_));
-  storages_[i].set_nbytes(static_cast<std::size_t>(c10::multiply_integers(e_.shapes_[i])) * c10::elementSize(e_.param_type_));
+  storages_[i].set_nbytes(static_cast<std::size_t>(c10::multiply_integers(e_.shapes_[i])) * c10::elementSize(type));
   // Armed, it is a view of the storage already (an operation that reads it is on its way).
   if (e_.params_[i].unsafeGetTensorImpl()->has_storage() &&
       e_.params_[i].storage().unsafeGetStorageImpl() == storages_[i].unsafeGetStorageImpl() &&
-      e_.params_[i].sizes() == c10::IntArrayRef(e_.shapes_[i])) {
+      e_.params_[i].sizes() == c10::IntArrayRef(e_.shapes_[i]) && e_.params_[i].scalar_type() == type) {
     return;
   }
   e_.params_[i].set_data(
-      ::torch::empty({0}, ::torch::TensorOptions().dtype(e_.param_type_).device(e_.device_)).set_(storages_[i], 0, e_.shapes_[i]));
+      ::torch::empty({0}, ::torch::TensorOptions().dtype(type).device(e_.device_)).set_(storages_[i], 0, e_.shapes_[i]));
 }
 
 void zero3_gatherer::unbind(std::size_t i) {
@@ -859,7 +884,7 @@ void zero3_gatherer::hold(const std::vector<std::size_t>& idx) {
     for (std::size_t i : fetched) {
       const auto group = group_of_[i];
       if (prefetched_.erase(group) > 0) {  // the first of its parameters: wait for it
-        e_.core_->gather(group.first, group.second);
+        e_.core_->gather(group.first, group.second, stored_dtype_);
         live_groups_[group] = 0;
         ++prefetch_hits_;
       }
@@ -867,7 +892,7 @@ void zero3_gatherer::hold(const std::vector<std::size_t>& idx) {
     }
     std::size_t k = 0;
     for (const auto& group : runs_of(fresh)) {
-      e_.core_->gather(group.first, group.second);
+      e_.core_->gather(group.first, group.second, stored_dtype_);
       live_groups_[group] = 0;
       for (; k < fresh.size() && fresh[k] < group.second; ++k) bind_in(fresh[k], group);
     }
@@ -1008,7 +1033,7 @@ void zero3_gatherer::arm_outside(const std::vector<std::size_t>& idx) {
     auto* fp = frozen ? &e_.frozen_shards_.parts_[i - e_.params_.size()] : nullptr;
     c10::Storage& storage = frozen ? fp->storage : storages_[i];
     const c10::Device device = frozen ? fp->slice.device() : e_.device_;
-    const at::ScalarType type = frozen ? fp->slice.scalar_type() : e_.param_type_;
+    const at::ScalarType type = frozen ? fp->slice.scalar_type() : gather_type(i);
     if (!storage) {  // a storage of its own, kept across gathers as bind() keeps it
       storage = c10::Storage(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, device), /*allocator=*/nullptr,
                              /*resizable=*/false);
@@ -1274,6 +1299,16 @@ std::pair<std::string, std::string> engine_state::prepare() {
   comm_dtypes_ = reduction_dtypes();
   core_plan planned = plan_core(cfg_, device, comm_dtypes_);
   assign_param_groups(planned.zo);
+  // DeepSpeed's ZeRO-3 all-gathers the lower_precision_safe_modules' parameters in the
+  // autocast dtype: an fp32 model's gathers of them move half the bytes, and autocast
+  // would round those weights to it anyway.
+  if (cfg_.zero.stage == 3 && cfg_.torch_autocast.enabled && cfg_.param_dtype() == dtype::fp32) {
+    const std::vector<bool> safe = lower_precision_safe();
+    gather_dtypes_.assign(params_.size(), dtype::fp32);
+    for (std::size_t i = 0; i < safe.size(); ++i)
+      if (safe[i]) gather_dtypes_[i] = cfg_.torch_autocast.dtype_;
+    planned.zo.gather_dtypes = gather_dtypes_;
+  }
   const core_spec& spec = planned.spec;
   const zero_options& zo = planned.zo;
 
@@ -1351,6 +1386,14 @@ std::vector<dtype> engine_state::reduction_dtypes() const {
   // time, so no instantiation is added for it; all in the gradient dtype is the
   // core's default path (no list).
   std::vector<dtype> out(params_.size(), cfg_.comm_dtype());
+  const std::vector<bool> safe = lower_precision_safe();
+  for (std::size_t i = 0; i < out.size(); ++i)
+    if (safe[i]) out[i] = cfg_.torch_autocast.dtype_;
+  return out;
+}
+
+std::vector<bool> engine_state::lower_precision_safe() const {
+  std::vector<bool> out(params_.size(), false);
   if (cfg_.torch_autocast.enabled) {
     const auto& entries = cfg_.torch_autocast.lower_precision_safe_modules;
     std::vector<bool> matched(entries.size(), false);
@@ -1362,7 +1405,7 @@ std::vector<dtype> engine_state::reduction_dtypes() const {
       if (!safe) continue;
       for (const auto& p : m->parameters(/*recurse=*/false)) {
         auto it = index_.find(p.unsafeGetTensorImpl());
-        if (it != index_.end()) out[it->second] = cfg_.torch_autocast.dtype_;
+        if (it != index_.end()) out[it->second] = true;
       }
     }
     // A class the user named that the model lacks is a typo or a module of another
@@ -1960,8 +2003,13 @@ at::Tensor engine_checkpoints::fetch(const at::Tensor& placeholder) {
   const bool writer = e_.comm_.rank() == 0;
   const auto copy = [&] { return src.tensor.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true); };
   if (src.gathered < 0) return writer ? copy() : at::Tensor();
-  // ZeRO-3: gathered for this tensor only (collective), then released.
+  // ZeRO-3: gathered for this tensor only (collective), in the parameter dtype, then released.
   const std::vector<std::size_t> one{static_cast<std::size_t>(src.gathered)};
+  const struct stored_dtype {
+    bool& flag;
+    explicit stored_dtype(bool& f) : flag(f) { flag = true; }
+    ~stored_dtype() { flag = false; }
+  } stored(e_.z3_.stored_dtype_);
   e_.z3_.hold(one);
   at::Tensor values;
   try {

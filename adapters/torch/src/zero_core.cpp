@@ -94,14 +94,15 @@ zero_core::~zero_core() {
 }
 
 void* zero_core::param_data(std::size_t i) { return z_->param(i); }
+dtype zero_core::param_data_dtype(std::size_t i) const { return z_->param_dtype(i); }
 bool zero_core::partitioned(std::size_t i) const { return z_->partitioned(i); }
-void zero_core::gather(std::size_t first, std::size_t end) {
+void zero_core::gather(std::size_t first, std::size_t end, bool in_param_dtype) {
   scope s(*ctx_);
-  z_->gather(first, end);
+  z_->gather(first, end, in_param_dtype);
 }
-void zero_core::prefetch(std::size_t first, std::size_t end) {
+void zero_core::prefetch(std::size_t first, std::size_t end, bool in_param_dtype) {
   scope s(*ctx_);
-  z_->prefetch(first, end);
+  z_->prefetch(first, end, in_param_dtype);
 }
 void zero_core::release(std::size_t first, std::size_t end) {
   scope s(*ctx_);

@@ -120,6 +120,14 @@ class zero_core {
     return g;
   }
 
+  // The dtype of param(i)'s elements: a gathered ZeRO-3 parameter's gather dtype
+  // (zero_options::gather_dtypes), else the parameter dtype.
+  dtype param_dtype(std::size_t i) const {
+    const std::size_t sl = s_.slot(i);
+    if (!partitioned(i) || groups_.gathered(sl) == nullptr) return s_.param_t();
+    return groups_.gathered_type(sl);
+  }
+
   void load_param(std::size_t i, const void* values, dtype t) {
     groups_.require_none("load_param");
     const std::size_t sl = s_.slot(i);
@@ -285,8 +293,12 @@ class zero_core {
   }
 
   // ---- ZeRO-3 parameter gathering -----------------------------------------------
-  void prefetch(std::size_t first, std::size_t end) { groups_.prefetch(first, end); }
-  void gather(std::size_t first, std::size_t end) { groups_.gather(first, end); }
+  void prefetch(std::size_t first, std::size_t end, bool in_param_dtype = false) {
+    groups_.prefetch(first, end, in_param_dtype);
+  }
+  void gather(std::size_t first, std::size_t end, bool in_param_dtype = false) {
+    groups_.gather(first, end, in_param_dtype);
+  }
   void release(std::size_t first, std::size_t end) { groups_.release(first, end); }
 
   // ---- inspection -----------------------------------------------------------------
@@ -646,7 +658,7 @@ class zero_core {
   std::unique_ptr<step_kernel> kernel_;  // outlives its steppers (declared before them)
   detail::core_state s_;
   detail::grad_reducer reducer_;
-  detail::param_groups groups_;  // stage 3's gathers
+  detail::gather_groups groups_;  // stage 3's gathers
   detail::core_checkpoint io_;
   std::optional<loss_scaler> scaler_;
   std::uint64_t steps_ = 0;

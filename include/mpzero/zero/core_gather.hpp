@@ -16,17 +16,17 @@
 
 namespace mpzero::detail {
 
-class param_groups {
+class gather_groups {
  public:
-  explicit param_groups(core_state& s) : s_(s) {}
-  param_groups(const param_groups&) = delete;
-  param_groups& operator=(const param_groups&) = delete;
+  explicit gather_groups(core_state& s) : s_(s) {}
+  gather_groups(const gather_groups&) = delete;
+  gather_groups& operator=(const gather_groups&) = delete;
   // Gathers prefetched and never gathered write into buffers freed here.
-  ~param_groups() {
+  ~gather_groups() {
     for (auto& [key, g] : groups_) {
-      if (g.request) {
+      for (auto& r : g.requests) {
         try {
-          g.request->wait();
+          r.wait();
         } catch (...) {  // timed out or failed: nothing runs on
         }
       }
@@ -35,13 +35,17 @@ class param_groups {
 
   // After the layout: one pointer per slot, none gathered.
   void init() {
-    if (s_.stage() == 3) gathered_.assign(s_.layout.num_params(), nullptr);
+    if (s_.stage() != 3) return;
+    gathered_.assign(s_.layout.num_params(), nullptr);
+    gathered_type_.assign(s_.layout.num_params(), s_.param_t());
   }
-  // Slot sl's gathered copy, or null.
+  // Slot sl's gathered copy, or null, and the dtype it holds.
   void* gathered(std::size_t sl) const { return gathered_[sl]; }
+  dtype gathered_type(std::size_t sl) const { return gathered_type_[sl]; }
   std::uint64_t bytes() const {
     std::uint64_t b = 0;
-    for (const auto& [k, g] : groups_) b += g.data.bytes();
+    for (const auto& [k, g] : groups_)
+      for (const run& r : g.runs) b += r.data.bytes() + r.send.bytes();
     return b;
   }
 
@@ -58,11 +62,21 @@ class param_groups {
                   "copy would keep the old values");
   }
 
-  void prefetch(std::size_t first, std::size_t end) {
+  // in_param_dtype: every parameter in the parameter dtype, whatever
+  // zero_options::gather_dtypes says (what a save reads).
+  void prefetch(std::size_t first, std::size_t end, bool in_param_dtype = false) {
     require_stage3("prefetch");
     const auto key = std::make_pair(first, end);
-    if (groups_.count(key)) return;
-    const flat_range r = gather_range(first, end);
+    if (const auto it = groups_.find(key); it != groups_.end()) {
+      if (it->second.in_param_dtype != in_param_dtype && !s_.zo.gather_dtypes.empty()) {
+        throw_invalid("ZeroOptimizer::gather/prefetch(" + std::to_string(first) + ", " + std::to_string(end) +
+                      "): the group is gathered in " +
+                      (it->second.in_param_dtype ? "the parameter dtype" : "zero_options::gather_dtypes") +
+                      "; release() it before gathering it the other way");
+      }
+      return;
+    }
+    (void)gather_range(first, end);  // checks the range
     // A partitioned parameter belongs to one gathered group at a time: its param() points
     // into that group's copy, and releasing either of two groups would drop the other's
     // pointer. (Persistent and empty parameters are never gathered: ranges may share them.)
@@ -77,35 +91,53 @@ class param_groups {
       }
     }
     gathered_group g;
-    g.range = r;
-    // One rank holds every element: its partition is the gathered parameters (no copy).
-    if (!r.empty() && s_.world > 1) {
-      g.data = s_.be.allocate(s_.param_t(), r.size());
-      const std::vector<std::uint64_t> counts = s_.layout.rank_counts(r);
-      const flat_range own = intersect(r, s_.shard);
-      const void* in = s_.params.at(own.empty() ? 0 : own.begin - s_.shard.begin);
+    g.in_param_dtype = in_param_dtype;
+    g.runs = plan_runs(first, end, in_param_dtype);
+    for (run& x : g.runs) {
+      const flat_range own = intersect(x.range, s_.shard);
+      const void* mine = s_.params.at(own.empty() ? 0 : own.begin - s_.shard.begin);
+      if (s_.world == 1) {
+        // One rank holds every element: its partition is the gathered parameters (no
+        // copy), or their conversion to the gather dtype.
+        if (x.type != s_.param_t()) {
+          x.data = s_.be.allocate(x.type, x.range.size());
+          s_.be.convert(x.data.data(), x.type, mine, s_.param_t(), x.range.size());
+        }
+        continue;
+      }
+      x.data = s_.be.allocate(x.type, x.range.size());
+      const void* in = mine;
+      if (x.type != s_.param_t() && !own.empty()) {
+        x.send = s_.be.allocate(x.type, own.size());
+        s_.be.convert(x.send.data(), x.type, mine, s_.param_t(), own.size());
+        in = x.send.data();
+      }
+      const std::vector<std::uint64_t> counts = s_.layout.rank_counts(x.range);
       s_.be.before_comm(s_.comm);
-      g.request.emplace(s_.comm.base().iall_gather_v(in, counts[static_cast<std::size_t>(s_.rank)], g.data.data(),
-                                                     counts, wire_of(s_.param_t())));
+      g.requests.emplace_back(s_.comm.base().iall_gather_v(in, counts[static_cast<std::size_t>(s_.rank)], x.data.data(),
+                                                        counts, wire_of(x.type)));
     }
     groups_.emplace(key, std::move(g));
   }
 
-  void gather(std::size_t first, std::size_t end) {
+  void gather(std::size_t first, std::size_t end, bool in_param_dtype = false) {
     require_stage3("gather");
-    prefetch(first, end);
+    prefetch(first, end, in_param_dtype);
     const auto it = groups_.find(std::make_pair(first, end));
     gathered_group& g = it->second;
-    if (g.request) {
+    if (!g.requests.empty()) {
       wait_or_abandon(it);
-      g.request.reset();
+      g.requests.clear();
+      for (run& x : g.runs) x.send.reset();
     }
     for (std::size_t i = first; i < end; ++i) {
       const std::size_t sl = s_.slot(i);
-      const std::uint64_t off = s_.layout.offset(sl);
-      if (off < s_.persistent_begin) {
-        gathered_[sl] = s_.world > 1 ? g.data.at(off - g.range.begin) : s_.params.at(off - s_.shard.begin);
-      }
+      const flat_range p = s_.layout.param_range(sl);
+      if (p.begin >= s_.persistent_begin || p.empty()) continue;
+      const auto x = std::find_if(g.runs.begin(), g.runs.end(),
+                                  [&](const run& r) { return r.range.begin <= p.begin && p.end <= r.range.end; });
+      gathered_type_[sl] = x->type;
+      gathered_[sl] = x->data.allocated() ? x->data.at(p.begin - x->range.begin) : s_.params.at(p.begin - s_.shard.begin);
     }
   }
 
@@ -116,23 +148,54 @@ class param_groups {
       throw_invalid("ZeroOptimizer::release(" + std::to_string(first) + ", " + std::to_string(end) +
                     "): that group is not gathered; release exactly the ranges you gathered");
     }
-    if (it->second.request) wait_or_abandon(it);
+    if (!it->second.requests.empty()) wait_or_abandon(it);
     unbind_group(first, end);
     groups_.erase(it);
   }
 
  private:
-  struct gathered_group {
+  // A part of a group gathered in one dtype by one all-gather: its flat range, the
+  // gathered copy (absent at world size 1 in the parameter dtype: the partition is it)
+  // and this rank's block converted to the gather dtype (while the all-gather runs).
+  struct run {
     flat_range range;
-    raw_buffer data;
-    std::optional<comm::any_request> request;
+    dtype type;
+    raw_buffer data, send;
+  };
+  struct gathered_group {
+    bool in_param_dtype = false;
+    std::vector<run> runs;
+    std::vector<comm::any_request> requests;
   };
   using group_map = std::map<std::pair<std::size_t, std::size_t>, gathered_group>;
 
-  // Waits for a group's all-gather; if that throws, forgets the group (see release()).
+  // The partitioned parameters of [first, end) in flat order, in runs of one gather
+  // dtype (a run takes the padding up to its next parameter).
+  std::vector<run> plan_runs(std::size_t first, std::size_t end, bool in_param_dtype) const {
+    std::vector<std::pair<flat_range, dtype>> params;
+    for (std::size_t i = first; i < end; ++i) {
+      const flat_range p = s_.layout.param_range(s_.slot(i));
+      if (p.begin >= s_.persistent_begin || p.empty()) continue;
+      const dtype d = in_param_dtype || s_.zo.gather_dtypes.empty() ? s_.param_t() : s_.zo.gather_dtypes[i];
+      params.emplace_back(p, d);
+    }
+    std::sort(params.begin(), params.end(),
+              [](const auto& a, const auto& b) { return a.first.begin < b.first.begin; });
+    std::vector<run> runs;
+    for (const auto& [p, d] : params) {
+      if (!runs.empty() && runs.back().type == d) {
+        runs.back().range.end = p.end;
+      } else {
+        runs.push_back(run{p, d, {}, {}});
+      }
+    }
+    return runs;
+  }
+
+  // Waits for a group's all-gathers; if one throws, forgets the group (see release()).
   void wait_or_abandon(group_map::iterator it) {
     try {
-      it->second.request->wait();
+      for (auto& r : it->second.requests) r.wait();
     } catch (...) {
       unbind_group(it->first.first, it->first.second);
       abandoned_groups_.push_back(std::move(it->second));
@@ -147,6 +210,7 @@ class param_groups {
     }
   }
 
+  // Checks [first, end); returns the flat range its partitioned parameters span.
   flat_range gather_range(std::size_t first, std::size_t end) const {
     if (first > end || end > s_.num_params()) {
       throw_invalid("ZeroOptimizer::gather(" + std::to_string(first) + ", " + std::to_string(end) +
@@ -172,6 +236,7 @@ class param_groups {
 
   core_state& s_;
   std::vector<void*> gathered_;
+  std::vector<dtype> gathered_type_;
   group_map groups_;
   std::vector<gathered_group> abandoned_groups_;  // whose all-gather failed (see release())
 };

@@ -41,6 +41,8 @@ inline std::pair<std::string, std::string> core_identity(const core_state& s, st
         std::to_string(zo.check_overflow) + std::to_string(zo.average_gradients) + ", wire " +
         std::to_string(static_cast<int>(s.spec.wire));
   for (const dtype d : zo.wire_dtypes) id += " " + std::to_string(static_cast<int>(d));
+  id += "\ngather";
+  for (const dtype d : zo.gather_dtypes) id += " " + std::to_string(static_cast<int>(d));
   id += "\ngroups";
   for (const param_group_options& g : zo.param_groups)
     id += " " + format_double(g.lr_scale) + "/" + (g.weight_decay ? format_double(*g.weight_decay) : "-");
@@ -108,6 +110,30 @@ inline void plan_wire_runs(core_state& s, const std::vector<std::size_t>& order)
   for (const wire_run& x : runs) {
     std::uint64_t& l = s.longest_run[static_cast<std::size_t>(x.wire)];
     l = std::max(l, x.range.size());
+  }
+}
+
+// Validates zero_options::gather_dtypes: one storage dtype per parameter that does not
+// mix bf16 and fp16 with the parameter dtype.
+inline void check_gather_dtypes(const core_state& s, std::size_t n) {
+  const std::vector<dtype>& gd = s.zo.gather_dtypes;
+  if (gd.empty()) return;
+  if (gd.size() != n) {
+    throw_invalid("ZeroOptimizer: zero_options::gather_dtypes has " + std::to_string(gd.size()) + " entries for " +
+                  std::to_string(n) + " parameters; give one mpzero::dtype per parameter, in the order of numels, "
+                  "or leave it empty (every parameter gathered in " + std::string(name_of(s.param_t())) + ")");
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    if (gd[i] != dtype::fp32 && gd[i] != dtype::bf16 && gd[i] != dtype::fp16) {
+      throw_invalid("ZeroOptimizer: zero_options::gather_dtypes[" + std::to_string(i) + "] = " +
+                    std::to_string(static_cast<int>(gd[i])) +
+                    " is not a dtype; use mpzero::dtype::fp32, dtype::bf16 or dtype::fp16");
+    }
+    if (mixes_16bit(gd[i], s.param_t())) {
+      throw_invalid("ZeroOptimizer: zero_options::gather_dtypes[" + std::to_string(i) + "] = " +
+                    std::string(name_of(gd[i])) + " would round " + std::string(name_of(s.param_t())) +
+                    " parameters to the other 16-bit format; use " + std::string(name_of(s.param_t())) + " or fp32");
+    }
   }
 }
 
@@ -185,6 +211,7 @@ inline std::size_t build_layout(core_state& s, std::span<const std::uint64_t> nu
   if (s.stage() < 3 || s.persistent_begin == s.layout.total_numel()) s.persistent_begin = s.layout.padded_numel();
   s.shard = s.stage() == 0 ? flat_range{0, s.layout.padded_numel()} : s.layout.partition(s.rank);
   plan_wire_runs(s, order);
+  check_gather_dtypes(s, order.size());
   plan_group_runs(s, order);
   return n_large;
 }

@@ -54,6 +54,12 @@ struct zero_options {
   // and the group of each parameter, one entry per parameter in the caller's order
   // (empty: every parameter in group 0). Gradient clipping and the overflow check see
   // every group at once; the update applies each group's hyperparameters.
+  // ZeRO-3: the dtype each partitioned parameter is all-gathered in, one entry per
+  // parameter in the caller's order (DeepSpeed's torch_autocast gathers the
+  // lower_precision_safe_modules' parameters in the autocast dtype, halving the bytes of
+  // an fp32 model's gathers). Empty: the parameter dtype. gather(..., in_param_dtype)
+  // overrides it (a save reads the parameters as they are stored).
+  std::vector<dtype> gather_dtypes{};
   std::vector<param_group_options> param_groups{};
   std::vector<std::uint32_t> group_of{};
 };

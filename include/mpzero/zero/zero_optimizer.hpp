@@ -103,7 +103,14 @@ class ZeroOptimizer {
   // (or persistent); a gathered parameter is read-only (a copy whose writes are lost,
   // or at world size 1 the partition itself).
   std::span<param_type> param(std::size_t i) {
-    return {static_cast<param_type*>(core_.param(i)), static_cast<std::size_t>(core_.numel(i))};
+    void* p = core_.param(i);
+    if (core_.param_dtype(i) != dtype_of_v<param_type>) {
+      detail::throw_invalid("ZeroOptimizer::param(" + std::to_string(i) + "): the parameter is gathered in " +
+                            std::string(name_of(core_.param_dtype(i))) +
+                            " (zero_options::gather_dtypes); read it through core().param(i) and "
+                            "core().param_dtype(i), or gather its group with in_param_dtype = true");
+    }
+    return {static_cast<param_type*>(p), static_cast<std::size_t>(core_.numel(i))};
   }
 
   // Sets a parameter's value (and its master copy) from `values` (host memory for
@@ -158,8 +165,13 @@ class ZeroOptimizer {
   // ---- ZeRO-3 parameter gathering -----------------------------------------------
   // Makes parameters [first, end) available through param(). prefetch() starts the
   // gather without waiting; gather() waits for it (or does it). Collective.
-  void prefetch(std::size_t first, std::size_t end) requires(zero_stage == 3) { core_.prefetch(first, end); }
-  void gather(std::size_t first, std::size_t end) requires(zero_stage == 3) { core_.gather(first, end); }
+  // in_param_dtype: in param_type whatever zero_options::gather_dtypes says.
+  void prefetch(std::size_t first, std::size_t end, bool in_param_dtype = false) requires(zero_stage == 3) {
+    core_.prefetch(first, end, in_param_dtype);
+  }
+  void gather(std::size_t first, std::size_t end, bool in_param_dtype = false) requires(zero_stage == 3) {
+    core_.gather(first, end, in_param_dtype);
+  }
 
   // Frees the gathered copy of [first, end) (after its all-gather, if prefetched).
   //

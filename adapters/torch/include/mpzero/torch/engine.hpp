@@ -61,7 +61,10 @@
 // Gradient reduction dtypes: with torch_autocast enabled, the parameters of the
 // lower_precision_safe_modules (matched by exact class, as DeepSpeed) are reduced in the
 // autocast dtype, the others in communication_data_type, else in their own dtype; the
-// core takes them as zero_options::wire_dtypes (comm_dtype(param) reports each).
+// core takes them as zero_options::wire_dtypes (comm_dtype(param) reports each). At
+// ZeRO-3 an fp32 model's lower_precision_safe_modules parameters are also gathered in
+// the autocast dtype (zero_options::gather_dtypes), as DeepSpeed gathers them; saves
+// gather in the model's dtype.
 //
 // ZeRO-3 (zero_optimization.stage = 3): parameters above
 // stage3_param_persistence_threshold exist only as shards; between steps their tensors

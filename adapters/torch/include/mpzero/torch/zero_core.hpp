@@ -87,13 +87,17 @@ class zero_core {
   // updates in place. Stage 3: a partitioned parameter's only while its group is
   // gathered (the pointer changes with every gather); mpzero::error otherwise.
   void* param_data(std::size_t i);
+  // The dtype of param_data(i)'s elements: a gathered ZeRO-3 parameter's gather dtype
+  // (zero_options::gather_dtypes; torch_autocast's), else spec().param.
+  dtype param_data_dtype(std::size_t i) const;
   // ZeRO-3: whether parameter i exists only as shards (stage 3, above the persistence
   // threshold, not empty). False for every parameter at stages 0-2.
   bool partitioned(std::size_t i) const;
   // ZeRO-3: gather (collective), prefetch (collective, without waiting) and release
-  // (local) of parameters [first, end); mpzero::error below stage 3.
-  void gather(std::size_t first, std::size_t end);
-  void prefetch(std::size_t first, std::size_t end);
+  // (local) of parameters [first, end); mpzero::error below stage 3. in_param_dtype:
+  // in spec().param whatever zero_options::gather_dtypes says.
+  void gather(std::size_t first, std::size_t end, bool in_param_dtype = false);
+  void prefetch(std::size_t first, std::size_t end, bool in_param_dtype = false);
   void release(std::size_t first, std::size_t end);
   // Sets parameter i (and its master copy) from numel(i) elements of type `t` in host
   // memory. Every rank passes the same values.
