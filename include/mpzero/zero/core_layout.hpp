@@ -276,26 +276,29 @@ inline std::vector<step_buffers> shard_tensors(const core_state& s) {
   return out;
 }
 
+// Elements [off, off + n) of step tensor t.
+inline step_buffers piece_of(const core_state& s, const step_buffers& t, std::uint64_t off, std::uint64_t n) {
+  const auto skip = [&](const void* p, dtype d) -> void* {
+    return p == nullptr ? nullptr : const_cast<unsigned char*>(static_cast<const unsigned char*>(p)) + off * size_of(d);
+  };
+  step_buffers piece = t;
+  piece.param = skip(t.param, s.master_is_param() ? s.master_t() : s.param_t());
+  piece.master = skip(t.master, s.master_t());
+  piece.grad = skip(t.grad, s.grad_t());
+  for (std::size_t k = 0; k < static_cast<std::size_t>(s.n_states); ++k) piece.states[k] = skip(t.states[k], s.state_t());
+  piece.numel = n;
+  piece.global_offset = t.global_offset + off;
+  return piece;
+}
+
 // Splits step tensors at the parameter groups' boundaries: entry g holds group g's pieces.
 inline std::vector<std::vector<step_buffers>> by_group(const core_state& s, const std::vector<step_buffers>& tensors) {
   std::vector<std::vector<step_buffers>> out(s.num_groups());
-  const auto skip = [](const void* p, std::uint64_t k, dtype t) -> void* {
-    return p == nullptr ? nullptr : const_cast<unsigned char*>(static_cast<const unsigned char*>(p)) + k * size_of(t);
-  };
   for (const step_buffers& t : tensors) {
     const flat_range whole{t.global_offset, t.global_offset + t.numel};
     for (const group_run& run : s.group_runs) {
       const flat_range r = intersect(whole, run.range);
-      if (r.empty()) continue;
-      const std::uint64_t off = r.begin - whole.begin;
-      step_buffers piece = t;
-      piece.param = skip(t.param, off, s.master_is_param() ? s.master_t() : s.param_t());
-      piece.master = skip(t.master, off, s.master_t());
-      piece.grad = skip(t.grad, off, s.grad_t());
-      for (std::size_t k = 0; k < static_cast<std::size_t>(s.n_states); ++k) piece.states[k] = skip(t.states[k], off, s.state_t());
-      piece.numel = r.size();
-      piece.global_offset = r.begin;
-      out[run.group].push_back(piece);
+      if (!r.empty()) out[run.group].push_back(piece_of(s, t, r.begin - whole.begin, r.size()));
     }
   }
   return out;
@@ -305,21 +308,8 @@ inline std::vector<std::vector<step_buffers>> by_group(const core_state& s, cons
 inline std::vector<step_buffers> sub_groups(const core_state& s, const std::vector<step_buffers>& tensors) {
   std::vector<step_buffers> out;
   const std::uint64_t g = s.zo.offload_sub_group_numel;
-  const auto skip = [](void* p, std::uint64_t k, dtype t) -> void* {
-    return p == nullptr ? nullptr : static_cast<unsigned char*>(p) + k * size_of(t);
-  };
-  for (const step_buffers& t : tensors) {
-    for (std::uint64_t off = 0; off < t.numel; off += g) {
-      step_buffers piece = t;
-      piece.param = skip(t.param, off, s.master_is_param() ? s.master_t() : s.param_t());
-      piece.master = skip(t.master, off, s.master_t());
-      piece.grad = skip(const_cast<void*>(t.grad), off, s.grad_t());
-      for (int k = 0; k < s.n_states; ++k) piece.states[static_cast<std::size_t>(k)] = skip(t.states[static_cast<std::size_t>(k)], off, s.state_t());
-      piece.numel = std::min(g, t.numel - off);
-      piece.global_offset = t.global_offset + off;
-      out.push_back(piece);
-    }
-  }
+  for (const step_buffers& t : tensors)
+    for (std::uint64_t off = 0; off < t.numel; off += g) out.push_back(piece_of(s, t, off, std::min(g, t.numel - off)));
   return out;
 }
 
