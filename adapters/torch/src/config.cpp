@@ -433,7 +433,8 @@ std::string_view dtype_json_name(dtype d) { return name_of(d); }
 const std::vector<std::string_view> top_level_keys = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16", "fp16",
     "torch_autocast", "zero_optimization", "gradient_clipping", "optimizer", "scheduler", "communication_data_type",
-    "data_types", "seed", "rounding", "bfloat16", "managed_gradient_accumulation", "param_groups"};
+    "data_types", "seed", "rounding", "bfloat16", "managed_gradient_accumulation", "param_groups",
+    "tensor_parallel"};
 
 const std::vector<foreign_key> top_level_foreign = {
     {"steps_per_print", "*", "logging only"},
@@ -474,7 +475,6 @@ const std::vector<foreign_key> top_level_foreign = {
     {"compile", nullptr, "no DeepCompile", "deepcompile", "false"},
     {"activation_checkpointing", nullptr, "checkpoint activations in the model"},
     {"pipeline", nullptr, "no pipeline parallelism"},
-    {"tensor_parallel", nullptr, "no tensor parallelism"},
     {"expert_parallel", nullptr, "no expert parallelism"},
     {"weight_quantization", nullptr, "no weight quantization"},
     {"checkpoint", nullptr, "checkpointing is configured in code"},
@@ -590,6 +590,89 @@ bool parse_autocast(const json& j, config& c) {
     c.torch_autocast.lower_precision_safe_modules_given = true;
   }
   return r.has("dtype");
+}
+
+tp_layer_spec parse_layer_spec(const json& v, const std::string& p) {
+  if (!v.is_object()) fail(squote(p) + " must be an object with \"patterns\" and \"partition_type\", got " + describe(v));
+  check_keys(v, p, {"patterns", "partition_type", "shape", "partition_dim", "model_types"});
+  reader r(v, p);
+  tp_layer_spec s;
+  s.patterns = r.strings("patterns", {}, true);
+  if (s.patterns.empty()) fail(squote(p + ".patterns") + " is missing or empty; give regular expressions over parameter names");
+  for (const std::string& pat : s.patterns) {
+    try {
+      (void)std::regex(pat, std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      fail(squote(p + ".patterns") + ": \"" + pat + "\" is not a regular expression (" + e.what() + ")");
+    }
+  }
+  const std::string type = lower(r.string("partition_type", "column"));
+  if (type == "column") {
+    s.partition_type = tp_partition::column;
+  } else if (type == "row") {
+    s.partition_type = tp_partition::row;
+  } else if (type == "skip") {
+    s.partition_type = tp_partition::skip;
+  } else {
+    fail(squote(p + ".partition_type") + " = \"" + type + "\" is invalid; use \"column\", \"row\" or \"skip\"");
+  }
+  if (r.has("partition_dim")) s.partition_dim = static_cast<int>(r.integer("partition_dim", 0, 0, 7));
+  s.model_types = r.strings("model_types", {}, true);
+  if (const json* sh = r.find("shape")) {
+    const std::string sp = p + ".shape";
+    if (!sh->is_array() || sh->empty()) fail(squote(sp) + " must be a list such as [2, -1] or [[q, kv, kv], -1], got " + describe(*sh));
+    const int d = s.dim();
+    for (std::size_t k = 0; k < sh->size(); ++k) {
+      const json& e = (*sh)[k];
+      if (e.is_array()) {
+        if (static_cast<int>(k) != d) {
+          fail(squote(sp) + ": a list of sizes is allowed only at partition_dim (" + std::to_string(d) + "), not at " +
+               std::to_string(k));
+        }
+        for (const json& x : e) {
+          if (!x.is_number_integer() || x.get<std::int64_t>() <= 0) {
+            fail(squote(sp) + ": sub-parameter sizes must be positive integers, got " + describe(x));
+          }
+          s.sub_sizes.push_back(x.get<std::int64_t>());
+        }
+        if (s.sub_sizes.empty()) fail(squote(sp) + ": the list of sub-parameter sizes is empty");
+        s.shape.push_back(0);  // their sum, once known
+      } else if (e.is_number_integer() && (e.get<std::int64_t>() > 0 || e.get<std::int64_t>() == -1)) {
+        s.shape.push_back(e.get<std::int64_t>());
+      } else {
+        fail(squote(sp) + ": entries must be positive integers or -1 (and a list of sizes at partition_dim), got " +
+             describe(e));
+      }
+    }
+    if (d >= static_cast<int>(s.shape.size())) {
+      fail(squote(p + ".partition_dim") + " = " + std::to_string(d) + " is out of range for the shape of " +
+           std::to_string(s.shape.size()) + " dimensions");
+    }
+  }
+  return s;
+}
+
+void parse_tensor_parallel(const json& j, config& c) {
+  const std::string p = "tensor_parallel";
+  check_keys(j, p, {"autotp_size", "preset_model", "partition_config"});
+  reader r(j, p);
+  tensor_parallel_config& t = c.tensor_parallel;
+  t.autotp_size = r.unsigned_integer("autotp_size", 1, 1);
+  if (r.has("preset_model")) {
+    t.preset_model = lower(r.string("preset_model", ""));
+    if (!tp_preset_available(t.preset_model)) (void)tp_preset_specs(t.preset_model);  // names the presets
+  }
+  if (const json* pc = r.object("partition_config")) {
+    const std::string pp = p + ".partition_config";
+    check_keys(*pc, pp, {"use_default_specs", "layer_specs"});
+    reader pr(*pc, pp);
+    t.use_default_specs = pr.boolean("use_default_specs", true);
+    if (const json* specs = pr.find("layer_specs")) {
+      if (!specs->is_array()) pr.type_error("layer_specs", *specs, "a list of layer specs");
+      for (std::size_t k = 0; k < specs->size(); ++k)
+        t.layer_specs.push_back(parse_layer_spec((*specs)[k], pp + ".layer_specs[" + std::to_string(k) + "]"));
+    }
+  }
 }
 
 void parse_param_groups(const json& v, config& c) {
@@ -1254,6 +1337,24 @@ std::string_view scheduler_name(scheduler_type t) {
 
 std::string_view offload_device_name(offload_device d) { return d == offload_device::cpu ? "cpu" : "none"; }
 
+void validate_tensor_parallel(const config& c, std::uint64_t world) {
+  const tensor_parallel_config& t = c.tensor_parallel;
+  if (!t.enabled()) return;
+  const std::string size = "'tensor_parallel.autotp_size' = " + std::to_string(t.autotp_size);
+  if (c.zero.stage == 3) {
+    fail(size + " with ZeRO stage 3: AutoTP trains with stages 0-2 (as in DeepSpeed); set zero_optimization.stage "
+         "to 2 or less, or autotp_size to 1");
+  }
+  if (world % t.autotp_size != 0) {
+    fail(size + " does not divide the " + std::to_string(world) +
+         " ranks; the world is tensor-parallel groups of autotp_size consecutive ranks times data-parallel replicas");
+  }
+  if (t.preset_model.empty() && t.layer_specs.empty()) {
+    fail(size + " without 'preset_model' or 'partition_config.layer_specs': mpzero has no heuristic sharding; name "
+         "a preset (llama, qwen2, ...) or give layer specs");
+  }
+}
+
 void check_param_groups(const std::vector<param_group>& groups) {
   std::set<std::string> names;
   for (std::size_t i = 0; i < groups.size(); ++i) {
@@ -1353,6 +1454,7 @@ config parse_config(const json& j, int world_size) {
   c.seed = r.unsigned_integer("seed", 0, 0);
   c.rounding = r.string("rounding", "nearest");
   if (const json* v = r.find("param_groups")) parse_param_groups(*v, c);
+  if (const json* v = r.object("tensor_parallel")) parse_tensor_parallel(*v, c);
 
   auto batch = [&](const char* key) -> std::optional<std::uint64_t> {
     if (!r.has(key)) return std::nullopt;
@@ -1362,6 +1464,7 @@ config parse_config(const json& j, int world_size) {
   resolve_batch(batch("train_batch_size"), batch("train_micro_batch_size_per_gpu"),
                 batch("gradient_accumulation_steps"), static_cast<std::uint64_t>(world_size), c);
   validate(c, autocast_dtype_given);
+  validate_tensor_parallel(c, static_cast<std::uint64_t>(world_size));
   return c;
 }
 
@@ -1526,6 +1629,34 @@ json to_json(const config& c) {
   if (c.grad_accum_dtype) j["data_types"] = {{"grad_accum_dtype", dtype_json_name(*c.grad_accum_dtype)}};
   j["seed"] = c.seed;
   j["rounding"] = c.rounding;
+  if (c.tensor_parallel != tensor_parallel_config{}) {
+    const tensor_parallel_config& t = c.tensor_parallel;
+    json tp = {{"autotp_size", t.autotp_size}};
+    if (!t.preset_model.empty()) tp["preset_model"] = t.preset_model;
+    json specs = json::array();
+    for (const tp_layer_spec& s : t.layer_specs) {
+      json e = {{"patterns", s.patterns},
+                {"partition_type", s.partition_type == tp_partition::row    ? "row"
+                                   : s.partition_type == tp_partition::skip ? "skip"
+                                                                            : "column"}};
+      if (s.partition_dim >= 0) e["partition_dim"] = s.partition_dim;
+      if (!s.model_types.empty()) e["model_types"] = s.model_types;
+      if (!s.shape.empty()) {
+        json shape = json::array();
+        for (std::size_t k = 0; k < s.shape.size(); ++k) {
+          if (!s.sub_sizes.empty() && static_cast<int>(k) == s.dim()) {
+            shape.push_back(s.sub_sizes);
+          } else {
+            shape.push_back(s.shape[k]);
+          }
+        }
+        e["shape"] = std::move(shape);
+      }
+      specs.push_back(std::move(e));
+    }
+    tp["partition_config"] = {{"use_default_specs", t.use_default_specs}, {"layer_specs", std::move(specs)}};
+    j["tensor_parallel"] = std::move(tp);
+  }
   if (!c.param_groups.empty()) {
     json groups = json::array();
     for (const param_group& g : c.param_groups) {

@@ -1219,6 +1219,11 @@ std::pair<std::string, std::string> engine_state::prepare() {
   const int world = comm_.size();
   if (cfg_.gradient_accumulation_steps == 0) fail("gradient_accumulation_steps = 0; it must be at least 1");
   inv_gas_ = static_cast<float>(1.0 / static_cast<double>(cfg_.gradient_accumulation_steps));
+  if (cfg_.tensor_parallel.enabled()) {
+    fail("tensor_parallel.autotp_size = " + std::to_string(cfg_.tensor_parallel.autotp_size) +
+         ": the engine does not shard layers across tensor-parallel ranks yet (the config and its partition plan, "
+         "mpzero::torch::plan_tensor_parallel, are read and checked); set autotp_size to 1 or remove the section");
+  }
 
   // The trainable parameters, once each (tied weights appear under several names).
   std::unordered_set<const c10::TensorImpl*> seen;

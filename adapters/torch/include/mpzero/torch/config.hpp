@@ -11,6 +11,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include <mpzero/error.hpp>
+#include <mpzero/torch/autotp.hpp>
 #include <mpzero/numeric/dtype.hpp>
 #include <mpzero/zero/loss_scaler.hpp>
 
@@ -173,6 +174,8 @@ struct config {
   std::optional<dtype> grad_accum_dtype;
   // Parameter groups, in order of precedence (param_group).
   std::vector<param_group> param_groups;
+  // DeepSpeed's AutoTP training section (autotp.hpp).
+  tensor_parallel_config tensor_parallel;
 
   // The storage dtypes the configuration selects (DeepSpeed's rules; see config.cpp).
   dtype param_dtype() const;
