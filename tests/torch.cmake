@@ -18,6 +18,10 @@ if(TARGET mpzero_torch AND MPI_CXX_FOUND)
   # gathers and releases, checkpoints across stages, partitioned construction (zero_init;
   # at 3 ranks too, where slices are uneven).
   mpzero_add_test(test_torch_zero3 SOURCES test_torch_zero3.cpp TAGS zero3 MPI 1 2 3 LIBS mpzero::torch)
+  # AutoTP ([torch]): a block split over 2 tensor-parallel ranks, at 2 ranks (TP 2 x DP 1)
+  # and 4 (TP 2 x DP 2), against the whole block trained on one process.
+  mpzero_add_test(test_torch_autotp SOURCES test_torch_autotp.cpp TAGS torch MPI 2 4 LIBS mpzero::torch)
+  set_tests_properties(test_torch_autotp.torch.np4 PROPERTIES TIMEOUT 900)
   foreach(np 1 2)
     set_tests_properties(test_torch.torch.np${np} test_torch.hooks.np${np} test_torch_wire.torch.np${np}
                          test_torch_zero3.zero3.np${np} PROPERTIES TIMEOUT 900)

@@ -1461,10 +1461,14 @@ config parse_config(const json& j, int world_size) {
     if (const json* v = r.find(key); !v->is_number()) r.type_error(key, *v, "a positive integer");
     return r.unsigned_integer(key, 0, 1);
   };
+  // The batch is split over the data-parallel replicas: with tensor parallelism, world /
+  // autotp_size of them (the ranks of a tensor-parallel group share their batch).
+  const auto world = static_cast<std::uint64_t>(world_size);
+  const std::uint64_t tp = c.tensor_parallel.autotp_size;
+  validate_tensor_parallel(c, world);
   resolve_batch(batch("train_batch_size"), batch("train_micro_batch_size_per_gpu"),
-                batch("gradient_accumulation_steps"), static_cast<std::uint64_t>(world_size), c);
+                batch("gradient_accumulation_steps"), world % tp == 0 ? world / tp : world, c);
   validate(c, autocast_dtype_given);
-  validate_tensor_parallel(c, static_cast<std::uint64_t>(world_size));
   return c;
 }
 

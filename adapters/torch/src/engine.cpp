@@ -643,7 +643,23 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   frozen_shards frozen_shards_{*this};
 
   mpzero::torch::config cfg_;
-  any_communicator comm_;
+  any_communicator comm_;  // the core's: with AutoTP, this rank's data-parallel group
+  // AutoTP (cfg_.tensor_parallel): this rank's tensor-parallel group (from start()), each
+  // managed parameter's split, and the shapes of the whole parameters.
+  std::optional<any_communicator> tp_comm_;
+  std::vector<tp_param_plan> tp_plan_;
+  std::vector<std::vector<std::int64_t>> full_shapes_;
+  // AutoTP's start: every rank takes rank 0's values of the whole parameters, frozen
+  // parameters and floating buffers over the world, and keeps its slice of each split
+  // parameter; the core is then made over the data-parallel group.
+  void start_tensor_parallel();
+  void require_no_tensor_parallel(const char* who) const {
+    if (tp_comm_) {
+      fail("engine." + std::string(who) + ": not available with tensor_parallel (autotp_size " +
+           std::to_string(cfg_.tensor_parallel.autotp_size) +
+           ") yet: checkpoints of tensor-parallel shards are not written; train with autotp_size 1 to save");
+    }
+  }
   std::shared_ptr<::torch::nn::Module> module_;
   std::unique_ptr<zero_core> core_;
   std::vector<::torch::Tensor> params_;
@@ -1219,11 +1235,6 @@ std::pair<std::string, std::string> engine_state::prepare() {
   const int world = comm_.size();
   if (cfg_.gradient_accumulation_steps == 0) fail("gradient_accumulation_steps = 0; it must be at least 1");
   inv_gas_ = static_cast<float>(1.0 / static_cast<double>(cfg_.gradient_accumulation_steps));
-  if (cfg_.tensor_parallel.enabled()) {
-    fail("tensor_parallel.autotp_size = " + std::to_string(cfg_.tensor_parallel.autotp_size) +
-         ": the engine does not shard layers across tensor-parallel ranks yet (the config and its partition plan, "
-         "mpzero::torch::plan_tensor_parallel, are read and checked); set autotp_size to 1 or remove the section");
-  }
 
   // The trainable parameters, once each (tied weights appear under several names).
   std::unordered_set<const c10::TensorImpl*> seen;
@@ -1284,6 +1295,21 @@ std::pair<std::string, std::string> engine_state::prepare() {
     shapes_.push_back(take_built(item.key(), p) ? built_.at(p.unsafeGetTensorImpl()).shape : p.sizes().vec());
   }
 
+  if (cfg_.tensor_parallel.enabled()) {
+    if (!built_.empty()) fail("tensor_parallel with a model built under zero_init: build it whole (zero_init is for ZeRO-3)");
+    for (const auto& p : params_) {
+      if (!p.device().is_cpu()) {
+        fail("tensor_parallel with parameters on " + p.device().str() +
+             ": the engine's AutoTP runs on CPU parameters over MPI so far; move the model to the CPU or set "
+             "autotp_size to 1");
+      }
+    }
+    // The split of each trainable parameter (config_error naming a bad spec); the core
+    // holds the slices.
+    tp_plan_ = plan_tensor_parallel(cfg_.tensor_parallel, names_, shapes_);
+    full_shapes_ = shapes_;
+    for (std::size_t i = 0; i < params_.size(); ++i) shapes_[i] = tp_plan_[i].shard_shape;
+  }
   if (params_.empty()) {
     fail("the model has no trainable parameters (" + std::to_string(seen.size()) +
          " parameter(s), none with requires_grad); set requires_grad on the parameters to train");
@@ -1491,9 +1517,41 @@ core_place engine_state::agreement_place(const any_communicator& comm, const eng
   return place;
 }
 
+void engine_state::start_tensor_parallel() {
+  const auto tp = static_cast<int>(cfg_.tensor_parallel.autotp_size);
+  auto [tp_group, dp_group] = tensor_parallel_groups(comm_, tp);
+  ::torch::NoGradGuard no_grad;
+  std::vector<::torch::Tensor> all = params_;
+  for (const auto& t : frozen_) all.push_back(t);
+  for (const auto& b : module_->buffers(/*recurse=*/true))
+    if (b.is_floating_point()) all.push_back(b);
+  for (std::size_t k = 0; k < all.size(); ++k) {
+    ::torch::Tensor& t = all[k];
+    ::torch::Tensor whole = t.detach().to(at::kCPU, at::kFloat).contiguous();
+    if (comm_.size() > 1) comm_.base().ibroadcast(whole.data_ptr(), static_cast<std::uint64_t>(whole.numel()), wire_dtype::f32, 0)->wait();
+    if (k >= params_.size() || tp_plan_[k].type == tp_partition::skip) {
+      t.copy_(whole.view(t.sizes()));
+      continue;
+    }
+    const ::torch::Tensor flat = whole.reshape({-1});
+    std::vector<::torch::Tensor> pieces;
+    for (const auto& [first, n] : tp_shard_runs(tp_plan_[k], static_cast<std::uint64_t>(tp), static_cast<std::uint64_t>(tp_group.rank())))
+      pieces.push_back(flat.narrow(0, first, n));
+    params_[k].set_data(::torch::cat(pieces).reshape(shapes_[k]).to(t.scalar_type()));
+  }
+  tp_comm_.emplace(std::move(tp_group));
+  comm_ = std::move(dp_group);
+}
+
 void engine_state::start() {
+  if (cfg_.tensor_parallel.enabled()) start_tensor_parallel();
   // Collective: a rank whose core cannot be made (memory, say) makes every rank throw.
   core_ = make_zero_core(plan_->core.spec, comm_, plan_->numels, cfg_.optimizer, plan_->core.zo, plan_->place);
+  if (tp_comm_) {
+    std::vector<bool> split(params_.size());
+    for (std::size_t i = 0; i < split.size(); ++i) split[i] = tp_plan_[i].type != tp_partition::skip;
+    core_->set_tensor_parallel(*tp_comm_, split);
+  }
   plan_.reset();
   std::vector<::torch::Tensor> frozen = std::move(frozen_);
   ::torch::NoGradGuard no_grad;
@@ -2480,17 +2538,82 @@ std::uint64_t engine_base::gradient_accumulation_steps() const { return st_->cfg
 const mpzero::torch::config& engine_base::config() const { return st_->cfg_; }
 int engine_base::rank() const { return st_->comm_.rank(); }
 int engine_base::world_size() const { return st_->comm_.size(); }
+int engine_base::tensor_parallel_rank() const { return st_->tp_comm_ ? st_->tp_comm_->rank() : 0; }
+int engine_base::tensor_parallel_size() const { return st_->tp_comm_ ? st_->tp_comm_->size() : 1; }
 void engine_base::save_checkpoint(const std::string& save_dir, const std::string& tag, const nlohmann::json& client_state,
                                   bool save_latest) {
+  st_->require_no_tensor_parallel("save_checkpoint");
   st_->checkpoints_.save(save_dir, tag, client_state, save_latest);
 }
 std::optional<engine_base::loaded_checkpoint> engine_base::load_checkpoint(const std::string& load_dir,
                                                                            const std::string& tag,
                                                                            bool load_module_only) {
+  st_->require_no_tensor_parallel("load_checkpoint");
   return st_->checkpoints_.load(load_dir, tag, load_module_only);
 }
 std::size_t engine_base::save_16bit_model(const std::string& save_dir, const std::string& save_filename) {
+  st_->require_no_tensor_parallel("save_16bit_model");
   return st_->checkpoints_.save_16bit(save_dir, save_filename);
+}
+
+namespace {
+
+// All-reduces a CPU tensor's values in place over `c` (a sum).
+void all_reduce_sum(any_communicator& c, ::torch::Tensor& t) {
+  if (c.size() == 1) return;
+  const wire_dtype w = t.scalar_type() == at::kBFloat16 ? wire_dtype::bf16
+                       : t.scalar_type() == at::kHalf   ? wire_dtype::fp16
+                                                        : wire_dtype::f32;
+  if (w == wire_dtype::f32 && t.scalar_type() != at::kFloat) fail("tp_forward: tensors of dtype " + std::string(c10::toString(t.scalar_type())) + " cannot be reduced; use float, bfloat16 or half");
+  c.base().iall_reduce(t.data_ptr(), t.data_ptr(), static_cast<std::uint64_t>(t.numel()), w, comm::reduce_op::sum)->wait();
+}
+
+any_communicator& comm_at(std::int64_t address) { return *reinterpret_cast<any_communicator*>(address); }
+
+// Megatron's f: the input of a column-parallel layer, whole on every tensor-parallel
+// rank; its gradient (each rank's part) is summed over the group.
+struct tp_copy_in : ag::Function<tp_copy_in> {
+  static ::torch::Tensor forward(ag::AutogradContext* ctx, const ::torch::Tensor& x, std::int64_t comm) {
+    ctx->saved_data["comm"] = comm;
+    return x.clone();
+  }
+  static ag::variable_list backward(ag::AutogradContext* ctx, ag::variable_list grads) {
+    ::torch::Tensor g = grads[0].contiguous().clone();
+    all_reduce_sum(comm_at(ctx->saved_data["comm"].toInt()), g);
+    return {g, ::torch::Tensor()};
+  }
+};
+
+// Megatron's g: a row-parallel layer's partial outputs, summed over the group; the
+// gradient goes to every rank whole.
+struct tp_reduce_out : ag::Function<tp_reduce_out> {
+  static ::torch::Tensor forward(ag::AutogradContext*, const ::torch::Tensor& x, std::int64_t comm) {
+    ::torch::Tensor y = x.contiguous().clone();
+    all_reduce_sum(comm_at(comm), y);
+    return y;
+  }
+  static ag::variable_list backward(ag::AutogradContext*, ag::variable_list grads) { return {grads[0], ::torch::Tensor()}; }
+};
+
+}  // namespace
+
+::torch::Tensor tp_forward(::torch::nn::Linear& linear, const ::torch::Tensor& x) {
+  const ::torch::Tensor& w = linear->weight;
+  const auto st = detail::managing_engine(w);
+  if (!st || !st->tp_comm_) return linear->forward(x);
+  const tp_param_plan& p = st->tp_plan_[st->index_.at(w.unsafeGetTensorImpl())];
+  const auto comm = reinterpret_cast<std::int64_t>(&*st->tp_comm_);
+  switch (p.type) {
+    case tp_partition::column:
+      return ::torch::nn::functional::linear(tp_copy_in::apply(x, comm), w, linear->bias);
+    case tp_partition::row: {
+      ::torch::Tensor y = tp_reduce_out::apply(::torch::nn::functional::linear(x, w), comm);
+      return linear->bias.defined() ? y + linear->bias : y;  // the bias once, after the sum
+    }
+    case tp_partition::skip:
+      break;
+  }
+  return linear->forward(x);
 }
 const std::vector<::torch::Tensor>& engine_base::parameters() const { return st_->params_; }
 const std::vector<std::string>& engine_base::parameter_names() const { return st_->names_; }

@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <system_error>
+#include <utility>
 
 #include <mpzero/error.hpp>
 #include <mpzero/torch/engine.hpp>
@@ -131,6 +132,46 @@ any_communicator communicator_from_environment(const launch_environment& e, int 
   }
 #endif
   refuse_world(e, cuda_device);
+}
+
+std::pair<any_communicator, any_communicator> tensor_parallel_groups(const any_communicator& world, int tp) {
+  const int size = world.size(), rank = world.rank();
+  if (tp < 1 || size % tp != 0) {
+    throw config_error("mpzero: tensor_parallel.autotp_size = " + std::to_string(tp) + " does not divide the " +
+                       std::to_string(size) + " ranks");
+  }
+#ifdef MPZERO_TORCH_MPI
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  int mpi_size = 0, mpi_rank = 0;
+  if (initialized) {
+    MPI_Comm_size(MPI_COMM_WORLD, &mpi_size);
+    MPI_Comm_rank(MPI_COMM_WORLD, &mpi_rank);
+  }
+  if (initialized && mpi_size == size && mpi_rank == rank) {
+    // Tensor-parallel groups of consecutive ranks (DeepSpeed's default); the
+    // data-parallel groups join the ranks at one position in each.
+    const auto split = [&](int color, int key, const std::string& name) {
+      MPI_Comm c = MPI_COMM_NULL;
+      MPI_Comm_split(MPI_COMM_WORLD, color, key, &c);
+      any_communicator out = any_communicator::own(comm::mpi_communicator(c), name);  // duplicates c
+      MPI_Comm_free(&c);
+      return out;
+    };
+    any_communicator tp_group = split(rank / tp, rank % tp, "tensor-parallel group " + std::to_string(rank / tp));
+    any_communicator dp_group = split(rank % tp, rank / tp, "data-parallel group " + std::to_string(rank % tp));
+    return {std::move(tp_group), std::move(dp_group)};
+  }
+#endif
+  throw config_error("mpzero: tensor_parallel.autotp_size = " + std::to_string(tp) +
+                     ": the engine makes its tensor- and data-parallel groups from MPI_COMM_WORLD, and the "
+                     "communicator '" + world.name() + "' (" + std::to_string(size) + " ranks) is not MPI's world" +
+#ifdef MPZERO_TORCH_MPI
+                     "; launch with mpirun and pass MPI's world, or none"
+#else
+                     "; this mpzero was built without MPI (MPZERO_TORCH_MPI=OFF): rebuild it with MPI installed"
+#endif
+  );
 }
 
 namespace detail {

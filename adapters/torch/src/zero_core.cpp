@@ -173,6 +173,9 @@ step_report zero_core::step() {
   scope s(*ctx_);
   return z_->step();
 }
+void zero_core::set_tensor_parallel(any_communicator tp, const std::vector<bool>& split) {
+  z_->set_tensor_parallel(std::move(tp), split);
+}
 void zero_core::set_lr(double lr) { z_->kernel().set_lr(lr); }
 std::optional<std::pair<double, double>> zero_core::betas() const { return z_->kernel().betas(); }
 void zero_core::set_betas(double beta1, double beta2) { z_->kernel().set_betas(beta1, beta2); }

@@ -244,15 +244,39 @@ class zero_core {
     groups_.require_none("step");
     reduce_gradients();
     const double W = static_cast<double>(s_.world);
-    const grad_stats local = s_.offloaded() ? s_.host.stats(s_.h_grads.data(), s_.grad_t(), s_.shard.size())
-                                            : s_.be.stats(s_.shard_grads(), s_.grad_t(), s_.shard.size());
-    double norm_sq = local.nonfinite ? std::numeric_limits<double>::infinity() : local.norm_squared;
+    // The squared norm of this rank's shard: of the parameters split across a
+    // tensor-parallel group apart (split_sq), of the others in norm_sq.
+    double norm_sq = 0, split_sq = 0;
+    const auto shard_stats = [&](flat_range r) {
+      if (r.empty()) return 0.0;
+      const std::uint64_t at = r.begin - s_.shard.begin;
+      const grad_stats st = s_.offloaded() ? s_.host.stats(s_.h_grads.at(at), s_.grad_t(), r.size())
+                                           : s_.be.stats(s_.shard_grads(at), s_.grad_t(), r.size());
+      return st.nonfinite ? std::numeric_limits<double>::infinity() : st.norm_squared;
+    };
+    if (tp_runs_.empty()) {
+      norm_sq = shard_stats(s_.shard);
+    } else {
+      for (const auto& [range, split] : tp_runs_) {
+        const flat_range r = intersect(range, s_.shard);
+        if (!r.empty()) (split ? split_sq : norm_sq) += shard_stats(r);
+      }
+    }
     // One all-reduce agrees on the squared norm (stage 0 computed the whole norm on
     // every rank; the others sum their partitions) and on how many ranks reported
     // gradients since the last step.
-    double sums[2] = {s_.stage() > 0 ? norm_sq : 0.0, grads_pending_ ? 1.0 : 0.0};
-    if (s_.world > 1) s_.be.all_reduce_host(s_.comm, sums, 2, comm::reduce_op::sum);
-    if (s_.stage() > 0) norm_sq = sums[0];
+    double sums[3] = {s_.stage() > 0 ? norm_sq : 0.0, grads_pending_ ? 1.0 : 0.0, s_.stage() > 0 ? split_sq : 0.0};
+    if (s_.world > 1) s_.be.all_reduce_host(s_.comm, sums, tp_runs_.empty() ? 2 : 3, comm::reduce_op::sum);
+    if (s_.stage() > 0) {
+      norm_sq = sums[0];
+      split_sq = sums[2];
+    }
+    if (!tp_runs_.empty()) {
+      // Each tensor-parallel rank holds its own slice of the split parameters; the
+      // replicated ones are equal on all of them and count once.
+      if (tp_->size() > 1) s_.be.all_reduce_host(*tp_, &split_sq, 1, comm::reduce_op::sum);
+      norm_sq += split_sq;
+    }
     if (sums[1] == 0.0) {
       // An update from all-zero gradients is not a no-op (weight decay, momentum, the
       // bias correction's step count): refuse it, on every rank alike.
@@ -290,6 +314,37 @@ class zero_core {
     reduced_ = false;  // only now: a throw above (loss_scale_error) leaves the reduced gradients marked so
     reducer_.release_buffers();
     return rep;
+  }
+
+  // Tensor parallelism (AutoTP): the parameters for which split[i] is true are slices of
+  // weights split across the ranks of `tp` (each rank of this core's communicator in one
+  // such group); the gradient norm, for clipping and the overflow check, sums their
+  // squares over `tp` and counts the others, replicated across it, once. Collective over
+  // neither; every rank of a tp group calls it alike.
+  void set_tensor_parallel(comm::any_communicator tp, const std::vector<bool>& split) {
+    if (split.size() != s_.num_params()) {
+      detail::throw_invalid("ZeroOptimizer::set_tensor_parallel: " + std::to_string(split.size()) + " flags for " +
+                            std::to_string(s_.num_params()) + " parameters; give one per parameter");
+    }
+    std::vector<bool> split_at_slot(split.size());
+    for (std::size_t i = 0; i < split.size(); ++i) split_at_slot[s_.slot_of[i]] = split[i];
+    std::vector<std::pair<flat_range, bool>> runs;
+    for (std::size_t sl = 0; sl < s_.num_params(); ++sl) {
+      const flat_range r = s_.layout.param_range(sl);
+      if (r.empty()) continue;
+      const bool sp = split_at_slot[sl];
+      if (!runs.empty() && runs.back().second == sp) {
+        runs.back().first.end = r.end;
+      } else {
+        if (!runs.empty()) runs.back().first.end = r.begin;
+        runs.emplace_back(r, sp);
+      }
+    }
+    if (runs.empty()) runs.emplace_back(flat_range{0, s_.layout.padded_numel()}, false);
+    runs.front().first.begin = 0;
+    runs.back().first.end = s_.layout.padded_numel();
+    tp_.emplace(std::move(tp));
+    tp_runs_ = std::move(runs);
   }
 
   // ---- ZeRO-3 parameter gathering -----------------------------------------------
@@ -667,6 +722,8 @@ class zero_core {
   bool reduced_ = false;        // reduce_gradients() ran for this step
   bool grads_pending_ = false;  // gradients reported since the last step() or zero_grad()
   bool pass_ended_ = false;     // stages 2-3: end_backward() ran since the last step() or zero_grad()
+  std::optional<comm::any_communicator> tp_;                // set_tensor_parallel's group
+  std::vector<std::pair<flat_range, bool>> tp_runs_;        // [0, padded) in runs of split / replicated parameters
   std::vector<std::unique_ptr<stepper>> steppers_;  // one per parameter group present in the shard
   std::vector<std::vector<std::unique_ptr<stepper>>> host_steppers_;  // offload: per sub-group of the shard, per group
   std::vector<async_transfer> uploads_;                  // offload: the last step's parameter uploads

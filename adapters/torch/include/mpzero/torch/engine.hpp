@@ -167,8 +167,12 @@ class engine_base {
   const step_report& last_step_report() const;
   std::uint64_t gradient_accumulation_steps() const;
   const mpzero::torch::config& config() const;
+  // The data-parallel rank and size (with tensor_parallel, within this rank's
+  // data-parallel group), and the tensor-parallel ones (0 and 1 without it).
   int rank() const;
   int world_size() const;
+  int tensor_parallel_rank() const;
+  int tensor_parallel_size() const;
 
   // ---- checkpoints: DeepSpeed's save_checkpoint / load_checkpoint -------------------
   // save_checkpoint writes <save_dir>/<tag>/ (tag "global_step<N>" by default): the ZeRO
@@ -423,6 +427,22 @@ auto gathered_forward(M&& module, Args&&... args) {
   detail::unit_outputs(guard.call, out);
   return out;
 }
+
+// ---- AutoTP --------------------------------------------------------------------------
+// DeepSpeed's AutoTP training (the config's "tensor_parallel"): initialize splits each
+// trainable parameter that a layer spec names across the tensor-parallel group of its
+// rank (autotp_size consecutive ranks; ZeRO stages 0-2 run over the data-parallel groups
+// across them); the model computes each split Linear through tp_forward:
+//
+//   x = x + mpzero::torch::tp_forward(attn_out, heads);   // row-parallel: its input is split
+//
+// A column-parallel layer takes its whole input and gives this rank's slice of the output
+// features (its input's gradient summed over the group); a row-parallel one takes the
+// slice and gives the whole output, summed over the group, its bias added once. A Linear
+// no spec splits, or outside an AutoTP engine, runs its own forward. Sizes that depend on
+// the split (a rank's attention heads) follow from the weight's shape. CPU parameters,
+// launched by mpirun; checkpoints of split parameters are not written yet.
+::torch::Tensor tp_forward(::torch::nn::Linear& linear, const ::torch::Tensor& x);
 
 // ---- initialize ---------------------------------------------------------------------
 // `comm` decides the world. Not given (any_communicator{}): the world mpirun started,

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 #include <mpzero/torch/communicator.hpp>
 
@@ -34,5 +35,10 @@ launch_environment read_launch_environment();
 // The communicator for `env` (see above); cuda_device < 0 for CPU parameters. A world of
 // one process gives the local communicator. MPI initialised here is finalized at exit.
 any_communicator communicator_from_environment(const launch_environment& env, int cuda_device);
+
+// AutoTP: {the tensor-parallel group of this rank, its data-parallel group}: groups of
+// `tp` consecutive ranks of `world`, and the ranks at one position in each. `world` must
+// be MPI's world (launched by mpirun); config_error otherwise. Collective over `world`.
+std::pair<any_communicator, any_communicator> tensor_parallel_groups(const any_communicator& world, int tp);
 
 }  // namespace mpzero::torch

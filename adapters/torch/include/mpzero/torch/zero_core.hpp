@@ -122,6 +122,10 @@ class zero_core {
   // Gradients reported since the last step or zero_grad.
   bool grads_pending() const;
 
+  // AutoTP: the gradient norm sums the split parameters' squares over `tp` (see
+  // mpzero::zero_core::set_tensor_parallel).
+  void set_tensor_parallel(any_communicator tp, const std::vector<bool>& split);
+
   step_report step();
   void set_lr(double lr);
   // The optimizer's (beta1, beta2); nullopt for SGD. set_betas validates first.
