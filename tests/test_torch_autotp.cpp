@@ -10,6 +10,7 @@
 // in test_autotp.cpp against indices worked out by hand. Tensor parallelism sums the
 // row-parallel products in another order, so the comparison allows fp32 rounding.
 #include "support/torch_mpi.hpp"  // LibTorch, then Catch and MPI
+#include "support/shared_dir.hpp"
 #include "support/torch_reference.hpp"
 
 #include <cmath>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include <mpzero/torch/autotp.hpp>
+#include <mpzero/torch/zero_to_fp32.hpp>
 
 using namespace mpzero::testing;  // mt, Tensor, json, world(), W(), R()
 
@@ -73,6 +75,39 @@ json tp_config(int stage, double clip, bool bf16 = false) {
 std::pair<Tensor, Tensor> batch_of(int k, int replica) {
   auto g = at::detail::createCPUGenerator(static_cast<std::uint64_t>(1000 * k + replica + 1));
   return {torch::randn({2, 3, 8}, g), torch::randn({2, 3, 8}, g)};
+}
+
+// The engine's master slices, gathered over each tensor-parallel group (collective) and
+// put in place by the plan's index runs: the whole master weights.
+std::vector<Tensor> whole_masters(mt::engine_base& engine, const std::vector<mt::tp_param_plan>& plan,
+                                  const std::vector<std::vector<std::int64_t>>& shapes) {
+  const int tp = engine.tensor_parallel_size();
+  const auto got = engine.master_weights();
+  MPI_Comm group;
+  MPI_Comm_split(MPI_COMM_WORLD, R() / tp, R() % tp, &group);
+  std::vector<Tensor> out;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const Tensor mine = got[i].contiguous().reshape({-1});
+    Tensor all = torch::empty({tp * mine.numel()});
+    MPI_Allgather(mine.data_ptr<float>(), static_cast<int>(mine.numel()), MPI_FLOAT, all.data_ptr<float>(),
+                  static_cast<int>(mine.numel()), MPI_FLOAT, group);
+    Tensor whole = mine.clone();
+    if (plan[i].type == mt::tp_partition::skip) {
+      for (int r = 0; r < tp; ++r) CHECK(torch::equal(all.narrow(0, r * mine.numel(), mine.numel()), mine));
+    } else {
+      whole = torch::empty({tp * mine.numel()});
+      for (int r = 0; r < tp; ++r) {
+        std::int64_t at = r * mine.numel();
+        for (const auto& [first, n] : mt::tp_shard_runs(plan[i], tp, static_cast<std::uint64_t>(r))) {
+          whole.narrow(0, first, n).copy_(all.narrow(0, at, n));
+          at += n;
+        }
+      }
+    }
+    out.push_back(whole.reshape(shapes[i]));
+  }
+  MPI_Comm_free(&group);
+  return out;
 }
 
 }  // namespace
@@ -137,39 +172,69 @@ TEST_CASE("autotp: a block split over 2 tensor-parallel ranks trains as the whol
       for (auto& g : avg) g.mul_(static_cast<float>(clip / (norm + 1e-6)));
     master_step(opt, master, avg, ref->parameters());
   }
-  // The engine's master slices, gathered over the tensor-parallel group into whole weights.
-  const auto got = engine.master_weights();
-  for (std::size_t i = 0; i < got.size(); ++i) {
+  const auto whole = whole_masters(engine, plan, shapes);
+  for (std::size_t i = 0; i < whole.size(); ++i) {
     INFO(names[i]);
-    const Tensor mine = got[i].contiguous().reshape({-1});
-    Tensor all = torch::empty({tp * mine.numel()});
-    MPI_Comm group;
-    MPI_Comm_split(MPI_COMM_WORLD, R() / tp, R() % tp, &group);
-    MPI_Allgather(mine.data_ptr<float>(), static_cast<int>(mine.numel()), MPI_FLOAT, all.data_ptr<float>(),
-                  static_cast<int>(mine.numel()), MPI_FLOAT, group);
-    MPI_Comm_free(&group);
-    Tensor whole = torch::zeros({master[i].numel()});
-    for (int r = 0; r < tp; ++r) {
-      if (plan[i].type == mt::tp_partition::skip) {
-        CHECK(torch::equal(all.narrow(0, r * mine.numel(), mine.numel()), mine));  // replicated: equal on every rank
-        whole = mine.clone();
-        continue;
-      }
-      std::int64_t at = r * mine.numel();
-      for (const auto& [first, n] : mt::tp_shard_runs(plan[i], tp, static_cast<std::uint64_t>(r))) {
-        whole.narrow(0, first, n).copy_(all.narrow(0, at, n));
-        at += n;
-      }
-    }
-    check_close(whole.reshape(master[i].sizes()), master[i].detach(), within, bf16 ? 0.0 : 1e-6, "master " + names[i]);
+    check_close(whole[i], master[i].detach(), within, bf16 ? 0.0 : 1e-6, "master " + names[i]);
   }
+}
+
+TEST_CASE("autotp: checkpoints keep each rank's slices and resume bit for bit; the fp32 export joins them",
+          "[torch]") {
+  const int stage = GENERATE(1, 2);
+  INFO("stage " << stage << ", world " << W());
+  const int replica = R() / 2;
+  const auto train = [&](mt::engine<Block>& e, int from, int to) {
+    for (int k = from; k < to; ++k) {
+      const auto [x, y] = batch_of(k, replica);
+      torch::mse_loss(e(x), y).backward();
+      e.step();
+    }
+  };
+  shared_dir dir;
+  auto a = mt::initialize(Block(7), tp_config(stage, 0.05), world());
+  train(a, 0, 2);
+  a.save_checkpoint(dir.path.string(), "half");
+  std::vector<std::vector<std::int64_t>> shapes;
+  for (const auto& p : Block(7)->parameters()) shapes.push_back(p.sizes().vec());
+  const auto plan = mt::plan_tensor_parallel(a.config().tensor_parallel, a.parameter_names(), shapes);
+  const auto saved = whole_masters(a, plan, shapes);
+  train(a, 2, 4);
+  // Another engine, at the other stage, from other initial values: the loaded slices,
+  // states and counters make it continue as the first one does, to the bit.
+  auto b = mt::initialize(Block(3), tp_config(stage == 1 ? 2 : 1, 0.05), world());
+  REQUIRE(b.load_checkpoint(dir.path.string(), "half"));
+  CHECK(b.global_steps() == 2);
+  train(b, 2, 4);
+  const auto ma = a.master_weights(), mb = b.master_weights();
+  for (std::size_t i = 0; i < ma.size(); ++i) {
+    INFO(a.parameter_names()[i]);
+    CHECK(torch::equal(ma[i], mb[i]));
+  }
+  // The fp32 export, in one process: the whole master weights at the save.
+  if (R() == 0) {
+    const auto sd = mt::fp32_state_dict_from_checkpoint(dir.path.string(), "half");
+    const auto names = a.parameter_names();
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      INFO(names[i]);
+      REQUIRE(sd.contains(names[i]));
+      CHECK(torch::equal(sd[names[i]], saved[i]));
+    }
+  }
+  // At another tensor-parallel size: refused, pointing at the export.
+  json whole_tp = tp_config(stage, 0.05);
+  whole_tp.erase("tensor_parallel");
+  auto c = mt::initialize(Block(7), whole_tp, world());
+  CHECK_THROWS_WITH(c.load_checkpoint(dir.path.string(), "half"),
+                    Catch::Contains("was saved with tensor_parallel.autotp_size 2 and this engine has 1") &&
+                        Catch::Contains("mpzero_zero_to_fp32"));
 }
 
 TEST_CASE("autotp: what the engine does not split yet is refused with the reason", "[torch]") {
   auto engine = mt::initialize(Block(7), tp_config(1, 0.0), world());
-  CHECK_THROWS_WITH(engine.save_checkpoint("unused"), Catch::Contains("engine.save_checkpoint: not available with "
-                                                                       "tensor_parallel (autotp_size 2) yet"));
-  CHECK_THROWS_WITH(engine.save_16bit_model("unused"), Catch::Contains("save_16bit_model: not available"));
+  CHECK_THROWS_WITH(engine.save_16bit_model("unused"), Catch::Contains("engine.save_16bit_model: not available with "
+                                                                        "tensor_parallel (autotp_size 2) yet"));
+  CHECK_THROWS_WITH(engine.load_checkpoint("unused", "t", true), Catch::Contains("load_module_only = true): not available"));
   json bad = tp_config(1, 0.0);
   bad["tensor_parallel"]["partition_config"]["layer_specs"][0]["patterns"] = {R"(attn\.qkv\.weight$)"};
   CHECK_THROWS_WITH(mt::initialize(Block(7), bad, world()),

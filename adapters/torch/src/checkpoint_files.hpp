@@ -300,6 +300,17 @@ struct engine_meta {
   nlohmann::json param_groups;  // the engine's param_group_record() at the save; null without groups
 };
 
+// AutoTP: the directory of tensor-parallel rank r's files inside a checkpoint's tag.
+inline std::string tp_directory(int r) { return "tp_rank_" + std::to_string(r); }
+
+// The tensor-parallel size a checkpoint <load_dir>/<tag> was saved with: 1 without
+// tensor-parallel directories.
+inline std::uint64_t saved_tensor_parallel_size(const fs::path& tag_dir) {
+  std::uint64_t n = 0;
+  while (fs::exists(tag_dir / tp_directory(static_cast<int>(n)))) ++n;
+  return n == 0 ? 1 : n;
+}
+
 inline engine_meta read_engine_meta(const std::string& who, const fs::path& path) {
   engine_meta m;
   try {

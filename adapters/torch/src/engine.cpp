@@ -653,11 +653,20 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   // parameters and floating buffers over the world, and keeps its slice of each split
   // parameter; the core is then made over the data-parallel group.
   void start_tensor_parallel();
+  // What a checkpoint's engine file records of AutoTP (null without): the section as the
+  // config resolved it, this rank's place, and the whole parameters' shapes, from which
+  // the fp32 export joins the slices.
+  nlohmann::json tensor_parallel_record() const {
+    if (!tp_comm_) return nullptr;
+    return {{"config", to_json(cfg_).at("tensor_parallel")}, {"rank", tp_comm_->rank()}, {"size", tp_comm_->size()},
+            {"shapes", full_shapes_}};
+  }
   void require_no_tensor_parallel(const char* who) const {
     if (tp_comm_) {
       fail("engine." + std::string(who) + ": not available with tensor_parallel (autotp_size " +
            std::to_string(cfg_.tensor_parallel.autotp_size) +
-           ") yet: checkpoints of tensor-parallel shards are not written; train with autotp_size 1 to save");
+           ") yet: it reads or writes whole parameters; save_checkpoint and load_checkpoint keep the slices, and "
+           "mpzero_zero_to_fp32 joins them into whole fp32 weights");
     }
   }
   std::shared_ptr<::torch::nn::Module> module_;
@@ -2030,6 +2039,7 @@ nlohmann::json engine_checkpoints::engine_json(const std::string& tag, const nlo
           {"save_id", save_id},
           {"parameters", params},
           {"param_groups", e_.param_group_record()},
+          {"tensor_parallel", e_.tensor_parallel_record()},
           {"client_state", client_state}};
 }
 
@@ -2143,7 +2153,10 @@ void engine_checkpoints::save(const std::string& save_dir, const std::string& ta
   // Equal arguments everywhere, or the ranks would issue different collectives below.
   e_.same_on_every_rank("save_checkpoint", "arguments", tag + (save_latest ? "\n1" : "\n0"),
                      "tag '" + tag + "', save_latest " + (save_latest ? "true" : "false"));
-  const fs::path dir = fs::path(save_dir) / tag;
+  // AutoTP: each tensor-parallel rank's files (its slices, over its data-parallel group)
+  // in a directory of their own.
+  const fs::path dir = e_.tp_comm_ ? fs::path(save_dir) / tag / detail::tp_directory(e_.tp_comm_->rank())
+                                   : fs::path(save_dir) / tag;
   e_.agree("save_checkpoint", "nothing was saved", [&] {
     check_tag("engine.save_checkpoint", tag);
     e_.require_boundary("save_checkpoint");
@@ -2203,7 +2216,17 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
     if (all) return std::nullopt;  // nothing saved there yet, as DeepSpeed
   }
   e_.same_on_every_rank("load_checkpoint", "tags", tag, "'" + tag + "', from 'latest'");
-  const fs::path dir = root / tag;
+  const std::uint64_t tp = e_.tp_comm_ ? static_cast<std::uint64_t>(e_.tp_comm_->size()) : 1;
+  const fs::path dir = tp > 1 ? root / tag / detail::tp_directory(e_.tp_comm_->rank()) : root / tag;
+  e_.agree("load_checkpoint", "nothing was loaded", [&] {
+    const std::uint64_t saved = detail::saved_tensor_parallel_size(root / tag);
+    if (saved != tp) {
+      fail("engine.load_checkpoint: " + quoted(root / tag) + " was saved with tensor_parallel.autotp_size " +
+           std::to_string(saved) + " and this engine has " + std::to_string(tp) +
+           ": load it at that tensor-parallel size (the data-parallel size may differ), or export its whole fp32 "
+           "weights with mpzero_zero_to_fp32 (fp32_state_dict_from_checkpoint), which joins the slices");
+    }
+  });
 
   // Read and check everything before anything changes.
   struct copy {
@@ -2542,13 +2565,12 @@ int engine_base::tensor_parallel_rank() const { return st_->tp_comm_ ? st_->tp_c
 int engine_base::tensor_parallel_size() const { return st_->tp_comm_ ? st_->tp_comm_->size() : 1; }
 void engine_base::save_checkpoint(const std::string& save_dir, const std::string& tag, const nlohmann::json& client_state,
                                   bool save_latest) {
-  st_->require_no_tensor_parallel("save_checkpoint");
   st_->checkpoints_.save(save_dir, tag, client_state, save_latest);
 }
 std::optional<engine_base::loaded_checkpoint> engine_base::load_checkpoint(const std::string& load_dir,
                                                                            const std::string& tag,
                                                                            bool load_module_only) {
-  st_->require_no_tensor_parallel("load_checkpoint");
+  if (load_module_only) st_->require_no_tensor_parallel("load_checkpoint(..., load_module_only = true)");
   return st_->checkpoints_.load(load_dir, tag, load_module_only);
 }
 std::size_t engine_base::save_16bit_model(const std::string& save_dir, const std::string& save_filename) {

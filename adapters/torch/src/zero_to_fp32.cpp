@@ -4,6 +4,7 @@
 #include <bit>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
@@ -12,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <mpzero/torch/config.hpp>
 #include <mpzero/zero/checkpoint.hpp>
 
 #include "checkpoint_files.hpp"
@@ -45,9 +47,63 @@ fs::path checkpoint_path(const std::string& checkpoint_dir, const std::string& t
 
 }  // namespace
 
+namespace {
+
+// AutoTP: the tensor-parallel ranks' state dicts (their slices) joined into whole tensors
+// by the partition plan the engine file records; replicated entries are rank 0's.
+::torch::OrderedDict<std::string, ::torch::Tensor> join_tensor_parallel(const fs::path& dir, std::uint64_t tp) {
+  std::vector<::torch::OrderedDict<std::string, ::torch::Tensor>> parts;
+  for (std::uint64_t r = 0; r < tp; ++r)
+    parts.push_back(fp32_state_dict_from_checkpoint(dir.string(), detail::tp_directory(static_cast<int>(r))));
+  const fs::path meta_path = dir / detail::tp_directory(0) / "mpzero_engine.json";
+  nlohmann::json record;
+  try {
+    std::ifstream in(meta_path);
+    record = nlohmann::json::parse(in).at("tensor_parallel");
+  } catch (const std::exception& e) {
+    fail(who + ": " + quoted(meta_path) + " has no readable \"tensor_parallel\" record (" + e.what() +
+         "); the checkpoint is corrupt");
+  }
+  const detail::engine_meta meta = detail::read_engine_meta(who, meta_path);
+  const config c = parse_config(nlohmann::json{{"train_micro_batch_size_per_gpu", 1}, {"tensor_parallel", record.at("config")}},
+                                static_cast<int>(tp));
+  const auto shapes = record.at("shapes").get<std::vector<std::vector<std::int64_t>>>();
+  std::vector<std::string> names;
+  for (const auto& p : meta.params) names.push_back(p.name);
+  const std::vector<tp_param_plan> plan = plan_tensor_parallel(c.tensor_parallel, names, shapes);
+  std::unordered_map<std::string, std::size_t> index;
+  for (std::size_t i = 0; i < meta.params.size(); ++i) {
+    index.emplace(meta.params[i].name, i);
+    for (const std::string& a : meta.params[i].aliases) index.emplace(a, i);
+  }
+  ::torch::OrderedDict<std::string, ::torch::Tensor> out;
+  for (const auto& item : parts[0]) {
+    const auto it = index.find(item.key());
+    if (it == index.end() || plan[it->second].type == tp_partition::skip) {
+      out.insert(item.key(), item.value());
+      continue;
+    }
+    const std::size_t i = it->second;
+    ::torch::Tensor whole = ::torch::empty({c10::multiply_integers(shapes[i])}, ::torch::kFloat);
+    for (std::uint64_t r = 0; r < tp; ++r) {
+      const ::torch::Tensor slice = parts[r][item.key()].reshape({-1});
+      std::int64_t at = 0;
+      for (const auto& [first, n] : tp_shard_runs(plan[i], tp, r)) {
+        whole.narrow(0, first, n).copy_(slice.narrow(0, at, n));
+        at += n;
+      }
+    }
+    out.insert(item.key(), whole.reshape(shapes[i]));
+  }
+  return out;
+}
+
+}  // namespace
+
 ::torch::OrderedDict<std::string, ::torch::Tensor> fp32_state_dict_from_checkpoint(const std::string& checkpoint_dir,
                                                                                    const std::string& tag) {
   const fs::path dir = checkpoint_path(checkpoint_dir, tag);
+  if (const std::uint64_t tp = detail::saved_tensor_parallel_size(dir); tp > 1) return join_tensor_parallel(dir, tp);
   const fs::path meta_path = dir / "mpzero_engine.json", module_path = dir / "model_states.pt";
   const detail::engine_meta meta = detail::read_engine_meta(who, meta_path);
 
