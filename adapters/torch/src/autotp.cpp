@@ -2,14 +2,18 @@
 #include <mpzero/torch/autotp.hpp>
 
 #include <algorithm>
+#include <filesystem>
+#include <memory>
 #include <array>
 #include <cctype>
 #include <cstdint>
 #include <numeric>
 #include <regex>
 #include <string>
+#include <type_traits>
 
 #include <mpzero/torch/config.hpp>
+#include <mpzero/zero/checkpoint.hpp>
 
 namespace mpzero::torch {
 
@@ -303,6 +307,87 @@ std::vector<std::pair<std::int64_t, std::int64_t>> tp_shard_runs(const tp_param_
     }
   }
   return runs;
+}
+
+std::string tp_checkpoint_directory(std::uint64_t rank) { return "tp_rank_" + std::to_string(rank); }
+
+std::uint64_t saved_tensor_parallel_size(const std::filesystem::path& tag_dir) {
+  std::uint64_t n = 0;
+  std::error_code ec;
+  while (std::filesystem::exists(tag_dir / tp_checkpoint_directory(n), ec)) ++n;
+  return n == 0 ? 1 : n;
+}
+
+void reshard_tensor_parallel(const std::filesystem::path& tag_dir, std::uint64_t saved_tp,
+                             std::span<const tp_param_plan> saved, std::uint64_t new_tp, std::uint64_t rank,
+                             std::span<const tp_param_plan> now, const std::filesystem::path& out_dir) {
+  const std::string who = "load_checkpoint (at tensor-parallel size " + std::to_string(new_tp) + ")";
+  std::vector<std::unique_ptr<checkpoint::shard_set>> sets;
+  for (std::uint64_t r = 0; r < saved_tp; ++r) {
+    sets.push_back(std::make_unique<checkpoint::shard_set>(
+        saved_tp == 1 ? tag_dir : tag_dir / tp_checkpoint_directory(r), who));
+  }
+  const checkpoint::shard_header& h0 = sets[0]->first();
+  for (const auto& set : sets) {
+    const checkpoint::shard_header& h = set->first();
+    if (h.steps != h0.steps || h.n_states != h0.n_states || h.param != h0.param ||
+        h.master != h0.master || h.state != h0.state || h.has_master != h0.has_master ||
+        h.numels.size() != saved.size()) {
+      mpzero::detail::throw_invalid(who + ": the tensor-parallel ranks' files in " + checkpoint::detail::quoted(tag_dir) +
+                                    " are not of one save (steps, dtypes or parameters differ); load a "
+                                    "checkpoint whose save completed");
+    }
+  }
+  const int arrays = 1 + (h0.has_master ? 1 : 0) + static_cast<int>(h0.n_states);
+  // Per parameter and array: this rank's new slice, as bytes of the stored dtype.
+  std::vector<std::vector<std::vector<unsigned char>>> slices(now.size());
+  checkpoint::shard_header out = h0;
+  out.rank = 0;
+  out.world = 1;
+  out.files = 1;
+  out.numels.clear();
+  out.records.clear();
+  for (std::size_t i = 0; i < now.size(); ++i) {
+    const std::int64_t whole_n = product(now[i].view);
+    std::int64_t mine = 0;
+    for (const auto& [first, n] : tp_shard_runs(now[i], new_tp, rank)) mine += n;
+    if (now[i].type == tp_partition::skip) mine = whole_n;
+    out.numels.push_back(static_cast<std::uint64_t>(mine));
+    slices[i].resize(static_cast<std::size_t>(arrays));
+    for (int a = 0; a < arrays; ++a) {
+      visit_dtype(h0.array_dtype(a), [&]<class S>(S*) {
+        std::vector<S> whole(static_cast<std::size_t>(whole_n));
+        for (std::uint64_t r = 0; r < saved_tp; ++r) {
+          if (saved[i].type == tp_partition::skip && r > 0) break;  // replicated: rank 0's
+          checkpoint::shard_set& set = *sets[r];
+          const std::uint64_t n = set.first().numels[i];
+          std::vector<S> part(static_cast<std::size_t>(n));
+          set.for_each_run(i, 0, n, [&](const checkpoint::shard_set::run& run) {
+            set.read(run, a, [&](const auto* src, std::uint64_t k) {
+              // The array's stored dtype: every file of the save has the same (checked above).
+              if constexpr (std::is_same_v<std::remove_cvref_t<decltype(*src)>, S>) {
+                std::copy_n(src, k, part.begin() + static_cast<std::ptrdiff_t>(run.at));
+              }
+            });
+          });
+          std::int64_t at = 0;
+          for (const auto& [first, len] : tp_shard_runs(saved[i], saved_tp, r)) {
+            std::copy_n(part.begin() + at, len, whole.begin() + first);
+            at += len;
+          }
+        }
+        std::vector<unsigned char>& bytes = slices[i][static_cast<std::size_t>(a)];
+        bytes.resize(static_cast<std::size_t>(mine) * sizeof(S));
+        auto* dst = reinterpret_cast<S*>(bytes.data());
+        for (const auto& [first, len] : tp_shard_runs(now[i], new_tp, rank)) dst = std::copy_n(whole.begin() + first, len, dst);
+      });
+    }
+    if (mine > 0) out.records.push_back({i, 0, static_cast<std::uint64_t>(mine), 0});
+  }
+  std::filesystem::create_directories(out_dir);
+  checkpoint::write_shard(checkpoint::shard_path(out_dir, 0), out, [&](std::size_t k, auto&& put) {
+    for (const auto& bytes : slices[out.records[k].param]) put(bytes.data(), bytes.size());
+  });
 }
 
 }  // namespace mpzero::torch

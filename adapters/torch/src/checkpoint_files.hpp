@@ -24,6 +24,8 @@
 #include <vector>
 
 #include <ATen/core/Dict.h>
+#include <mpzero/torch/autotp.hpp>
+#include <mpzero/torch/config.hpp>
 #include <ATen/core/ivalue.h>
 #include <c10/util/ArrayRef.h>
 #include <caffe2/serialize/inline_container.h>
@@ -300,15 +302,37 @@ struct engine_meta {
   nlohmann::json param_groups;  // the engine's param_group_record() at the save; null without groups
 };
 
-// AutoTP: the directory of tensor-parallel rank r's files inside a checkpoint's tag.
-inline std::string tp_directory(int r) { return "tp_rank_" + std::to_string(r); }
-
-// The tensor-parallel size a checkpoint <load_dir>/<tag> was saved with: 1 without
-// tensor-parallel directories.
-inline std::uint64_t saved_tensor_parallel_size(const fs::path& tag_dir) {
-  std::uint64_t n = 0;
-  while (fs::exists(tag_dir / tp_directory(static_cast<int>(n)))) ++n;
-  return n == 0 ? 1 : n;
+// AutoTP: the partition plan and the whole parameters' shapes of the save in `tag_dir`
+// made at tensor-parallel size `saved_tp`, for its trainable parameters (its engine
+// file's, read from tp_rank_0/); at size 1, every parameter whole.
+struct saved_tp_layout {
+  std::vector<std::string> names;
+  std::vector<std::vector<std::int64_t>> shapes;
+  std::vector<tp_param_plan> plan;
+};
+inline engine_meta read_engine_meta(const std::string& who, const fs::path& path);
+inline saved_tp_layout read_saved_tp_layout(const std::string& who, const fs::path& tag_dir, std::uint64_t saved_tp) {
+  saved_tp_layout out;
+  const fs::path meta_path = (saved_tp > 1 ? tag_dir / tp_checkpoint_directory(0) : tag_dir) / "mpzero_engine.json";
+  const engine_meta meta = read_engine_meta(who, meta_path);
+  for (const auto& p : meta.params) out.names.push_back(p.name);
+  tensor_parallel_config whole;  // autotp_size 1: every parameter replicated
+  if (saved_tp == 1) {
+    for (const auto& p : meta.params) out.shapes.push_back(p.shape);
+    out.plan = plan_tensor_parallel(whole, out.names, out.shapes);
+    return out;
+  }
+  try {
+    const nlohmann::json record = nlohmann::json::parse(read_text(who, meta_path, "the engine state")).at("tensor_parallel");
+    out.shapes = record.at("shapes").get<std::vector<std::vector<std::int64_t>>>();
+    const config c = parse_config(nlohmann::json{{"train_micro_batch_size_per_gpu", 1}, {"tensor_parallel", record.at("config")}},
+                                  static_cast<int>(saved_tp));
+    out.plan = plan_tensor_parallel(c.tensor_parallel, out.names, out.shapes);
+  } catch (const nlohmann::json::exception& e) {
+    fail(who + ": " + quoted(meta_path) + " has no readable \"tensor_parallel\" record (" + e.what() +
+         "); the checkpoint is corrupt");
+  }
+  return out;
 }
 
 inline engine_meta read_engine_meta(const std::string& who, const fs::path& path) {

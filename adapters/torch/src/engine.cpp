@@ -34,6 +34,7 @@
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
+#include <unistd.h>
 #include <utility>
 
 #include <mpzero/torch/lr_schedule.hpp>
@@ -585,8 +586,11 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
 
   // ---- agreement between the ranks ------------------------------------------------------
   // The n values at v become their largest over the ranks (collective).
+  // With AutoTP over the whole world: a tensor-parallel group's ranks run one sequence of
+  // collectives, and one rank's failure must stop them all.
   void all_reduce_max(std::int32_t* v, int n) {
-    max_over_ranks(comm_, std::span<std::int32_t>(v, static_cast<std::size_t>(n)), agreement_place(comm_, this));
+    any_communicator& c = tp_comm_ ? world_comm_ : comm_;
+    max_over_ranks(c, std::span<std::int32_t>(v, static_cast<std::size_t>(n)), agreement_place(c, this));
   }
   // Runs `local` on this rank; every rank then learns whether any failed.
   template <class F>
@@ -647,6 +651,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   // AutoTP (cfg_.tensor_parallel): this rank's tensor-parallel group (from start()), each
   // managed parameter's split, and the shapes of the whole parameters.
   std::optional<any_communicator> tp_comm_;
+  any_communicator world_comm_;  // AutoTP: every rank (comm_ is then the data-parallel group)
   std::vector<tp_param_plan> tp_plan_;
   std::vector<std::vector<std::int64_t>> full_shapes_;
   // AutoTP's start: every rank takes rank 0's values of the whole parameters, frozen
@@ -1549,6 +1554,7 @@ void engine_state::start_tensor_parallel() {
     params_[k].set_data(::torch::cat(pieces).reshape(shapes_[k]).to(t.scalar_type()));
   }
   tp_comm_.emplace(std::move(tp_group));
+  world_comm_ = comm_;
   comm_ = std::move(dp_group);
 }
 
@@ -2155,7 +2161,7 @@ void engine_checkpoints::save(const std::string& save_dir, const std::string& ta
                      "tag '" + tag + "', save_latest " + (save_latest ? "true" : "false"));
   // AutoTP: each tensor-parallel rank's files (its slices, over its data-parallel group)
   // in a directory of their own.
-  const fs::path dir = e_.tp_comm_ ? fs::path(save_dir) / tag / detail::tp_directory(e_.tp_comm_->rank())
+  const fs::path dir = e_.tp_comm_ ? fs::path(save_dir) / tag / tp_checkpoint_directory(static_cast<std::uint64_t>(e_.tp_comm_->rank()))
                                    : fs::path(save_dir) / tag;
   e_.agree("save_checkpoint", "nothing was saved", [&] {
     check_tag("engine.save_checkpoint", tag);
@@ -2183,7 +2189,10 @@ void engine_checkpoints::save(const std::string& save_dir, const std::string& ta
   });
   if (save_latest) {
     e_.agree("save_checkpoint", "the checkpoint is complete, but 'latest' does not name it", [&] {
-      if (e_.comm_.rank() == 0) write_atomically(fs::path(save_dir) / "latest", tag);
+      // One writer in the world (with AutoTP, the agreement above spans every rank, so
+      // every tensor-parallel rank's files are complete by now).
+      if (e_.comm_.rank() == 0 && (!e_.tp_comm_ || e_.tp_comm_->rank() == 0))
+        write_atomically(fs::path(save_dir) / "latest", tag);
     });
   }
 }
@@ -2216,17 +2225,32 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
     if (all) return std::nullopt;  // nothing saved there yet, as DeepSpeed
   }
   e_.same_on_every_rank("load_checkpoint", "tags", tag, "'" + tag + "', from 'latest'");
+  // AutoTP: this tensor-parallel rank's files; a save at another tensor-parallel size is
+  // resharded first into a shard file of this rank's slices (its engine file and module
+  // states are tensor-parallel rank 0's: their entries that the load reads are whole).
   const std::uint64_t tp = e_.tp_comm_ ? static_cast<std::uint64_t>(e_.tp_comm_->size()) : 1;
-  const fs::path dir = tp > 1 ? root / tag / detail::tp_directory(e_.tp_comm_->rank()) : root / tag;
-  e_.agree("load_checkpoint", "nothing was loaded", [&] {
-    const std::uint64_t saved = detail::saved_tensor_parallel_size(root / tag);
-    if (saved != tp) {
-      fail("engine.load_checkpoint: " + quoted(root / tag) + " was saved with tensor_parallel.autotp_size " +
-           std::to_string(saved) + " and this engine has " + std::to_string(tp) +
-           ": load it at that tensor-parallel size (the data-parallel size may differ), or export its whole fp32 "
-           "weights with mpzero_zero_to_fp32 (fp32_state_dict_from_checkpoint), which joins the slices");
+  const std::uint64_t tp_rank = e_.tp_comm_ ? static_cast<std::uint64_t>(e_.tp_comm_->rank()) : 0;
+  std::uint64_t saved_tp = 1;
+  e_.agree("load_checkpoint", "nothing was loaded", [&] { saved_tp = saved_tensor_parallel_size(root / tag); });
+  const bool reshard = saved_tp != tp;
+  if (reshard && module_only) {
+    fail("engine.load_checkpoint: " + quoted(root / tag) + " was saved at tensor-parallel size " +
+         std::to_string(saved_tp) + " and this engine's is " + std::to_string(tp) +
+         "; load_module_only needs the same size (a full load reshards)");
+  }
+  const fs::path dir = saved_tp > 1 ? root / tag / tp_checkpoint_directory(reshard ? 0 : tp_rank) : root / tag;
+  const fs::path resharded = fs::temp_directory_path() /
+                             ("mpzero_reshard_" + std::to_string(::getpid()) + "_" + std::to_string(tp_rank) + "_" +
+                              std::to_string(e_.comm_.rank()));
+  struct remove_dir {
+    fs::path p;
+    bool on = false;
+    ~remove_dir() {
+      std::error_code ec;
+      if (on) fs::remove_all(p, ec);
     }
-  });
+  } cleanup{resharded, reshard};
+  const fs::path core_dir = reshard ? resharded : dir;
 
   // Read and check everything before anything changes.
   struct copy {
@@ -2249,7 +2273,22 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
            " trainable parameters; this engine has " + std::to_string(e_.params_.size()) +
            ". Load a checkpoint of this model");
     }
-    for (std::size_t i = 0; !module_only && i < e_.params_.size(); ++i) {
+    if (reshard) {
+      // The whole parameters must be this model's; their slices then follow from both plans.
+      const detail::saved_tp_layout layout = detail::read_saved_tp_layout("engine.load_checkpoint", root / tag, saved_tp);
+      const auto& whole = tp > 1 ? e_.full_shapes_ : e_.shapes_;
+      for (std::size_t i = 0; i < e_.params_.size(); ++i) {
+        if (layout.names[i] != e_.names_[i] || layout.shapes[i] != whole[i]) {
+          fail("engine.load_checkpoint: trainable parameter " + std::to_string(i) + " is '" + layout.names[i] +
+               "' of shape " + shape_of(layout.shapes[i]) + " (whole) in " + quoted(root / tag) + ", '" +
+               e_.names_[i] + "' of shape " + shape_of(whole[i]) + " here. Load a checkpoint of this model");
+        }
+      }
+      tensor_parallel_config one;
+      const std::vector<tp_param_plan> now = tp > 1 ? e_.tp_plan_ : plan_tensor_parallel(one, e_.names_, e_.shapes_);
+      reshard_tensor_parallel(root / tag, saved_tp, layout.plan, tp, tp_rank, now, resharded);
+    }
+    for (std::size_t i = 0; !module_only && !reshard && i < e_.params_.size(); ++i) {
       const auto& saved_param = meta.params[i];
       if (saved_param.name != e_.names_[i] || saved_param.shape != e_.shapes_[i]) {
         fail("engine.load_checkpoint: trainable parameter " + std::to_string(i) + " is '" + saved_param.name +
@@ -2265,7 +2304,7 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
     saved_groups = meta.param_groups;
 
     if (!module_only) {
-      const fs::path shard = checkpoint::shard_path(dir, 0);
+      const fs::path shard = checkpoint::shard_path(core_dir, 0);
       std::ifstream in;
       if (checkpoint::read_header(in, shard).save_id != meta.save_id) {
         detail::different_saves("engine.load_checkpoint", meta_path, shard);
@@ -2297,7 +2336,8 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
       const at::IntArrayRef shape = managed != e_.index_.end() ? at::IntArrayRef(e_.shapes_[managed->second])
                                     : part != nullptr          ? at::IntArrayRef(part->shape)
                                                                : like.sizes();
-      if (it->second.sizes() != shape) {
+      // (Resharded, a managed parameter's entry is a slice of another size; it is not read.)
+      if (it->second.sizes() != shape && !(reshard && managed != e_.index_.end())) {
         fail("engine.load_checkpoint: '" + name + "' has shape " + shape_of(it->second.sizes()) + " in " + quoted(module_path) +
              " and " + shape_of(shape) + " here. Load a checkpoint of this model");
       }
@@ -2334,7 +2374,7 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
       e_.core_->load_param(i, v.data_ptr<float>(), dtype::fp32);
     }
   } else {
-    e_.core_->load_checkpoint(dir.string());  // collective; throws on every rank, changing nothing, if any rank fails
+    e_.core_->load_checkpoint(core_dir.string());  // collective; throws on every rank, changing nothing, if any rank fails
     e_.global_steps_ = counters[0];
     e_.micro_steps_ = counters[1];
     e_.skipped_steps_ = counters[2];

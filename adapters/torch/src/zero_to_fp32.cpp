@@ -54,23 +54,11 @@ namespace {
 ::torch::OrderedDict<std::string, ::torch::Tensor> join_tensor_parallel(const fs::path& dir, std::uint64_t tp) {
   std::vector<::torch::OrderedDict<std::string, ::torch::Tensor>> parts;
   for (std::uint64_t r = 0; r < tp; ++r)
-    parts.push_back(fp32_state_dict_from_checkpoint(dir.string(), detail::tp_directory(static_cast<int>(r))));
-  const fs::path meta_path = dir / detail::tp_directory(0) / "mpzero_engine.json";
-  nlohmann::json record;
-  try {
-    std::ifstream in(meta_path);
-    record = nlohmann::json::parse(in).at("tensor_parallel");
-  } catch (const std::exception& e) {
-    fail(who + ": " + quoted(meta_path) + " has no readable \"tensor_parallel\" record (" + e.what() +
-         "); the checkpoint is corrupt");
-  }
-  const detail::engine_meta meta = detail::read_engine_meta(who, meta_path);
-  const config c = parse_config(nlohmann::json{{"train_micro_batch_size_per_gpu", 1}, {"tensor_parallel", record.at("config")}},
-                                static_cast<int>(tp));
-  const auto shapes = record.at("shapes").get<std::vector<std::vector<std::int64_t>>>();
-  std::vector<std::string> names;
-  for (const auto& p : meta.params) names.push_back(p.name);
-  const std::vector<tp_param_plan> plan = plan_tensor_parallel(c.tensor_parallel, names, shapes);
+    parts.push_back(fp32_state_dict_from_checkpoint(dir.string(), tp_checkpoint_directory(r)));
+  const detail::saved_tp_layout layout = detail::read_saved_tp_layout(who, dir, tp);
+  const detail::engine_meta meta = detail::read_engine_meta(who, dir / tp_checkpoint_directory(0) / "mpzero_engine.json");
+  const auto& plan = layout.plan;
+  const auto& shapes = layout.shapes;
   std::unordered_map<std::string, std::size_t> index;
   for (std::size_t i = 0; i < meta.params.size(); ++i) {
     index.emplace(meta.params[i].name, i);
@@ -103,7 +91,7 @@ namespace {
 ::torch::OrderedDict<std::string, ::torch::Tensor> fp32_state_dict_from_checkpoint(const std::string& checkpoint_dir,
                                                                                    const std::string& tag) {
   const fs::path dir = checkpoint_path(checkpoint_dir, tag);
-  if (const std::uint64_t tp = detail::saved_tensor_parallel_size(dir); tp > 1) return join_tensor_parallel(dir, tp);
+  if (const std::uint64_t tp = saved_tensor_parallel_size(dir); tp > 1) return join_tensor_parallel(dir, tp);
   const fs::path meta_path = dir / "mpzero_engine.json", module_path = dir / "model_states.pt";
   const detail::engine_meta meta = detail::read_engine_meta(who, meta_path);
 

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <filesystem>
 #include <span>
 #include <string>
 #include <string_view>
@@ -89,5 +90,23 @@ std::vector<tp_param_plan> plan_tensor_parallel(const tensor_parallel_config& c,
 // own row-major layout. One run {0, numel} for a replicated parameter.
 std::vector<std::pair<std::int64_t, std::int64_t>> tp_shard_runs(const tp_param_plan& p, std::uint64_t tp_size,
                                                                   std::uint64_t rank);
+
+// ---- checkpoints ----------------------------------------------------------------------
+// An AutoTP checkpoint keeps tensor-parallel rank r's files (its data-parallel group's
+// shard files, its engine file and module states) in <tag>/tp_rank_<r>/.
+std::string tp_checkpoint_directory(std::uint64_t rank);
+// The tensor-parallel size the save in `tag_dir` was made at: 1 without such directories.
+std::uint64_t saved_tensor_parallel_size(const std::filesystem::path& tag_dir);
+
+// The shard files of the save in `tag_dir`, at another tensor-parallel size: joins the
+// `saved_tp` ranks' slices (cut by the `saved` plans) and writes into `out_dir` one shard
+// file (world size 1) with rank `rank` of `new_tp`'s slices (cut by the `now` plans):
+// parameters, master weights and optimizer states in their stored dtypes, the step count
+// and the loss scaler, under the save's id. A ZeRO core of any data-parallel size then
+// loads it. Needs host memory for one whole parameter's arrays at a time. Throws
+// mpzero::invalid_argument naming the file for a corrupt or mixed set.
+void reshard_tensor_parallel(const std::filesystem::path& tag_dir, std::uint64_t saved_tp,
+                             std::span<const tp_param_plan> saved, std::uint64_t new_tp, std::uint64_t rank,
+                             std::span<const tp_param_plan> now, const std::filesystem::path& out_dir);
 
 }  // namespace mpzero::torch
