@@ -592,6 +592,16 @@ bool parse_autocast(const json& j, config& c) {
   return r.has("dtype");
 }
 
+// A pattern over parameter names must be an ECMAScript regular expression.
+void check_pattern(const std::string& where, const std::string& pat) {
+  try {
+    (void)std::regex(pat, std::regex::ECMAScript);
+  } catch (const std::regex_error& e) {
+    fail(where + ": pattern \"" + pat + "\" is not a regular expression (" + e.what() +
+         "); write an ECMAScript pattern, e.g. \"\\\\.bias$\" (escape dots)");
+  }
+}
+
 tp_layer_spec parse_layer_spec(const json& v, const std::string& p) {
   if (!v.is_object()) fail(squote(p) + " must be an object with \"patterns\" and \"partition_type\", got " + describe(v));
   check_keys(v, p, {"patterns", "partition_type", "shape", "partition_dim", "model_types"});
@@ -599,13 +609,7 @@ tp_layer_spec parse_layer_spec(const json& v, const std::string& p) {
   tp_layer_spec s;
   s.patterns = r.strings("patterns", {}, true);
   if (s.patterns.empty()) fail(squote(p + ".patterns") + " is missing or empty; give regular expressions over parameter names");
-  for (const std::string& pat : s.patterns) {
-    try {
-      (void)std::regex(pat, std::regex::ECMAScript);
-    } catch (const std::regex_error& e) {
-      fail(squote(p + ".patterns") + ": \"" + pat + "\" is not a regular expression (" + e.what() + ")");
-    }
-  }
+  for (const std::string& pat : s.patterns) check_pattern(squote(p + ".patterns"), pat);
   const std::string type = lower(r.string("partition_type", "column"));
   if (type == "column") {
     s.partition_type = tp_partition::column;
@@ -1368,14 +1372,7 @@ void check_param_groups(const std::vector<param_group>& groups) {
     if (g.patterns.empty()) {
       fail(who + " has no patterns; give regular expressions over parameter names, e.g. [\"bias$\", \"norm\"]");
     }
-    for (const std::string& pat : g.patterns) {
-      try {
-        (void)std::regex(pat, std::regex::ECMAScript);
-      } catch (const std::regex_error& e) {
-        fail(who + ": pattern \"" + pat + "\" is not a regular expression (" + e.what() +
-             "); write an ECMAScript pattern, e.g. \"\\\\.bias$\" (escape dots)");
-      }
-    }
+    for (const std::string& pat : g.patterns) check_pattern(who, pat);
     const auto check = [&](const std::optional<double>& v, const char* key) {
       if (v && (!(*v >= 0) || !std::isfinite(*v))) {
         fail(who + ": " + key + " = " + format_number(*v) + " is invalid; use a finite value >= 0, or leave it out "
