@@ -29,6 +29,7 @@
 #include <mpzero/torch/process_group.hpp>
 #include <mpzero/torch/zero_core.hpp>
 
+#include "support/mpi_process_group.hpp"
 #include "support/unused_communicator.hpp"
 
 using namespace mpzero::testing;  // mt, Tensor, json, world(), W(), R(), the reference helpers
@@ -1553,56 +1554,11 @@ TEST_CASE("torch: torch_autocast runs the engine's forward under LibTorch autoca
   engine.step();
 }
 
-namespace {
-// A c10d backend over MPI (CPU tensors, synchronous), standing in for Gloo, whose
-// headers the PyPI wheel does not ship.
-struct done_work : c10d::Work {
-  done_work() { finish(); }
-};
-MPI_Datatype mpi_type(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return MPI_FLOAT;
-    case at::kDouble: return MPI_DOUBLE;
-    case at::kInt: return MPI_INT32_T;
-    case at::kByte: return MPI_UINT8_T;
-    default: throw std::runtime_error("mpi backend: unsupported dtype");
-  }
-}
-struct mpi_backend : c10d::Backend {
-  mpi_backend() : Backend(R(), W()) {}
-  const std::string getBackendName() const override { return "test-mpi"; }
-  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& o) override {
-    for (auto& t : ts) {
-      MPI_Op op = o.reduceOp == c10d::ReduceOp::SUM ? MPI_SUM : MPI_MAX;
-      MPI_Allreduce(MPI_IN_PLACE, t.data_ptr(), static_cast<int>(t.numel()), mpi_type(t.scalar_type()), op, MPI_COMM_WORLD);
-    }
-    return c10::make_intrusive<done_work>();
-  }
-  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outs, std::vector<at::Tensor>& ins,
-                                           const c10d::AllgatherOptions&) override {
-    const auto n = static_cast<int>(ins[0].nbytes());
-    std::vector<char> all(static_cast<std::size_t>(n) * static_cast<std::size_t>(W()));
-    MPI_Allgather(ins[0].data_ptr(), n, MPI_BYTE, all.data(), n, MPI_BYTE, MPI_COMM_WORLD);
-    for (int r = 0; r < W(); ++r) std::memcpy(outs[0][r].data_ptr(), all.data() + static_cast<std::size_t>(r) * n, n);
-    return c10::make_intrusive<done_work>();
-  }
-  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& ts, const c10d::BroadcastOptions& o) override {
-    for (auto& t : ts) MPI_Bcast(t.data_ptr(), static_cast<int>(t.nbytes()), MPI_BYTE, static_cast<int>(o.rootRank), MPI_COMM_WORLD);
-    return c10::make_intrusive<done_work>();
-  }
-  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
-    MPI_Barrier(MPI_COMM_WORLD);
-    return c10::make_intrusive<done_work>();
-  }
-};
-}  // namespace
 
 TEST_CASE("torch: a c10d ProcessGroup as the communicator", "[torch]") {
   const int stage = GENERATE(0, 1, 2);
   INFO(label(stage, "bf16") << ", c10d");
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(R(), W());
-  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, c10::make_intrusive<mpi_backend>());
-  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+  auto pg = mpi_process_group(MPI_COMM_WORLD);
   // Rank 0's initial values win: give the other ranks a different seed.
   auto engine = mt::initialize(Net(R() == 0 ? 41 : 99), make_config(stage, "bf16"), mt::process_group_communicator(pg));
   CHECK(engine.world_size() == W());
@@ -1721,8 +1677,6 @@ TEST_CASE("torch: a communicator bound to another CUDA device than the parameter
                         Catch::Contains("communicator 'nccl-on-1' works on CUDA device 1") &&
                         Catch::Contains("cudaSetDevice(0)"));
   // A c10d group on the CPU is tied to no CUDA device.
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(R(), W());
-  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, c10::make_intrusive<mpi_backend>());
-  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+  auto pg = mpi_process_group(MPI_COMM_WORLD);
   CHECK(mt::process_group_communicator(pg).base().cuda_device() == -1);
 }

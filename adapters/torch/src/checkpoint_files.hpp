@@ -306,9 +306,12 @@ struct engine_meta {
 // made at tensor-parallel size `saved_tp`, for its trainable parameters (its engine
 // file's, read from tp_rank_0/); at size 1, every parameter whole.
 struct saved_tp_layout {
-  std::vector<std::string> names;
+  std::vector<std::string> names;  // the trainable parameters'
   std::vector<std::vector<std::int64_t>> shapes;
   std::vector<tp_param_plan> plan;
+  // The frozen floating parameters' (after the trainable ones in plan_all), by name.
+  std::vector<std::string> frozen_names;
+  std::vector<tp_param_plan> plan_all;  // names, then frozen_names
 };
 inline engine_meta read_engine_meta(const std::string& who, const fs::path& path);
 inline saved_tp_layout read_saved_tp_layout(const std::string& who, const fs::path& tag_dir, std::uint64_t saved_tp) {
@@ -320,6 +323,7 @@ inline saved_tp_layout read_saved_tp_layout(const std::string& who, const fs::pa
   if (saved_tp == 1) {
     for (const auto& p : meta.params) out.shapes.push_back(p.shape);
     out.plan = plan_tensor_parallel(whole, out.names, out.shapes);
+    out.plan_all = out.plan;
     return out;
   }
   try {
@@ -327,7 +331,16 @@ inline saved_tp_layout read_saved_tp_layout(const std::string& who, const fs::pa
     out.shapes = record.at("shapes").get<std::vector<std::vector<std::int64_t>>>();
     const config c = parse_config(nlohmann::json{{"train_micro_batch_size_per_gpu", 1}, {"tensor_parallel", record.at("config")}},
                                   static_cast<int>(saved_tp));
-    out.plan = plan_tensor_parallel(c.tensor_parallel, out.names, out.shapes);
+    std::vector<std::string> names = out.names;
+    std::vector<std::vector<std::int64_t>> shapes = out.shapes;
+    for (const auto& f : record.value("frozen", nlohmann::json::array())) {
+      out.frozen_names.push_back(f.at(0).get<std::string>());
+      names.push_back(out.frozen_names.back());
+      shapes.push_back(f.at(1).get<std::vector<std::int64_t>>());
+    }
+    out.plan_all = plan_tensor_parallel(c.tensor_parallel, names, shapes);
+    out.plan.assign(out.plan_all.begin(), out.plan_all.begin() + static_cast<std::ptrdiff_t>(out.names.size()));
+    return out;
   } catch (const nlohmann::json::exception& e) {
     fail(who + ": " + quoted(meta_path) + " has no readable \"tensor_parallel\" record (" + e.what() +
          "); the checkpoint is corrupt");

@@ -346,9 +346,17 @@ class engine_checkpoints {
  private:
   nlohmann::json engine_json(const std::string& tag, const nlohmann::json& client_state, std::uint64_t save_id) const;
   // The module's parameters, then its buffers, by name, each as a placeholder that
+  // AutoTP, a load at another tensor-parallel size: `saved` (tensor-parallel rank 0's
+  // entries of the save in tag_dir) becomes this rank's: each entry the save split is
+  // joined from every saved rank's file, and each one this engine splits is cut to its slice.
+  void reshard_module_states(const fs::path& tag_dir, std::uint64_t saved_tp, const detail::saved_tp_layout& layout,
+                             std::unordered_map<std::string, ::torch::Tensor>& saved,
+                             const std::function<bool(const std::string&)>& wanted);
   // fetch() turns into its values (detail::write_torch_file), so that a save holds one
   // tensor at a time: at ZeRO-3 a partitioned parameter is gathered for it, then released.
-  std::vector<std::pair<std::string, at::Tensor>> module_tensors();
+  // whole: AutoTP's split parameters joined from the tensor-parallel ranks' slices
+  // (save_16bit_model); otherwise this rank's slices (a checkpoint's tp_rank_<r> files).
+  std::vector<std::pair<std::string, at::Tensor>> module_tensors(bool whole = false);
   c10::IValue module_states(std::uint64_t save_id);
   // Collective: every rank fetches every tensor in file order; rank 0 gets the values
   // (on the CPU), the others an undefined tensor.
@@ -357,7 +365,9 @@ class engine_checkpoints {
   struct source {
     at::Tensor tensor;        // what the module holds
     std::ptrdiff_t gathered;  // ZeRO-3: its zero3_gatherer index when partitioned, else -1
+    const tp_param_plan* tp = nullptr;  // AutoTP, whole: the split to join the slices by
   };
+  bool world_writer_ = false;  // fetch's values go to rank 0 of the world, not of comm_
   std::unordered_map<const c10::StorageImpl*, source> sources_;  // by placeholder, during a save
 
   engine_state& e_;
@@ -484,6 +494,7 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
     {
       std::lock_guard<std::mutex> lock(frozen_owners_mutex);
       for (const auto& [impl, f] : frozen_shards_.index_) frozen_owners.erase(impl);
+      for (const auto& [impl, f] : tp_frozen_) frozen_owners.erase(impl);
     }
     for (std::size_t i : std::exchange(z3_.outside_armed_, {})) {
       try {
@@ -654,6 +665,38 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   any_communicator world_comm_;  // AutoTP: every rank (comm_ is then the data-parallel group)
   std::vector<tp_param_plan> tp_plan_;
   std::vector<std::vector<std::int64_t>> full_shapes_;
+  // {tensor-parallel, data-parallel} groups the program made (parallel_groups), until start().
+  std::optional<std::pair<any_communicator, any_communicator>> given_groups_;
+  // Refuses given groups that do not form a grid over the world (collective over comm_, the world).
+  void check_given_groups();
+  // The frozen floating parameters a spec splits too (by tensor), with their whole shapes.
+  struct tp_frozen {
+    std::string name;
+    tp_param_plan plan;
+    std::vector<std::int64_t> whole;
+  };
+  std::unordered_map<const c10::TensorImpl*, tp_frozen> tp_frozen_;
+  // Every frozen floating parameter's name and whole shape, for the plan a load at another
+  // tensor-parallel size rebuilds: [[name, shape], ...].
+  nlohmann::json tp_frozen_record_ = nlohmann::json::array();
+  // Rank 0 of the world writes what is one file for every rank.
+  int world_rank() const { return tp_comm_ ? world_comm_.rank() : comm_.rank(); }
+  // AutoTP: how parameter t (trainable or frozen) is split, or nullptr (replicated, or no AutoTP).
+  const tp_param_plan* tp_split_of(const ::torch::Tensor& t) const {
+    if (!tp_comm_) return nullptr;
+    if (const auto m = index_.find(t.unsafeGetTensorImpl()); m != index_.end())
+      return tp_plan_[m->second].type == tp_partition::skip ? nullptr : &tp_plan_[m->second];
+    const auto f = tp_frozen_.find(t.unsafeGetTensorImpl());
+    return f == tp_frozen_.end() ? nullptr : &f->second.plan;
+  }
+  // Its whole shape (of a split parameter).
+  const std::vector<std::int64_t>& tp_whole_shape(const ::torch::Tensor& t) const {
+    if (const auto m = index_.find(t.unsafeGetTensorImpl()); m != index_.end()) return full_shapes_[m->second];
+    return tp_frozen_.at(t.unsafeGetTensorImpl()).whole;
+  }
+  // The whole values of a split parameter from the tensor-parallel ranks' slices `mine`
+  // (collective over the tensor-parallel group): flat, on the CPU, in mine's dtype.
+  ::torch::Tensor tp_join(const tp_param_plan& p, const ::torch::Tensor& mine);
   // AutoTP's start: every rank takes rank 0's values of the whole parameters, frozen
   // parameters and floating buffers over the world, and keeps its slice of each split
   // parameter; the core is then made over the data-parallel group.
@@ -664,16 +707,9 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   nlohmann::json tensor_parallel_record() const {
     if (!tp_comm_) return nullptr;
     return {{"config", to_json(cfg_).at("tensor_parallel")}, {"rank", tp_comm_->rank()}, {"size", tp_comm_->size()},
-            {"shapes", full_shapes_}};
+            {"shapes", full_shapes_}, {"frozen", tp_frozen_record_}};
   }
-  void require_no_tensor_parallel(const char* who) const {
-    if (tp_comm_) {
-      fail("engine." + std::string(who) + ": not available with tensor_parallel (autotp_size " +
-           std::to_string(cfg_.tensor_parallel.autotp_size) +
-           ") yet: it reads or writes whole parameters; save_checkpoint and load_checkpoint keep the slices, and "
-           "mpzero_zero_to_fp32 joins them into whole fp32 weights");
-    }
-  }
+
   std::shared_ptr<::torch::nn::Module> module_;
   std::unique_ptr<zero_core> core_;
   std::vector<::torch::Tensor> params_;
@@ -1253,6 +1289,7 @@ std::pair<std::string, std::string> engine_state::prepare() {
   // The trainable parameters, once each (tied weights appear under several names).
   std::unordered_set<const c10::TensorImpl*> seen;
   std::vector<::torch::Tensor> frozen;
+  std::vector<std::string> frozen_names;
   std::vector<std::pair<std::string, ::torch::Tensor>> kept;  // frozen, not floating: left as they are
   std::string first_name;
   // Frozen floating parameters and floating buffers take rank 0's values at start(),
@@ -1276,6 +1313,7 @@ std::pair<std::string, std::string> engine_state::prepare() {
         check_copyable("frozen parameter", item.key(), p);
         take_built(item.key(), p);
         frozen.push_back(p);
+        frozen_names.push_back(item.key());
       } else {
         kept.emplace_back(item.key(), p);
       }
@@ -1309,6 +1347,23 @@ std::pair<std::string, std::string> engine_state::prepare() {
     shapes_.push_back(take_built(item.key(), p) ? built_.at(p.unsafeGetTensorImpl()).shape : p.sizes().vec());
   }
 
+  if (given_groups_) {
+    const any_communicator &tpg = given_groups_->first, &dpg = given_groups_->second;
+    const std::string sizes = "the tensor-parallel group given ('" + tpg.name() + "') has " + std::to_string(tpg.size()) +
+                              " ranks and the data-parallel group ('" + dpg.name() + "') " + std::to_string(dpg.size());
+    if (!cfg_.tensor_parallel.enabled()) {
+      fail("initialize: parallel_groups were given, but tensor_parallel.autotp_size is " +
+           std::to_string(cfg_.tensor_parallel.autotp_size) +
+           "; set it to the tensor-parallel group's size, or pass the data-parallel communicator alone for data "
+           "parallelism");
+    }
+    if (static_cast<std::uint64_t>(tpg.size()) != cfg_.tensor_parallel.autotp_size ||
+        static_cast<std::uint64_t>(tpg.size()) * static_cast<std::uint64_t>(dpg.size()) != static_cast<std::uint64_t>(world)) {
+      fail("initialize: tensor_parallel.autotp_size is " + std::to_string(cfg_.tensor_parallel.autotp_size) + " and the world has " +
+           std::to_string(world) + " ranks, but " + sizes +
+           "; pass groups of autotp_size and world / autotp_size ranks");
+    }
+  }
   if (cfg_.tensor_parallel.enabled()) {
     if (!built_.empty()) fail("tensor_parallel with a model built under zero_init: build it whole (zero_init is for ZeRO-3)");
     for (const auto& p : params_) {
@@ -1320,7 +1375,23 @@ std::pair<std::string, std::string> engine_state::prepare() {
     }
     // The split of each trainable parameter (config_error naming a bad spec); the core
     // holds the slices.
-    tp_plan_ = plan_tensor_parallel(cfg_.tensor_parallel, names_, shapes_);
+    // Frozen floating parameters are planned with them: a spec may split a frozen weight
+    // (a frozen column layer's bias follows it) and its slice is all a rank keeps.
+    std::vector<std::string> all_names = names_;
+    std::vector<std::vector<std::int64_t>> all_shapes = shapes_;
+    for (std::size_t f = 0; f < frozen.size(); ++f) {
+      all_names.push_back(frozen_names[f]);
+      all_shapes.push_back(frozen[f].sizes().vec());
+      tp_frozen_record_.push_back({frozen_names[f], all_shapes.back()});
+    }
+    std::vector<tp_param_plan> all_plans = plan_tensor_parallel(cfg_.tensor_parallel, all_names, all_shapes);
+    for (std::size_t f = 0; f < frozen.size(); ++f) {
+      tp_param_plan& fp = all_plans[params_.size() + f];
+      if (fp.type != tp_partition::skip)
+        tp_frozen_[frozen[f].unsafeGetTensorImpl()] = {frozen_names[f], std::move(fp), all_shapes[params_.size() + f]};
+    }
+    all_plans.resize(params_.size());
+    tp_plan_ = std::move(all_plans);
     full_shapes_ = shapes_;
     for (std::size_t i = 0; i < params_.size(); ++i) shapes_[i] = tp_plan_[i].shard_shape;
   }
@@ -1531,9 +1602,155 @@ core_place engine_state::agreement_place(const any_communicator& comm, const eng
   return place;
 }
 
+namespace {
+// The whole parameter (flat) from the slices `parts[r]` that plan p gives each of
+// parts.size() tensor-parallel ranks.
+::torch::Tensor join_tp_slices(const tp_param_plan& p, const std::vector<::torch::Tensor>& parts) {
+  const auto tp = static_cast<std::uint64_t>(parts.size());
+  std::int64_t numel = 1;
+  for (const std::int64_t d : p.view) numel *= d;
+  ::torch::Tensor whole = ::torch::empty({numel}, parts[0].options());
+  for (std::uint64_t r = 0; r < tp; ++r) {
+    const ::torch::Tensor part = parts[r].reshape({-1});
+    std::int64_t at = 0;
+    for (const auto& [first, len] : tp_shard_runs(p, tp, r)) {
+      whole.narrow(0, first, len).copy_(part.narrow(0, at, len));
+      at += len;
+    }
+  }
+  return whole;
+}
+// Rank `rank`'s slice of a whole parameter, in the shard's shape.
+::torch::Tensor cut_tp_slice(const tp_param_plan& p, std::uint64_t tp, std::uint64_t rank, const ::torch::Tensor& whole) {
+  const ::torch::Tensor flat = whole.reshape({-1});
+  std::vector<::torch::Tensor> pieces;
+  for (const auto& [first, n] : tp_shard_runs(p, tp, rank)) pieces.push_back(flat.narrow(0, first, n));
+  return ::torch::cat(pieces).reshape(p.shard_shape);
+}
+}  // namespace
+
+void engine_checkpoints::reshard_module_states(const fs::path& tag_dir, std::uint64_t saved_tp,
+                                               const detail::saved_tp_layout& layout,
+                                               std::unordered_map<std::string, ::torch::Tensor>& saved,
+                                               const std::function<bool(const std::string&)>& wanted) {
+  const std::string who = "engine.load_checkpoint";
+  std::unordered_map<std::string, const tp_param_plan*> was_split;
+  for (std::size_t k = 0; k < layout.plan_all.size(); ++k) {
+    const std::string& name = k < layout.names.size() ? layout.names[k] : layout.frozen_names[k - layout.names.size()];
+    if (layout.plan_all[k].type != tp_partition::skip && saved.count(name) > 0) was_split[name] = &layout.plan_all[k];
+  }
+  if (!was_split.empty()) {
+    std::unordered_map<std::string, std::vector<::torch::Tensor>> parts;
+    for (const auto& [name, p] : was_split) parts[name].push_back(saved.at(name));
+    for (std::uint64_t r = 1; r < saved_tp; ++r) {
+      const fs::path d = tag_dir / tp_checkpoint_directory(r);
+      const detail::engine_meta meta = detail::read_engine_meta(who, d / "mpzero_engine.json");
+      const auto split_and_wanted = [&](const std::string& name) { return was_split.count(name) > 0 && wanted(name); };
+      for (auto& [name, t] :
+           detail::read_module_states(who, d / "model_states.pt", meta.save_id, d / "mpzero_engine.json", split_and_wanted))
+        parts[name].push_back(std::move(t));
+    }
+    for (auto& [name, p] : was_split) {
+      if (parts[name].size() != saved_tp) {
+        fail(who + ": '" + name + "' is split over " + std::to_string(saved_tp) + " tensor-parallel ranks in " +
+             quoted(tag_dir) + ", but only " + std::to_string(parts[name].size()) +
+             " of their model_states.pt files hold it; the checkpoint is incomplete");
+      }
+      saved[name] = join_tp_slices(*p, parts[name]);
+    }
+  }
+  if (!e_.tp_comm_) {
+    // Whole here: each joined entry takes its parameter's shape.
+    for (const auto& item : e_.module_->named_parameters(/*recurse=*/true)) {
+      const auto it = saved.find(item.key());
+      if (it == saved.end() || !was_split.count(item.key())) continue;
+      const auto m = e_.index_.find(item.value().unsafeGetTensorImpl());
+      const at::IntArrayRef shape = m != e_.index_.end() ? at::IntArrayRef(e_.shapes_[m->second]) : item.value().sizes();
+      if (it->second.numel() == c10::multiply_integers(shape)) it->second = it->second.reshape(shape);
+    }
+    return;
+  }
+  const auto tp = static_cast<std::uint64_t>(e_.tp_comm_->size()), rank = static_cast<std::uint64_t>(e_.tp_comm_->rank());
+  for (const auto& item : e_.module_->named_parameters(/*recurse=*/true)) {
+    const tp_param_plan* p = e_.tp_split_of(item.value());
+    const auto it = saved.find(item.key());
+    if (p == nullptr || it == saved.end()) continue;
+    const std::vector<std::int64_t>& whole = e_.tp_whole_shape(item.value());
+    if (it->second.numel() != c10::multiply_integers(whole)) {
+      fail(who + ": '" + item.key() + "' has " + std::to_string(it->second.numel()) + " elements (whole) in " +
+           quoted(tag_dir) + " and " + shape_of(whole) + " here. Load a checkpoint of this model");
+    }
+    it->second = cut_tp_slice(*p, tp, rank, it->second);
+  }
+}
+
+::torch::Tensor engine_state::tp_join(const tp_param_plan& p, const ::torch::Tensor& mine) {
+  const auto tp = static_cast<std::uint64_t>(tp_comm_->size());
+  // Through fp32: bf16 and fp16 widen to it exactly, so the bits come back unchanged.
+  const ::torch::Tensor part = mine.detach().to(at::kCPU, at::kFloat).contiguous().reshape({-1});
+  const auto n = static_cast<std::uint64_t>(part.numel());
+  ::torch::Tensor all = ::torch::empty({static_cast<std::int64_t>(n * tp)}, part.options());
+  const std::vector<std::uint64_t> counts(tp, n);
+  tp_comm_->base().iall_gather_v(part.data_ptr(), n, all.data_ptr(), counts, wire_dtype::f32)->wait();
+  std::vector<::torch::Tensor> parts;
+  for (std::uint64_t r = 0; r < tp; ++r) parts.push_back(all.narrow(0, static_cast<std::int64_t>(r * n), static_cast<std::int64_t>(n)));
+  return join_tp_slices(p, parts).to(mine.scalar_type());
+}
+
+void engine_state::check_given_groups() {
+  const any_communicator& tpg = given_groups_->first;
+  const any_communicator& dpg = given_groups_->second;
+  const int world = comm_.size(), me = comm_.rank(), t = tpg.rank(), d = dpg.rank();
+  // Every rank's {tensor-parallel rank, data-parallel rank}, and the world ranks of this
+  // rank's two groups, by their ranks there.
+  std::vector<std::int32_t> place(2 * static_cast<std::size_t>(world), -1), tp_members(static_cast<std::size_t>(tpg.size()), -1),
+      dp_members(static_cast<std::size_t>(dpg.size()), -1);
+  place[2 * static_cast<std::size_t>(me)] = t;
+  place[2 * static_cast<std::size_t>(me) + 1] = d;
+  tp_members[static_cast<std::size_t>(t)] = me;
+  dp_members[static_cast<std::size_t>(d)] = me;
+  max_over_ranks(comm_, std::span<std::int32_t>(place), agreement_place(comm_, this));
+  any_communicator tp_copy = tpg, dp_copy = dpg;
+  max_over_ranks(tp_copy, std::span<std::int32_t>(tp_members), agreement_place(tp_copy, this));
+  max_over_ranks(dp_copy, std::span<std::int32_t>(dp_members), agreement_place(dp_copy, this));
+  agree("initialize", "no rank made an engine", [&] {
+    const std::string groups = " (parallel_groups: tensor-parallel '" + tpg.name() + "', data-parallel '" + dpg.name() + "')";
+    for (int r = 0; r < world; ++r) {
+      for (int q = 0; q < r; ++q) {
+        if (place[2 * r] == place[2 * q] && place[2 * r + 1] == place[2 * q + 1]) {
+          fail("initialize: ranks " + std::to_string(q) + " and " + std::to_string(r) +
+               " of the world are both tensor-parallel rank " + std::to_string(place[2 * r]) + " and data-parallel rank " +
+               std::to_string(place[2 * r + 1]) + groups +
+               "; each rank needs its own place in the grid of tensor- and data-parallel ranks");
+        }
+      }
+    }
+    for (std::size_t k = 0; k < tp_members.size(); ++k) {
+      const std::int32_t w = tp_members[k];
+      if (place[2 * static_cast<std::size_t>(w) + 1] != d) {
+        fail("initialize: world rank " + std::to_string(w) + " is in the tensor-parallel group of world rank " +
+             std::to_string(me) + " but is data-parallel rank " + std::to_string(place[2 * static_cast<std::size_t>(w) + 1]) +
+             ", not " + std::to_string(d) + groups +
+             "; the ranks of a tensor-parallel group must hold the same data-parallel rank (one replica)");
+      }
+    }
+    for (std::size_t k = 0; k < dp_members.size(); ++k) {
+      const std::int32_t w = dp_members[k];
+      if (place[2 * static_cast<std::size_t>(w)] != t) {
+        fail("initialize: world rank " + std::to_string(w) + " is in the data-parallel group of world rank " +
+             std::to_string(me) + " but is tensor-parallel rank " + std::to_string(place[2 * static_cast<std::size_t>(w)]) +
+             ", not " + std::to_string(t) + groups +
+             "; the ranks of a data-parallel group must hold the same tensor-parallel rank (the same slices)");
+      }
+    }
+  });
+}
+
 void engine_state::start_tensor_parallel() {
   const auto tp = static_cast<int>(cfg_.tensor_parallel.autotp_size);
-  auto [tp_group, dp_group] = tensor_parallel_groups(comm_, tp);
+  if (given_groups_) check_given_groups();
+  auto [tp_group, dp_group] = given_groups_ ? std::move(*given_groups_) : tensor_parallel_groups(comm_, tp);
+  given_groups_.reset();
   ::torch::NoGradGuard no_grad;
   std::vector<::torch::Tensor> all = params_;
   for (const auto& t : frozen_) all.push_back(t);
@@ -1543,15 +1760,16 @@ void engine_state::start_tensor_parallel() {
     ::torch::Tensor& t = all[k];
     ::torch::Tensor whole = t.detach().to(at::kCPU, at::kFloat).contiguous();
     if (comm_.size() > 1) comm_.base().ibroadcast(whole.data_ptr(), static_cast<std::uint64_t>(whole.numel()), wire_dtype::f32, 0)->wait();
-    if (k >= params_.size() || tp_plan_[k].type == tp_partition::skip) {
+    const tp_param_plan* split = k < params_.size() ? (tp_plan_[k].type == tp_partition::skip ? nullptr : &tp_plan_[k])
+                                 : k < params_.size() + frozen_.size()
+                                     ? (tp_frozen_.count(t.unsafeGetTensorImpl()) ? &tp_frozen_.at(t.unsafeGetTensorImpl()).plan : nullptr)
+                                     : nullptr;
+    if (split == nullptr) {
       t.copy_(whole.view(t.sizes()));
       continue;
     }
-    const ::torch::Tensor flat = whole.reshape({-1});
-    std::vector<::torch::Tensor> pieces;
-    for (const auto& [first, n] : tp_shard_runs(tp_plan_[k], static_cast<std::uint64_t>(tp), static_cast<std::uint64_t>(tp_group.rank())))
-      pieces.push_back(flat.narrow(0, first, n));
-    params_[k].set_data(::torch::cat(pieces).reshape(shapes_[k]).to(t.scalar_type()));
+    t.set_data(cut_tp_slice(*split, static_cast<std::uint64_t>(tp), static_cast<std::uint64_t>(tp_group.rank()), whole)
+                   .to(t.scalar_type()));
   }
   tp_comm_.emplace(std::move(tp_group));
   world_comm_ = comm_;
@@ -1702,6 +1920,7 @@ void engine_state::bind_parameters(const std::vector<::torch::Tensor>& all, cons
   {
     std::lock_guard<std::mutex> lock(frozen_owners_mutex);
     for (const auto& [impl, f] : frozen_shards_.index_) frozen_owners[impl] = weak_from_this();
+    for (const auto& [impl, f] : tp_frozen_) frozen_owners[impl] = weak_from_this();
   }
   join_core();  // the forward reads what load_param wrote on the core's stream
 }
@@ -2051,19 +2270,23 @@ nlohmann::json engine_checkpoints::engine_json(const std::string& tag, const nlo
 
 // The module's parameters and buffers as DeepSpeed's model_states file holds them:
 // {"module": {name: tensor}, "global_steps": N}, and the save id that ties it to its shards.
-std::vector<std::pair<std::string, at::Tensor>> engine_checkpoints::module_tensors() {
+std::vector<std::pair<std::string, at::Tensor>> engine_checkpoints::module_tensors(bool whole) {
   sources_.clear();
   std::vector<std::pair<std::string, at::Tensor>> out;
-  const auto add = [&](const std::string& name, const at::Tensor& t, c10::IntArrayRef shape, std::ptrdiff_t gathered) {
+  const auto add = [&](const std::string& name, const at::Tensor& t, c10::IntArrayRef shape, std::ptrdiff_t gathered,
+                       const tp_param_plan* tp = nullptr) {
     at::Tensor ph = detail::placeholder(shape, t.scalar_type());
-    sources_.emplace(ph.storage().unsafeGetStorageImpl(), source{t, gathered});
+    sources_.emplace(ph.storage().unsafeGetStorageImpl(), source{t, gathered, tp});
     out.emplace_back(name, std::move(ph));
   };
   for (const auto& item : e_.module_->named_parameters(/*recurse=*/true)) {
     const at::Tensor& t = item.value();
     const auto managed = e_.index_.find(t.unsafeGetTensorImpl());
     const auto frozen = e_.frozen_shards_.index_.find(t.unsafeGetTensorImpl());
-    if (managed != e_.index_.end()) {
+    const tp_param_plan* split = whole ? e_.tp_split_of(t) : nullptr;
+    if (split != nullptr) {
+      add(item.key(), t, e_.tp_whole_shape(t), -1, split);
+    } else if (managed != e_.index_.end()) {
       const std::size_t i = managed->second;
       add(item.key(), t, e_.shapes_[i], e_.core_->partitioned(i) ? static_cast<std::ptrdiff_t>(i) : -1);
     } else if (frozen != e_.frozen_shards_.index_.end()) {
@@ -2079,8 +2302,13 @@ std::vector<std::pair<std::string, at::Tensor>> engine_checkpoints::module_tenso
 
 at::Tensor engine_checkpoints::fetch(const at::Tensor& placeholder) {
   const source& src = sources_.at(placeholder.storage().unsafeGetStorageImpl());
-  const bool writer = e_.comm_.rank() == 0;
+  const bool writer = world_writer_ ? e_.world_rank() == 0 : e_.comm_.rank() == 0;
   const auto copy = [&] { return src.tensor.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true); };
+  if (src.tp != nullptr) {
+    // AutoTP: joined from the tensor-parallel group's slices (collective over it).
+    at::Tensor joined = e_.tp_join(*src.tp, src.tensor);
+    return writer ? joined.reshape(placeholder.sizes()) : at::Tensor();
+  }
   if (src.gathered < 0) return writer ? copy() : at::Tensor();
   // ZeRO-3: gathered for this tensor only (collective), in the parameter dtype, then released.
   const std::vector<std::size_t> one{static_cast<std::size_t>(src.gathered)};
@@ -2135,11 +2363,18 @@ std::size_t engine_checkpoints::save_16bit(const std::string& save_dir, const st
   });
   e_.core_waits();
   e_.join_core();  // the parameters as the last step left them
-  const bool writer = e_.comm_.rank() == 0;
+  // One file for the world: with AutoTP the split parameters are joined whole, and rank 0
+  // of the world writes it.
+  const bool writer = e_.world_rank() == 0;
+  const struct world_writer {
+    bool& flag;
+    explicit world_writer(bool& f) : flag(f) { flag = true; }
+    ~world_writer() { flag = false; }
+  } whole_file(world_writer_);
   const auto fetch_one = [this](const at::Tensor& t) { return fetch(t); };
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   e_.agree("save_16bit_model", "nothing was saved", [&] {
-    tensors = module_tensors();
+    tensors = module_tensors(/*whole=*/true);
     if (path.extension() == ".safetensors") {
       detail::write_safetensors(path, tensors, {{"format", "pt"}, {"source", "mpzero save_16bit_model"}}, writer,
                                 fetch_one);
@@ -2233,11 +2468,7 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
   std::uint64_t saved_tp = 1;
   e_.agree("load_checkpoint", "nothing was loaded", [&] { saved_tp = saved_tensor_parallel_size(root / tag); });
   const bool reshard = saved_tp != tp;
-  if (reshard && module_only) {
-    fail("engine.load_checkpoint: " + quoted(root / tag) + " was saved at tensor-parallel size " +
-         std::to_string(saved_tp) + " and this engine's is " + std::to_string(tp) +
-         "; load_module_only needs the same size (a full load reshards)");
-  }
+
   const fs::path dir = saved_tp > 1 ? root / tag / tp_checkpoint_directory(reshard ? 0 : tp_rank) : root / tag;
   const fs::path resharded = fs::temp_directory_path() /
                              ("mpzero_reshard_" + std::to_string(::getpid()) + "_" + std::to_string(tp_rank) + "_" +
@@ -2273,9 +2504,10 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
            " trainable parameters; this engine has " + std::to_string(e_.params_.size()) +
            ". Load a checkpoint of this model");
     }
-    if (reshard) {
+    detail::saved_tp_layout layout;
+    if (reshard) layout = detail::read_saved_tp_layout("engine.load_checkpoint", root / tag, saved_tp);
+    if (reshard && !module_only) {
       // The whole parameters must be this model's; their slices then follow from both plans.
-      const detail::saved_tp_layout layout = detail::read_saved_tp_layout("engine.load_checkpoint", root / tag, saved_tp);
       const auto& whole = tp > 1 ? e_.full_shapes_ : e_.shapes_;
       for (std::size_t i = 0; i < e_.params_.size(); ++i) {
         if (layout.names[i] != e_.names_[i] || layout.shapes[i] != whole[i]) {
@@ -2323,6 +2555,7 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
          detail::read_module_states("engine.load_checkpoint", module_path, meta.save_id, meta_path, wanted)) {
       saved.emplace(std::move(name), std::move(t));
     }
+    if (reshard) reshard_module_states(root / tag, saved_tp, layout, saved, wanted);
     std::unordered_set<std::string> used;
     auto take = [&](const std::string& name, const ::torch::Tensor& like) {
       auto it = saved.find(name);
@@ -2412,7 +2645,7 @@ std::uint64_t set_startup_window_elements(std::uint64_t elements) {
 
 std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Module> module,
                                                 const std::function<mpzero::torch::config(int)>& make_config,
-                                                any_communicator comm) {
+                                                any_communicator comm, std::optional<parallel_groups> groups) {
   if (module) comm = launched(std::move(comm), *module);
   // This rank's own checks (the configuration, the model). A rank that fails one must
   // not leave the others waiting for it in the first collective until the
@@ -2430,6 +2663,7 @@ std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Mod
       "engine.initialize", "no rank made an engine, and the model is unchanged", "models or configurations", [&] {
         if (!module) fail("initialize: the model is null");
         st = std::make_shared<engine_state>(std::move(module), make_config(comm.size()), comm);
+        if (groups) st->given_groups_.emplace(std::move(groups->tensor_parallel), std::move(groups->data_parallel));
         return st->prepare();
       });
   st->start();
@@ -2610,11 +2844,9 @@ void engine_base::save_checkpoint(const std::string& save_dir, const std::string
 std::optional<engine_base::loaded_checkpoint> engine_base::load_checkpoint(const std::string& load_dir,
                                                                            const std::string& tag,
                                                                            bool load_module_only) {
-  if (load_module_only) st_->require_no_tensor_parallel("load_checkpoint(..., load_module_only = true)");
   return st_->checkpoints_.load(load_dir, tag, load_module_only);
 }
 std::size_t engine_base::save_16bit_model(const std::string& save_dir, const std::string& save_filename) {
-  st_->require_no_tensor_parallel("save_16bit_model");
   return st_->checkpoints_.save_16bit(save_dir, save_filename);
 }
 
@@ -2661,9 +2893,11 @@ struct tp_reduce_out : ag::Function<tp_reduce_out> {
 
 ::torch::Tensor tp_forward(::torch::nn::Linear& linear, const ::torch::Tensor& x) {
   const ::torch::Tensor& w = linear->weight;
-  const auto st = detail::managing_engine(w);
+  const auto st = w.requires_grad() ? detail::managing_engine(w) : frozen_owner(w);
   if (!st || !st->tp_comm_) return linear->forward(x);
-  const tp_param_plan& p = st->tp_plan_[st->index_.at(w.unsafeGetTensorImpl())];
+  const tp_param_plan* split = st->tp_split_of(w);
+  if (split == nullptr) return linear->forward(x);
+  const tp_param_plan& p = *split;
   const auto comm = reinterpret_cast<std::int64_t>(&*st->tp_comm_);
   switch (p.type) {
     case tp_partition::column:

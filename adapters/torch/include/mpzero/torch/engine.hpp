@@ -376,7 +376,7 @@ std::uint64_t set_startup_window_elements(std::uint64_t elements);
 // leaving the others waiting in the first collective.
 std::shared_ptr<engine_state> make_engine_state(std::shared_ptr<::torch::nn::Module> module,
                                                 const std::function<mpzero::torch::config(int)>& make_config,
-                                                any_communicator comm);
+                                                any_communicator comm, std::optional<parallel_groups> groups = {});
 
 template <class Model>
 std::shared_ptr<::torch::nn::Module> module_ptr(const Model& m) {
@@ -568,6 +568,44 @@ template <class Model>
 engine<Model> initialize(Model model, const char* path_or_json, const optimizer_config& optimizer,
                          any_communicator comm = {}) {
   return initialize(std::move(model), std::string(path_or_json), optimizer, std::move(comm));
+}
+// AutoTP over groups the program made (parallel_groups, launch.hpp; DeepSpeed's mpu)
+// instead of the consecutive-rank groups the engine splits from MPI's world:
+//
+//   MPI_Comm tp, dp;                                   // or two c10d ProcessGroups
+//   MPI_Comm_split(MPI_COMM_WORLD, rank % 2, rank / 2, &tp);   // tensor-parallel: ranks {0, 2}, {1, 3}
+//   MPI_Comm_split(MPI_COMM_WORLD, rank / 2, rank % 2, &dp);   // data-parallel: {0, 1}, {2, 3}
+//   using mpzero::comm::mpi_communicator;             // (it duplicates the MPI_Comm it is given)
+//   auto engine = mpzero::torch::initialize(model, config, mpzero::torch::parallel_groups{
+//       {}, any_communicator::own(mpi_communicator(tp), "tp"), any_communicator::own(mpi_communicator(dp), "dp")});
+//
+// Rank 0 of the world gives every rank its starting values. Collective over the world.
+template <class Model>
+engine<Model> initialize(Model model, const nlohmann::json& cfg, parallel_groups groups) {
+  any_communicator world = groups.world;
+  auto st = detail::make_engine_state(
+      detail::module_ptr(model), [&](int w) { return parse_config(cfg, w); }, std::move(world), std::move(groups));
+  return engine<Model>(std::move(model), std::move(st));
+}
+template <class Model>
+engine<Model> initialize(Model model, mpzero::torch::config cfg, parallel_groups groups) {
+  any_communicator world = groups.world;
+  auto st = detail::make_engine_state(
+      detail::module_ptr(model), [&](int) -> mpzero::torch::config { return std::move(cfg); }, std::move(world),
+      std::move(groups));
+  return engine<Model>(std::move(model), std::move(st));
+}
+template <class Model>
+engine<Model> initialize(Model model, const std::string& path_or_json, parallel_groups groups) {
+  any_communicator world = groups.world;
+  auto st = detail::make_engine_state(
+      detail::module_ptr(model), [&](int w) { return detail::config_from_string(path_or_json, w); }, std::move(world),
+      std::move(groups));
+  return engine<Model>(std::move(model), std::move(st));
+}
+template <class Model>
+engine<Model> initialize(Model model, const char* path_or_json, parallel_groups groups) {
+  return initialize(std::move(model), std::string(path_or_json), std::move(groups));
 }
 template <class Model, class Config, comm::communicator C>
   requires(!std::is_same_v<std::remove_cvref_t<C>, any_communicator>)

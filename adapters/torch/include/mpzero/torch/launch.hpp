@@ -36,6 +36,19 @@ launch_environment read_launch_environment();
 // one process gives the local communicator. MPI initialised here is finalized at exit.
 any_communicator communicator_from_environment(const launch_environment& env, int cuda_device);
 
+// AutoTP's communicators, made by the program (DeepSpeed's mpu): the world, this rank's
+// tensor-parallel group (the config's autotp_size ranks) and its data-parallel group
+// (world / autotp_size ranks). Any communicators initialize takes: MPI communicators of
+// MPI_Comm_split, c10d ProcessGroups (process_group_communicator), ... The groups must
+// form a grid: every rank of a tensor-parallel group has the same data-parallel rank,
+// every rank of a data-parallel group the same tensor-parallel rank; initialize checks it
+// (collective over the world) and refuses, naming the ranks, where they do not.
+struct parallel_groups {
+  any_communicator world;            // every rank; empty: the world mpirun started (as initialize)
+  any_communicator tensor_parallel;  // this rank's tensor-parallel group
+  any_communicator data_parallel;    // this rank's data-parallel group
+};
+
 // AutoTP: {the tensor-parallel group of this rank, its data-parallel group}: groups of
 // `tp` consecutive ranks of `world`, and the ranks at one position in each. `world` must
 // be MPI's world (launched by mpirun); config_error otherwise. Collective over `world`.
