@@ -430,9 +430,10 @@ auto gathered_forward(M&& module, Args&&... args) {
 
 // ---- AutoTP --------------------------------------------------------------------------
 // DeepSpeed's AutoTP training (the config's "tensor_parallel"): initialize splits each
-// trainable parameter that a layer spec names across the tensor-parallel group of its
-// rank (autotp_size consecutive ranks; ZeRO stages 0-2 run over the data-parallel groups
-// across them); the model computes each split Linear through tp_forward:
+// parameter (trainable or frozen) that a layer spec names across the tensor-parallel
+// group of its rank (autotp_size consecutive ranks, or the groups given as
+// parallel_groups; ZeRO stages 0-2 run over the data-parallel groups across them); the
+// model computes each split Linear through tp_forward:
 //
 //   x = x + mpzero::torch::tp_forward(attn_out, heads);   // row-parallel: its input is split
 //
@@ -440,8 +441,7 @@ auto gathered_forward(M&& module, Args&&... args) {
 // features (its input's gradient summed over the group); a row-parallel one takes the
 // slice and gives the whole output, summed over the group, its bias added once. A Linear
 // no spec splits, or outside an AutoTP engine, runs its own forward. Sizes that depend on
-// the split (a rank's attention heads) follow from the weight's shape. CPU parameters,
-// launched by mpirun; checkpoints of split parameters are not written yet.
+// the split (a rank's attention heads) follow from the weight's shape. CPU parameters.
 ::torch::Tensor tp_forward(::torch::nn::Linear& linear, const ::torch::Tensor& x);
 
 // ---- initialize ---------------------------------------------------------------------
