@@ -1,0 +1,800 @@
+#!/usr/bin/env python3
+"""mpzero's CPU AdamW step against its peers, side by side in one process over the same
+tensors: DeepSpeed's DeepSpeedCPUAdam and torch.optim.AdamW (fused=True, foreach=True and
+the for-loop) on CPU tensors, with mpzero's host step (mpzero::host::run, optim::adamw)
+called through bench/peers_step.cpp's C functions (libmpzero_peers_step.so, ctypes).
+
+Every contender steps the very same tensors (mpzero gets their data_ptr()), with the same
+hyperparameters (AdamW: lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01, each as
+its nearest float32 value because DeepSpeedCPUAdam keeps them in float32; bias
+correction; first step 10) and the same OpenMP thread count (torch.set_num_threads and
+OMP_NUM_THREADS agree; mpzero is given the count; all run on the one OpenMP runtime loaded
+into the process).
+
+Configurations (mpzero's policy names):
+  fp32                     fp32 params, grads, states
+  bf16_fp32_master         bf16 params and grads, fp32 master and states
+  bf16_master_fp32_states  bf16 params (the master) and grads, fp32 states
+  bf16_all                 bf16 everything, nearest rounding
+  bf16_all_sr              bf16 everything, stochastic rounding
+  fp16_fp32_master         fp16 params and grads, fp32 master and states
+A peer runs a configuration natively, as a composite (a 16-bit model with fp32 masters the
+way its users train one: the 16-bit gradient copied into an fp32 buffer, the fp32 master
+stepped, the master copied into the 16-bit parameter), as a substitute (no stochastic
+rounding: its nearest-rounding bf16 step), or not at all; every row says which, and why.
+
+Layouts: "single" (one tensor of n elements) and "multi" (--tensors tensors of
+log-uniform sizes over three decades, fixed seed, summing to n, each its own allocation).
+
+Correctness first: before timing, every contender takes one step (step 10) from identical
+inputs and its results are compared with mpzero's: fp32 values to 1e-6 relative (the
+states to 1e-5), 16-bit values within 1 ulp (stochastic rounding against a peer's nearest
+rounding too). A peer that disagrees is marked "differs" and not timed.
+
+Timing: --warmup steps of each contender, then --rounds rounds; each round runs every
+contender once, in an order that rotates from round to round, timed with
+time.perf_counter around the step call. Reported: each contender's median time and, per
+peer, the ratio peer time / mpzero time of each round (above 1: mpzero is faster), with
+the median and the min-max over the rounds.
+
+  python3 bench/peers.py [--lib build-bench/bench/libmpzero_peers_step.so]
+      [--sizes 1M,16M,64M] [--configs fp32,bf16_all,...] [--layouts single,multi]
+      [--peers deepspeed,fused,foreach,forloop] [--rounds 15] [--threads N]
+      [--quick] [--out results.json]
+  python3 bench/peers_render.py results.json [--markdown] [--plot ratios.png]
+
+DeepSpeed is optional:  DS_BUILD_OPS=0 python3 -m pip install deepspeed  (its cpu_adam op
+is built on first use with ninja and g++, about a minute). Without it the other peers run.
+"""
+import argparse
+import ctypes
+import datetime
+import gc
+import math
+import os
+import platform
+import random
+import re
+import statistics
+import struct
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+DEFAULT_LIB = os.path.join("build-bench", "bench", "libmpzero_peers_step.so")
+FORMAT = "mpzero-peers/1"
+DEEPSPEED_PIP = "DS_BUILD_OPS=0 python3 -m pip install deepspeed"
+
+
+
+def as_float32(x):
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+# The hyperparameters of every contender: bench_common.hpp's bench_options<optim::adamw>()
+# (lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01), each as the float32 value
+# nearest to it. DeepSpeedCPUAdam keeps them in float32, torch and mpzero's preparation in
+# double: from float32 values all start from the same numbers. (From 0.999 itself,
+# DeepSpeed's 1 - beta2^10 is off by 1.3e-5 relative, and its parameters by 2e-6 after one
+# step; from float32(0.999), by 2e-7.)
+HPARAMS = {"lr": as_float32(1e-3), "beta1": as_float32(0.9), "beta2": as_float32(0.999), "eps": as_float32(1e-8),
+           "weight_decay": as_float32(0.01), "adamw": True, "bias_correction": True, "first_step": 10,
+           "seed": 0x5EED}
+
+# config: (param, master or None when the param is the master, grad, state, stochastic rounding)
+CONFIGS = {
+    "fp32": ("fp32", None, "fp32", "fp32", False),
+    "bf16_fp32_master": ("bf16", "fp32", "bf16", "fp32", False),
+    "bf16_master_fp32_states": ("bf16", None, "bf16", "fp32", False),
+    "bf16_all": ("bf16", None, "bf16", "bf16", False),
+    "bf16_all_sr": ("bf16", None, "bf16", "bf16", True),
+    "fp16_fp32_master": ("fp16", "fp32", "fp16", "fp32", False),
+}
+PEERS = {  # --peers id: display name
+    "deepspeed": "DeepSpeedCPUAdam",
+    "fused": "torch fused",
+    "foreach": "torch foreach",
+    "forloop": "torch for-loop",
+}
+LAYOUTS = ("single", "multi")
+
+# The value ranges of bench_common.hpp's fills: params (and masters), gradients, moments.
+FILL = {"param": (-1.0, 1.0), "grad": (-1e-2, 1e-2), "exp_avg": (-1e-3, 1e-3), "exp_avg_sq": (0.0, 1e-4)}
+# Tolerances of the start-up check: (fp32 relative, floor), and the floor below which a
+# 16-bit difference counts in ulps of the floor (values near zero, where one rounding of
+# a tiny result may cross it).
+TOL_FP32 = {"param": (1e-6, 1e-3), "master": (1e-6, 1e-3), "exp_avg": (1e-5, 1e-4), "exp_avg_sq": (1e-5, 1e-6)}
+FLOOR_16 = {"param": 1e-3, "master": 1e-3, "exp_avg": 1e-4, "exp_avg_sq": 1e-6}
+MANTISSA_BITS = {"bf16": 7, "fp16": 10}
+
+
+# ---- pure helpers (no torch: bench/test_peers_render.py imports them) ----------------------
+
+def parse_size(s):
+    """'1M' -> 1048576, '64K' -> 65536, '1000' -> 1000."""
+    s = s.strip()
+    m = re.fullmatch(r"(\d+)([KkMmGg]?)", s)
+    if not m:
+        raise ValueError(f"not a size: {s!r} (use e.g. 1M, 64K or 1000)")
+    return int(m.group(1)) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
+
+
+def mixed_sizes(total, count, seed):
+    """`count` tensor sizes summing to `total`, log-uniform over three decades, from a fixed
+    seed (the same list on every machine and Python version); each at least 1."""
+    count = max(1, min(count, total))
+    rng = random.Random(seed)
+    w = [math.exp(rng.uniform(0.0, math.log(1000.0))) for _ in range(count)]
+    scale = (total - count) / sum(w)
+    sizes = [1 + int(x * scale) for x in w]
+    sizes[max(range(count), key=w.__getitem__)] += total - sum(sizes)
+    return sizes
+
+
+def ratio_summary(peer_times, mpzero_times):
+    """Per-round ratios peer / mpzero, their median, min and max."""
+    ratios = [p / m for p, m in zip(peer_times, mpzero_times)]
+    return {"ratios": ratios, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios)}
+
+
+def rotated(items, r):
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
+def fmt_size(n):
+    for unit, b in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= b and n % b == 0:
+            return f"{n // b}{unit}"
+    return str(n)
+
+
+# ---- environment ---------------------------------------------------------------------------
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def git_commit():
+    try:
+        head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def openmp_runtimes():
+    """The OpenMP runtimes mapped into this process: one means every contender shares it."""
+    found = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if len(line.split()) >= 6 else ""
+                if re.search(r"lib(gomp|iomp5|omp)[^/]*\.so", os.path.basename(path)):
+                    found.add(os.path.realpath(path))
+    except OSError:
+        pass
+    return sorted(found)
+
+
+def loadavg():
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+# ---- mpzero through ctypes -----------------------------------------------------------------
+
+class Hparams(ctypes.Structure):
+    """bench/peers_step.cpp's mpzero_peers_hparams."""
+    _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
+                ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double), ("seed", ctypes.c_uint64)]
+
+
+def load_library(path):
+    lib = ctypes.CDLL(path)
+    vp, u64, ptrs = ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)
+    for name in ("configs", "last_error", "simd", "cxx_flags", "version"):
+        getattr(lib, "mpzero_peers_" + name).restype = ctypes.c_char_p
+        getattr(lib, "mpzero_peers_" + name).argtypes = []
+    lib.mpzero_peers_march_native.restype = ctypes.c_int
+    lib.mpzero_peers_max_threads.restype = ctypes.c_int
+    lib.mpzero_peers_run.argtypes = [vp, u64, ctypes.c_int]
+    lib.mpzero_peers_run.restype = ctypes.c_int
+    lib.mpzero_peers_destroy.argtypes = [vp]
+    lib.mpzero_peers_destroy.restype = None
+    have = lib.mpzero_peers_configs().decode().split(",")
+    for config in CONFIGS:
+        if config not in have:
+            raise RuntimeError(f"{path} has no configuration {config} (it has {have}): rebuild it")
+        create = getattr(lib, "mpzero_peers_create_" + config)
+        create.argtypes = [u64, ptrs, ptrs, ptrs, ptrs, ptrs, ctypes.POINTER(u64), ctypes.POINTER(Hparams)]
+        create.restype = vp
+        step = getattr(lib, "mpzero_peers_step_" + config)
+        step.argtypes = [vp, vp, vp, vp, vp, u64, ctypes.POINTER(Hparams), u64, ctypes.c_int]
+        step.restype = ctypes.c_int
+    return lib
+
+
+# ---- the tensors of one row -------------------------------------------------------------------
+
+torch = None  # imported by main() once OMP_NUM_THREADS is set
+
+
+def dtype_of(name):
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+class Model:
+    """One row's model state: a list of tensors per role, each tensor its own allocation,
+    filled from a fixed seed with bench_common.hpp's value ranges. Every contender steps
+    these very tensors."""
+
+    def __init__(self, config, numels, seed):
+        p, m, g, s, _ = CONFIGS[config]
+        self.config, self.numels = config, numels
+        gen = torch.Generator().manual_seed(seed)
+
+        def filled(n, role, dtype):
+            lo, hi = FILL[role]
+            return torch.empty(n, dtype=torch.float32).uniform_(lo, hi, generator=gen).to(dtype)
+
+        if m is None:
+            self.params, self.masters = [filled(n, "param", dtype_of(p)) for n in numels], None
+        else:
+            self.masters = [filled(n, "param", dtype_of(m)) for n in numels]
+            self.params = [w.to(dtype_of(p)) for w in self.masters]
+        self.grads = [filled(n, "grad", dtype_of(g)) for n in numels]
+        self.exp_avgs = [filled(n, "exp_avg", dtype_of(s)) for n in numels]
+        self.exp_avg_sqs = [filled(n, "exp_avg_sq", dtype_of(s)) for n in numels]
+        self._grads32 = None
+
+    def grads32(self):
+        """The fp32 gradient buffers of the fp32-master composites (allocated once, shared)."""
+        if self._grads32 is None:
+            self._grads32 = [torch.empty(n, dtype=torch.float32) for n in self.numels]
+        return self._grads32
+
+    def roles(self):
+        """(role, dtype name, tensors) of everything a step writes."""
+        p, m, _, s, _ = CONFIGS[self.config]
+        out = [("param", p, self.params)]
+        if m is not None:
+            out.append(("master", m, self.masters))
+        return out + [("exp_avg", s, self.exp_avgs), ("exp_avg_sq", s, self.exp_avg_sqs)]
+
+    def snapshot(self):
+        return {role: [t.clone() for t in ts] for role, _, ts in self.roles()}
+
+    def restore(self, snap):
+        for role, _, ts in self.roles():
+            for t, saved in zip(ts, snap[role]):
+                t.copy_(saved)
+
+
+def max_error(role, dtype, got, ref):
+    """The largest difference of `got` from `ref` over a role's tensors: relative (with a
+    floor) for fp32, in ulps of the larger magnitude (with a floor) for 16-bit types.
+    Returns (metric, value, limit)."""
+    worst = 0.0
+    block = 1 << 22
+    for x, y in zip(got, ref):
+        for i in range(0, x.numel(), block):
+            a, b = x[i:i + block].double(), y[i:i + block].double()
+            if dtype == "fp32":
+                floor = TOL_FP32[role][1]
+                err = ((a - b).abs() / b.abs().clamp_min(floor)).max().item()
+            else:
+                mag = torch.maximum(a.abs(), b.abs()).clamp_min(FLOOR_16[role])
+                _, e = torch.frexp(mag)
+                ulp = torch.ldexp(torch.ones_like(mag), e - 1 - MANTISSA_BITS[dtype])
+                err = ((a - b).abs() / ulp).max().item()
+            worst = max(worst, err)
+    if dtype == "fp32":
+        return "max rel diff", worst, TOL_FP32[role][0]
+    return "max ulp diff", worst, 1.0
+
+
+def compare(model, ref):
+    items = []
+    for role, dtype, ts in model.roles():
+        metric, value, limit = max_error(role, dtype, ts, ref[role])
+        items.append({"what": role, "dtype": dtype, "metric": metric, "value": value, "limit": limit,
+                      "ok": value <= limit})
+    return {"ok": all(i["ok"] for i in items), "items": items}
+
+
+def check_text(check):
+    return ", ".join(f"{i['what']} {i['value']:.3g}{' ulp' if 'ulp' in i['metric'] else ' rel'}"
+                     f"{'' if i['ok'] else ' (limit %g) FAILED' % i['limit']}" for i in check["items"])
+
+
+# ---- contenders ---------------------------------------------------------------------------
+
+class Mpzero:
+    """mpzero's host step over the row's tensors: a fused_step built once (its multi-tensor
+    plan), run every step through mpzero_peers_run."""
+
+    def __init__(self, lib, model, threads):
+        self.lib, self.threads, self.config = lib, threads, model.config
+        n = len(model.numels)
+
+        def ptrs(ts):
+            return None if ts is None else (ctypes.c_void_p * n)(*[t.data_ptr() for t in ts])
+
+        self.hp = Hparams(HPARAMS["lr"], HPARAMS["beta1"], HPARAMS["beta2"], HPARAMS["eps"],
+                          HPARAMS["weight_decay"], HPARAMS["seed"])
+        self._arrays = [ptrs(model.params), ptrs(model.masters), ptrs(model.grads), ptrs(model.exp_avgs),
+                        ptrs(model.exp_avg_sqs), (ctypes.c_uint64 * n)(*model.numels)]
+        create = getattr(lib, "mpzero_peers_create_" + model.config)
+        self.handle = create(n, *self._arrays, ctypes.byref(self.hp))
+        if not self.handle:
+            raise RuntimeError("mpzero_peers_create_%s: %s" % (model.config, lib.mpzero_peers_last_error().decode()))
+        self.t = HPARAMS["first_step"]
+
+    def set_step(self, k):
+        self.t = k
+
+    def step(self):
+        if self.lib.mpzero_peers_run(self.handle, self.t, self.threads) != 0:
+            raise RuntimeError("mpzero_peers_run: " + self.lib.mpzero_peers_last_error().decode())
+        self.t += 1
+
+    def step_one_shot(self, model):
+        """The single-tensor entry point (plan built in the call) at the current step."""
+        f = getattr(self.lib, "mpzero_peers_step_" + self.config)
+        master = model.masters[0].data_ptr() if model.masters else None
+        if f(model.params[0].data_ptr(), master, model.grads[0].data_ptr(), model.exp_avgs[0].data_ptr(),
+             model.exp_avg_sqs[0].data_ptr(), model.numels[0], ctypes.byref(self.hp), self.t, self.threads) != 0:
+            raise RuntimeError("mpzero_peers_step_%s: %s" % (self.config, self.lib.mpzero_peers_last_error().decode()))
+
+    def close(self):
+        if self.handle:
+            self.lib.mpzero_peers_destroy(self.handle)
+            self.handle = None
+
+
+class OptimizerPeer:
+    """A torch.optim optimizer over the row's tensors, its states the row's own (injected,
+    so it starts from the same moments and step count as mpzero). Natively it steps the
+    parameters; as the fp32-master composite it steps the fp32 masters, with the 16-bit
+    gradients copied into fp32 buffers first and the masters copied into the 16-bit
+    parameters after."""
+
+    def __init__(self, make, model, composite, int_step):
+        self.composite, self.int_step, self.model = composite, int_step, model
+        targets = model.masters if composite else model.params
+        grads = model.grads32() if composite else model.grads
+        for t, g in zip(targets, grads):
+            t.grad = g
+        self.opt = make(targets)
+        self.states = []
+        for t, m, v in zip(targets, model.exp_avgs, model.exp_avg_sqs):
+            st = {"step": 0 if int_step else torch.zeros((), dtype=torch.float32), "exp_avg": m, "exp_avg_sq": v}
+            self.opt.state[t] = st
+            self.states.append(st)
+        self.set_step(HPARAMS["first_step"])
+
+    def set_step(self, k):
+        for st in self.states:  # the optimizer adds 1 before its update
+            if self.int_step:
+                st["step"] = k - 1
+            else:
+                st["step"].fill_(k - 1)
+
+    def step(self):
+        if self.composite:
+            torch._foreach_copy_(self.model.grads32(), self.model.grads)
+            self.opt.step()
+            torch._foreach_copy_(self.model.params, self.model.masters)
+        else:
+            self.opt.step()
+
+    def close(self):
+        self.opt = None
+        self.states = []
+
+
+TORCH_FLAGS = {"torch fused": {"fused": True}, "torch foreach": {"foreach": True, "fused": False},
+               "torch for-loop": {"foreach": False, "fused": False}}
+
+
+def torch_maker(name):
+    flags = TORCH_FLAGS[name]
+    return lambda targets: torch.optim.AdamW(targets, lr=HPARAMS["lr"], betas=(HPARAMS["beta1"], HPARAMS["beta2"]),
+                                             eps=HPARAMS["eps"], weight_decay=HPARAMS["weight_decay"],
+                                             amsgrad=False, **flags)
+
+
+def deepspeed_maker(ds, state_dtype):
+    def make(targets):
+        kw = dict(lr=HPARAMS["lr"], bias_correction=True, betas=(HPARAMS["beta1"], HPARAMS["beta2"]),
+                  eps=HPARAMS["eps"], weight_decay=HPARAMS["weight_decay"], amsgrad=False, adamw_mode=True)
+        if ds["has_fp32_optimizer_states"]:
+            kw["fp32_optimizer_states"] = state_dtype == "fp32"
+        return ds["cls"](targets, **kw)
+    return make
+
+
+_probe_cache = {}
+
+
+def probe(key, make, pdtype, sdtype):
+    """None if the optimizer steps pdtype parameters with sdtype states (tiny tensors),
+    else its error message."""
+    if key not in _probe_cache:
+        p = torch.zeros(64, dtype=dtype_of(pdtype))
+        p.grad = torch.full((64,), 1e-3, dtype=dtype_of(pdtype))
+        try:
+            opt = make([p])
+            opt.state[p] = {"step": torch.zeros((), dtype=torch.float32) if key[0] != "deepspeed" else 0,
+                            "exp_avg": torch.zeros(64, dtype=dtype_of(sdtype)),
+                            "exp_avg_sq": torch.zeros(64, dtype=dtype_of(sdtype))}
+            opt.step()
+            _probe_cache[key] = None
+        except Exception as e:  # noqa: BLE001 (any failure means: cannot run this)
+            _probe_cache[key] = " ".join(str(e).split())[:300]
+    return _probe_cache[key]
+
+
+def plan_peer(name, config, ds):
+    """How a peer runs a configuration: a dict with status ("run", "unsupported",
+    "unavailable"), how ("native", "composite", "substitute"), note or reason, and make."""
+    p, m, _, s, sr = CONFIGS[config]
+    if name == PEERS["deepspeed"]:
+        if not ds["available"]:
+            return {"status": "unavailable", "reason": ds["reason"]}
+        label = f"DeepSpeedCPUAdam {ds['version']}"
+        combos = ds["dtypes"]
+        scalar = ds.get("simd") == "AVX256" and m is None and "bf16" in (p, s)
+        slow = " (its AVX2 build has no bf16 vector path: the scalar loop)" if scalar else ""
+        if m is not None:
+            if combos is not None and ("fp32", "fp32") not in combos:
+                return {"status": "unsupported", "reason": f"{label} has no fp32 step"}
+            return {"status": "run", "how": "composite", "make": deepspeed_maker(ds, "fp32"),
+                    "note": f"{label} has no fp32-master path for {p} parameters (its op steps the parameter in "
+                            f"place, with gradients of the parameter's dtype); run as ZeRO-Offload keeps a {p} "
+                            f"model's fp32 master on the CPU: the {p} gradient copied into an fp32 buffer, "
+                            f"DeepSpeedCPUAdam on the fp32 master, the master copied into the {p} parameter"}
+        supported = (p, s) in combos if combos is not None else \
+            probe(("deepspeed", p, s), deepspeed_maker(ds, s), p, s) is None
+        if not supported:
+            have = ", ".join("/".join(c) for c in combos) if combos else "unknown"
+            return {"status": "unsupported",
+                    "reason": f"{label} takes parameter/state dtypes {have}: no {p} parameters with {s} states"}
+        if sr:
+            return {"status": "run", "how": "substitute", "make": deepspeed_maker(ds, s),
+                    "note": f"{label} has no stochastic rounding; compared against its nearest-rounding {p} step"
+                            + slow}
+        return {"status": "run", "how": "native", "make": deepspeed_maker(ds, s),
+                "note": f"{label}{slow}" if slow else None}
+
+    make = torch_maker(name)
+    label = f"torch {torch.__version__.split('+')[0]}"
+    if m is not None:
+        return {"status": "run", "how": "composite", "make": make,
+                "note": f"torch.optim.AdamW ({label}) steps one dtype for parameter, gradient and states: the {p} "
+                        f"gradient copied into an fp32 buffer, the step on the fp32 master, the master copied into the "
+                        f"{p} parameter (torch._foreach_copy_)"}
+    if p != s:
+        err = probe((name, p, s), make, p, s)
+        if err is not None:
+            return {"status": "unsupported",
+                    "reason": f"torch.optim.AdamW ({label}) keeps its states in the parameter's dtype; {p} parameters "
+                              f"with {s} states stop with: {err}"}
+    if sr:
+        return {"status": "run", "how": "substitute", "make": make,
+                "note": f"{label} has no stochastic rounding; compared against its nearest-rounding {p} step"}
+    return {"status": "run", "how": "native", "make": make, "note": None}
+
+
+def deepspeed_info(wanted):
+    info = {"available": False, "version": None, "reason": None, "dtypes": None, "simd": None}
+    if not wanted:
+        info["reason"] = "not requested (--peers)"
+        return info
+    try:
+        import logging
+        import deepspeed
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    except Exception as e:  # noqa: BLE001 (ImportError, or a broken install)
+        info["reason"] = f"DeepSpeedCPUAdam: deepspeed is not installed ({type(e).__name__}: {e}); " \
+                         f"install it with: {DEEPSPEED_PIP}"
+        print(f"DeepSpeedCPUAdam will not run: {info['reason']}", file=sys.stderr)
+        return info
+    info["version"] = deepspeed.__version__
+    import inspect
+    info["has_fp32_optimizer_states"] = "fp32_optimizer_states" in inspect.signature(DeepSpeedCPUAdam).parameters
+    info["cls"] = DeepSpeedCPUAdam
+    try:
+        info["simd"] = {"-D__AVX512__": "AVX512", "-D__AVX256__": "AVX256"}.get(CPUAdamBuilder().simd_width(),
+                                                                                CPUAdamBuilder().simd_width() or
+                                                                                "scalar")
+    except Exception:  # noqa: BLE001
+        info["simd"] = None
+    # The (parameter, state) dtypes its cpu_adam op dispatches on, from the installed source.
+    src = os.path.join(os.path.dirname(deepspeed.__file__), "ops", "csrc", "adam", "cpu_adam_impl.cpp")
+    names = {"float": "fp32", "c10::BFloat16": "bf16", "c10::Half": "fp16", "at::BFloat16": "bf16",
+             "at::Half": "fp16"}
+    try:
+        with open(src) as f:
+            pairs = re.findall(r"create_invoker<\s*([\w:]+)\s*,\s*([\w:]+)\s*>\s*\(\s*\)\s*;", f.read())
+        info["dtypes"] = [[names[a], names[b]] for a, b in pairs if a in names and b in names] or None
+    except OSError:
+        info["dtypes"] = None
+    if info["dtypes"] is not None:
+        info["dtypes"] = [tuple(d) for d in info["dtypes"]]
+    print(f"loading DeepSpeed's cpu_adam op (built with ninja and g++ on first use: about a minute) ...", flush=True)
+    try:
+        p = torch.zeros(16)
+        p.grad = torch.zeros(16)
+        DeepSpeedCPUAdam([p]).step()
+    except Exception as e:  # noqa: BLE001
+        info["reason"] = f"DeepSpeedCPUAdam {deepspeed.__version__} could not build or load its cpu_adam op: " + \
+            " ".join(str(e).split())[:300]
+        print(info["reason"], file=sys.stderr)
+        return info
+    info["available"] = True
+    return info
+
+
+# ---- one row: check, then time ------------------------------------------------------------
+
+def run_row(lib, threads, config, numels, layout, peer_names, ds, warmup, rounds):
+    n = sum(numels)
+    title = f"{config}, {fmt_size(n)} elements, " + ("one tensor" if layout == "single" else f"{len(numels)} tensors")
+    print(f"\n== {title}", flush=True)
+    row = {"config": config, "numel": n, "layout": layout, "tensors": len(numels),
+           "mpzero": {"status": "timed"}, "peers": {}}
+    model = Model(config, numels, HPARAMS["seed"] + n + len(numels))
+    mp = Mpzero(lib, model, threads)
+    first = HPARAMS["first_step"]
+    contenders = []  # (name, peer, entry)
+    try:
+        for name in peer_names:
+            plan = plan_peer(name, config, ds)
+            entry = {"status": plan["status"], "how": plan.get("how"), "note": plan.get("note"),
+                     "reason": plan.get("reason"), "check": None}
+            row["peers"][name] = entry
+            if plan["status"] != "run":
+                continue
+            try:
+                peer = OptimizerPeer(plan["make"], model, plan["how"] == "composite", name == PEERS["deepspeed"])
+            except Exception as e:  # noqa: BLE001
+                entry.update(status="error", reason=f"{name} failed to start: {type(e).__name__}: "
+                                                    f"{' '.join(str(e).split())[:300]}")
+                continue
+            contenders.append((name, peer, entry))
+
+        # Correctness: one step of each from the same inputs, against mpzero's.
+        pristine = model.snapshot()
+        mp.set_step(first)
+        mp.step()
+        ref = model.snapshot()
+        if all(torch.equal(a, b) for a, b in zip(ref["param"], pristine["param"])):
+            raise RuntimeError(f"{title}: mpzero's step left the parameters unchanged")
+        print(f"  check: one step (step {first}) from the same inputs, each against mpzero's result")
+        if layout == "single":
+            model.restore(pristine)
+            mp.set_step(first)
+            mp.step_one_shot(model)
+            same = all(torch.equal(a, b) for role, _, ts in model.roles() for a, b in zip(ts, ref[role]))
+            row["mpzero"]["one_shot_identical"] = same
+            print(f"    {'mpzero one-shot':<18} {'native':<11} "
+                  + ("identical to the planned step" if same else "DIFFERS from the planned step"))
+            if not same:
+                raise RuntimeError(f"{title}: mpzero_peers_step_{config} and the planned step disagree")
+        for name, peer, entry in contenders:
+            model.restore(pristine)
+            peer.set_step(first)
+            try:
+                peer.step()
+            except Exception as e:  # noqa: BLE001
+                entry.update(status="error", reason=f"{name} failed: {type(e).__name__}: "
+                                                    f"{' '.join(str(e).split())[:300]}")
+                print(f"    {name:<18} {entry['how']:<11} {entry['reason']}")
+                continue
+            entry["check"] = compare(model, ref)
+            if not entry["check"]["ok"]:
+                entry["status"] = "differs"
+                entry["reason"] = f"{name} differs from mpzero after one step from the same inputs: " + \
+                    check_text(entry["check"])
+            print(f"    {name:<18} {entry['how']:<11} {check_text(entry['check'])}: "
+                  + ("ok" if entry["check"]["ok"] else "DIFFERS, not timed"))
+        model.restore(pristine)
+        del pristine, ref
+
+        # Timing: warm-up, then rounds of every contender in a rotating order.
+        timed = [("mpzero", mp)] + [(name, peer) for name, peer, entry in contenders if entry["status"] == "run"]
+        for name, c in timed:
+            c.set_step(first)
+        for _ in range(warmup):
+            for _, c in timed:
+                c.step()
+        times = {name: [] for name, _ in timed}
+        gc.collect()
+        gc.disable()
+        try:
+            for r in range(rounds):
+                for name, c in rotated(timed, r):
+                    t0 = time.perf_counter()
+                    c.step()
+                    times[name].append(time.perf_counter() - t0)
+        finally:
+            gc.enable()
+        row["mpzero"].update(median_s=statistics.median(times["mpzero"]), times_s=times["mpzero"])
+        print(f"  timing: {warmup} warm-up step(s), {rounds} rounds in rotating order; ratio = peer / mpzero "
+              "(median, min-max over rounds)")
+        print(f"    {'mpzero':<18} {'native':<11} {row['mpzero']['median_s'] * 1e3:10.3f} ms")
+        for name, peer, entry in contenders:
+            if entry["status"] != "run":
+                continue
+            entry.update(status="timed", median_s=statistics.median(times[name]), times_s=times[name],
+                         **ratio_summary(times[name], times["mpzero"]))
+            print(f"    {name:<18} {entry['how']:<11} {entry['median_s'] * 1e3:10.3f} ms   "
+                  f"{entry['ratio_median']:.2f} ({entry['ratio_min']:.2f}-{entry['ratio_max']:.2f})")
+        for name, entry in row["peers"].items():
+            if entry["status"] != "timed":
+                print(f"    {name:<18} {entry['status']:<11} {entry['reason']}")
+    finally:
+        mp.close()
+        for _, peer, _ in contenders:
+            peer.close()
+    return row
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lib", default=None,
+                    help=f"libmpzero_peers_step.so (default: {DEFAULT_LIB} under the current directory, "
+                         "else under the repository)")
+    ap.add_argument("--sizes", default="1M,16M,64M", help="elements per row, e.g. 1M,16M,64M")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated; default all")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="single, multi or both")
+    ap.add_argument("--tensors", type=int, default=200, help="tensors of the multi layout (default 200)")
+    ap.add_argument("--peers", default=",".join(PEERS), help="comma-separated of " + ", ".join(PEERS))
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each contender first")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="OpenMP threads of every contender (default: OMP_NUM_THREADS, else all CPUs)")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke test: 100000 elements (a ragged last chunk), 2 rounds, 1 warm-up")
+    ap.add_argument("--out", help="write the results as JSON (bench/peers_render.py reads it)")
+    a = ap.parse_args()
+
+    if a.quick:
+        a.sizes, a.rounds, a.warmup = "100000", 2, 1
+    sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    layouts = [x.strip() for x in a.layouts.split(",") if x.strip()]
+    peer_ids = [p.strip() for p in a.peers.split(",") if p.strip()]
+    for what, got, known in (("configuration", configs, CONFIGS), ("layout", layouts, LAYOUTS),
+                             ("peer", peer_ids, PEERS)):
+        bad = [x for x in got if x not in known]
+        if bad:
+            ap.error(f"unknown {what} {', '.join(bad)}; known: {', '.join(known)}")
+    if a.rounds < 1 or a.warmup < 0 or a.tensors < 1 or not sizes or min(sizes) < 1:
+        ap.error("--rounds and --tensors must be at least 1, --warmup at least 0, sizes positive")
+
+    # One thread count for everyone, fixed before torch starts its OpenMP runtime.
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    threads = a.threads or (int(env_threads) if env_threads and env_threads.isdigit() else None) or \
+        len(os.sched_getaffinity(0))
+    if env_threads and env_threads != str(threads):
+        ap.error(f"OMP_NUM_THREADS={env_threads} disagrees with --threads {threads}")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise probe for one and warn
+
+    lib_path = a.lib
+    if lib_path is None:
+        lib_path = DEFAULT_LIB if os.path.exists(DEFAULT_LIB) else os.path.join(REPO, DEFAULT_LIB)
+    if not os.path.exists(lib_path):
+        sys.exit(f"peers.py: no {lib_path}; build it with\n"
+                 "  cmake -S . -B build-bench -DCMAKE_BUILD_TYPE=Release -DMPZERO_BUILD_TESTS=OFF "
+                 "-DMPZERO_BUILD_EXAMPLES=OFF -DMPZERO_BUILD_TORCH=OFF\n"
+                 "  cmake --build build-bench --target mpzero_peers_step\nor give --lib")
+
+    load_before = loadavg()
+    global torch
+    import torch  # after OMP_NUM_THREADS: torch reads it when its runtime starts
+    torch.set_num_threads(threads)
+    # After torch: the library's libgomp.so.1 resolves to the runtime torch loaded.
+    lib = load_library(lib_path)
+    ds = deepspeed_info("deepspeed" in peer_ids)
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "deepspeed": ds["version"],
+        "deepspeed_simd": ds.get("simd"),
+        "deepspeed_dtypes": ds.get("dtypes"),
+        "mpzero_version": lib.mpzero_peers_version().decode(),
+        "mpzero_commit": git_commit(),
+        "mpzero_library": os.path.abspath(lib_path),
+        "mpzero_host_simd": lib.mpzero_peers_simd().decode(),
+        "mpzero_march_native": bool(lib.mpzero_peers_march_native()),
+        "mpzero_cxx_flags": lib.mpzero_peers_cxx_flags().decode(),
+        "mpzero_host_simd_cap": os.environ.get("MPZERO_HOST_SIMD"),
+        "cpu_model": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "threads": threads,
+        "torch_threads": torch.get_num_threads(),
+        "mpzero_threads": lib.mpzero_peers_max_threads(),
+        "omp_num_threads": os.environ["OMP_NUM_THREADS"],
+        "openmp_runtimes": openmp_runtimes(),
+        "loadavg_before": load_before,
+    }
+    print("mpzero peers: AdamW, float32 values of lr {lr:.9g}, betas ({beta1:.9g}, {beta2:.9g}), eps {eps:.9g}, "
+          "weight decay {weight_decay:.9g} (decoupled), bias correction, first step {first_step}".format(**HPARAMS))
+    print(f"threads {threads} (torch {env['torch_threads']}, mpzero {env['mpzero_threads']}, OMP_NUM_THREADS "
+          f"{env['omp_num_threads']}); OpenMP runtimes loaded: {', '.join(env['openmp_runtimes']) or 'none found'}")
+    print(f"CPU {env['cpu_model']} ({env['logical_cpus']} logical CPUs); load average before "
+          + (" ".join(f"{x:.2f}" for x in load_before) if load_before else "unknown"))
+    print(f"mpzero {env['mpzero_version']} (commit {env['mpzero_commit'] or 'unknown'}), host step "
+          f"{env['mpzero_host_simd']}, -march=native {'yes' if env['mpzero_march_native'] else 'no'}; "
+          f"torch {env['torch']} (cpu capability {env['torch_cpu_capability']}); deepspeed "
+          + (f"{ds['version']} (cpu_adam {ds.get('simd') or '?'}, param/state dtypes "
+             f"{', '.join('/'.join(d) for d in ds.get('dtypes') or []) or '?'})" if ds["available"] else
+             f"not available ({ds['reason']})")
+          + f"; python {env['python']}")
+    if env["torch_threads"] != threads or env["mpzero_threads"] != threads:
+        print(f"warning: thread counts disagree: torch {env['torch_threads']}, mpzero {env['mpzero_threads']}, "
+              f"requested {threads}", file=sys.stderr)
+    if len(env["openmp_runtimes"]) > 1:
+        print("warning: more than one OpenMP runtime is loaded; the contenders' thread pools differ",
+              file=sys.stderr)
+
+    peers = [{"name": PEERS["deepspeed"], "available": ds["available"], "version": ds["version"],
+              "reason": ds["reason"]}] if "deepspeed" in peer_ids else []
+    peers += [{"name": PEERS[p], "available": True, "version": torch.__version__, "reason": None}
+              for p in peer_ids if p != "deepspeed"]
+    results = []
+    for config in configs:
+        for n in sizes:
+            for layout in layouts:
+                numels = [n] if layout == "single" else mixed_sizes(n, a.tensors, HPARAMS["seed"] + n)
+                row = run_row(lib, threads, config, numels, layout, [PEERS[p] for p in peer_ids], ds,
+                              a.warmup, a.rounds)
+                results.append(row)
+                gc.collect()
+
+    env["loadavg_after"] = loadavg()
+    print("load average after " + (" ".join(f"{x:.2f}" for x in env["loadavg_after"])
+                                    if env["loadavg_after"] else "unknown"))
+    doc = {"format": FORMAT, "command": sys.argv, "environment": env, "hyperparameters": HPARAMS,
+           "threads": threads, "rounds": a.rounds, "warmup": a.warmup, "tensors_multi": a.tensors,
+           "peers": peers, "results": results}
+    import peers_render
+    peers_render.validate(doc)
+    print()
+    print(peers_render.render(doc, markdown=False))
+    if a.out:
+        import json
+        with open(a.out, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"\nresults written to {a.out}; render them with: python3 bench/peers_render.py {a.out} --markdown")
+    if not ds["available"] and "deepspeed" in peer_ids:
+        print(f"\n{ds['reason']}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, HERE)
+    main()

@@ -1,0 +1,248 @@
+#!/usr/bin/env python3
+"""Renders bench/peers.py's results (JSON, format mpzero-peers/1) as a table of each peer's
+time relative to mpzero's: one row per configuration x size x layout, one column per
+peer, each cell the median over the rounds of peer time / mpzero time (above 1: mpzero
+is faster) with the min-max over the rounds, or why that peer did not run. A peer that
+ran the configuration another way than natively (an fp32-master composite, or its
+nearest rounding in place of stochastic rounding) carries a note number; the notes and
+reasons (each naming its peer) follow the table.
+
+  python3 bench/peers_render.py results.json               aligned text
+  python3 bench/peers_render.py results.json --markdown    markdown (docs)
+  python3 bench/peers_render.py results.json --plot ratios.png   also a plot (matplotlib)
+
+The format (checked by validate(), which bench/peers.py also runs before writing):
+  format        "mpzero-peers/1"
+  environment   dict: cpu_model, threads, torch, deepspeed (null when absent),
+                mpzero_commit, mpzero_host_simd, loadavg_before, loadavg_after, ...
+  hyperparameters, rounds, warmup, threads
+  peers         [{name, available, version, reason}]
+  results       [{config, numel, layout ("single"|"multi"), tensors,
+                  mpzero: {status "timed", median_s, times_s},
+                  peers: {name: {status, how, note, reason, check,
+                                 median_s, times_s, ratios, ratio_median, ratio_min, ratio_max}}}]
+  A peer's status is "timed" (then the timing keys are present), "differs" (failed the
+  start-up check against mpzero), "unsupported", "unavailable" or "error" (then reason
+  says why); how is "native", "composite" or "substitute" for a peer that ran.
+"""
+import argparse
+import json
+import sys
+
+FORMAT = "mpzero-peers/1"
+STATUSES = ("timed", "differs", "unsupported", "unavailable", "error")
+HOWS = ("native", "composite", "substitute")
+
+
+class FormatError(ValueError):
+    pass
+
+
+def _need(d, key, types, where):
+    if not isinstance(d, dict) or key not in d:
+        raise FormatError(f"{where}: missing '{key}'")
+    types = types if isinstance(types, tuple) else (types,)
+    v = d[key]
+    if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):  # JSON true is no number
+        raise FormatError(f"{where}.{key}: expected {' or '.join(t.__name__ for t in types)}, "
+                          f"got {type(v).__name__}")
+    return v
+
+
+def _positive_number(d, key, where):
+    v = _need(d, key, (int, float), where)
+    if not v > 0:
+        raise FormatError(f"{where}.{key}: must be positive, got {v}")
+    return v
+
+
+def validate(doc):
+    """Raises FormatError naming the first thing that does not fit the format."""
+    if not isinstance(doc, dict):
+        raise FormatError("the document is not a JSON object")
+    if doc.get("format") != FORMAT:
+        raise FormatError(f"format is {doc.get('format')!r}, expected {FORMAT!r}")
+    _need(doc, "environment", dict, "document")
+    _need(doc, "rounds", int, "document")
+    peers = _need(doc, "peers", list, "document")
+    names = []
+    for i, p in enumerate(peers):
+        names.append(_need(p, "name", str, f"peers[{i}]"))
+        _need(p, "available", bool, f"peers[{i}]")
+    results = _need(doc, "results", list, "document")
+    for i, r in enumerate(results):
+        where = f"results[{i}]"
+        _need(r, "config", str, where)
+        _positive_number(r, "numel", where)
+        if _need(r, "layout", str, where) not in ("single", "multi"):
+            raise FormatError(f"{where}.layout: {r['layout']!r} is neither 'single' nor 'multi'")
+        _positive_number(r, "tensors", where)
+        m = _need(r, "mpzero", dict, where)
+        _positive_number(m, "median_s", where + ".mpzero")
+        for name, e in _need(r, "peers", dict, where).items():
+            w = f"{where}.peers[{name!r}]"
+            if name not in names:
+                raise FormatError(f"{w}: not listed in 'peers'")
+            status = _need(e, "status", str, w)
+            if status not in STATUSES:
+                raise FormatError(f"{w}.status: {status!r} is not one of {', '.join(STATUSES)}")
+            if status == "timed":
+                if e.get("how") not in HOWS:
+                    raise FormatError(f"{w}.how: {e.get('how')!r} is not one of {', '.join(HOWS)}")
+                _positive_number(e, "median_s", w)
+                lo, med, hi = (_positive_number(e, k, w) for k in ("ratio_min", "ratio_median", "ratio_max"))
+                if not lo <= med <= hi:
+                    raise FormatError(f"{w}: ratio_min <= ratio_median <= ratio_max does not hold ({lo}, {med}, {hi})")
+            elif not isinstance(e.get("reason"), str) or not e["reason"]:
+                raise FormatError(f"{w}: status {status!r} needs a reason")
+    return doc
+
+
+def load(path):
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise FormatError(f"cannot read {path}: {e.strerror}") from e
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FormatError(f"{path} is not JSON: {e}") from e
+    return validate(doc)
+
+
+def fmt_size(n):
+    for unit, b in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= b and n % b == 0:
+            return f"{n // b}{unit}"
+    return str(n)
+
+
+def peer_names(doc):
+    """Peers in the order of 'peers', then any only named in results."""
+    names = [p["name"] for p in doc["peers"]]
+    for r in doc["results"]:
+        names += [n for n in r["peers"] if n not in names]
+    return names
+
+
+def table(doc, dash):
+    """(header, rows, notes): the cells as strings, and the numbered notes."""
+    names = peer_names(doc)
+    notes = []
+
+    def ref(text):
+        if text not in notes:
+            notes.append(text)
+        return f"[{notes.index(text) + 1}]"
+
+    header = ["config", "elements", "layout", "mpzero ms"] + names
+    rows = []
+    for r in doc["results"]:
+        layout = "1 tensor" if r["layout"] == "single" else f"{r['tensors']} tensors"
+        cells = [r["config"], fmt_size(r["numel"]), layout, f"{r['mpzero']['median_s'] * 1e3:.3f}"]
+        for name in names:
+            e = r["peers"].get(name)
+            if e is None:
+                cells.append("")
+            elif e["status"] == "timed":
+                c = f"{e['ratio_median']:.2f} ({e['ratio_min']:.2f}{dash}{e['ratio_max']:.2f})"
+                if e.get("note"):
+                    c += " " + ref(e["note"])
+                cells.append(c)
+            else:
+                cells.append(f"{e['status']} " + ref(e["reason"]))
+        rows.append(cells)
+    return header, rows, notes
+
+
+def summary(doc):
+    env = doc["environment"]
+    load = lambda k: " ".join(f"{x:.2f}" for x in env[k]) if env.get(k) else "?"  # noqa: E731
+    return (f"{env.get('cpu_model', '?')}, {doc.get('threads', env.get('threads', '?'))} threads; "
+            f"mpzero {env.get('mpzero_commit') or env.get('mpzero_version') or '?'} (host step "
+            f"{env.get('mpzero_host_simd', '?')}), torch {env.get('torch', '?')}, deepspeed "
+            f"{env.get('deepspeed') or 'absent'}, python {env.get('python', '?')}; {doc['rounds']} rounds; "
+            f"load average {load('loadavg_before')} before, {load('loadavg_after')} after. "
+            "Cells: peer time / mpzero time, median (min-max) over the rounds; above 1, mpzero is faster.")
+
+
+def render(doc, markdown=False):
+    header, rows, notes = table(doc, "–" if markdown else "-")
+    out = []
+    if markdown:
+        out.append(summary(doc))
+        out.append("")
+        out.append("| " + " | ".join(header) + " |")
+        out.append("|" + "|".join("---" if i < 3 else "---:" for i in range(len(header))) + "|")
+        out += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
+        if notes:
+            out.append("")
+            out += [f"[{i + 1}] {n.replace('|', chr(92) + '|')}" + ("  " if i + 1 < len(notes) else "")
+                    for i, n in enumerate(notes)]
+    else:
+        out.append(summary(doc))
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+        line = lambda cells: "  ".join(c.ljust(w) if i < 3 else c.rjust(w)  # noqa: E731
+                                       for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        out.append(line(header))
+        out += [line(r) for r in rows]
+        out += [f"[{i + 1}] {n}" for i, n in enumerate(notes)]
+    return "\n".join(out)
+
+
+def plot(doc, path):
+    """Each peer's median ratio per row, with its min-max as error bars, on a log axis."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = peer_names(doc)
+    labels = [f"{r['config']} {fmt_size(r['numel'])} "
+              f"{'x1' if r['layout'] == 'single' else 'x' + str(r['tensors'])}" for r in doc["results"]]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(labels) + 2), 5.5))
+    width = 0.8 / max(1, len(names))
+    for k, name in enumerate(names):
+        xs, ys, lo, hi = [], [], [], []
+        for i, r in enumerate(doc["results"]):
+            e = r["peers"].get(name)
+            if e and e["status"] == "timed":
+                xs.append(i + (k - (len(names) - 1) / 2) * width)
+                ys.append(e["ratio_median"])
+                lo.append(e["ratio_median"] - e["ratio_min"])
+                hi.append(e["ratio_max"] - e["ratio_median"])
+        if xs:
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3, label=name)
+    ax.axhline(1.0, color="grey", linewidth=1)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=7, rotation=60, ha="right", rotation_mode="anchor")
+    ax.set_ylabel("peer time / mpzero time (>1: mpzero faster)")
+    env = doc["environment"]
+    ax.set_title(f"AdamW step on CPU: {env.get('cpu_model', '?')}, {doc.get('threads', '?')} threads", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", help="JSON written by bench/peers.py --out")
+    ap.add_argument("--markdown", action="store_true", help="print a markdown table")
+    ap.add_argument("--plot", metavar="PNG", help="also draw the ratios into this image (needs matplotlib)")
+    a = ap.parse_args()
+    try:
+        doc = load(a.results)
+    except FormatError as e:
+        sys.exit(f"peers_render.py: {e}")
+    print(render(doc, markdown=a.markdown))
+    if a.plot:
+        try:
+            plot(doc, a.plot)
+        except ImportError as e:
+            sys.exit(f"peers_render.py: --plot needs matplotlib ({e}): python3 -m pip install matplotlib")
+
+
+if __name__ == "__main__":
+    main()
