@@ -664,22 +664,23 @@ def main():
     ap.add_argument("--lib", default=None,
                     help=f"libmpzero_peers_step.so (default: {DEFAULT_LIB} under the current directory, "
                          "else under the repository)")
-    ap.add_argument("--sizes", default="1M,16M,64M", help="elements per row, e.g. 1M,16M,64M")
+    ap.add_argument("--sizes", help="elements per row (default 1M,16M,64M)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated; default all")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="single, multi or both")
     ap.add_argument("--tensors", type=int, default=200, help="tensors of the multi layout (default 200)")
     ap.add_argument("--peers", default=",".join(PEERS), help="comma-separated of " + ", ".join(PEERS))
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps of each contender first")
+    ap.add_argument("--rounds", type=int, help="timed rounds (default 15)")
+    ap.add_argument("--warmup", type=int, help="untimed steps of each contender first (default 2)")
     ap.add_argument("--threads", type=int, default=None,
                     help="OpenMP threads of every contender (default: OMP_NUM_THREADS, else all CPUs)")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke test: 100000 elements (a ragged last chunk), 2 rounds, 1 warm-up")
+                    help="smoke test: by default 100000 elements (a ragged last chunk), 2 rounds, 1 warm-up")
     ap.add_argument("--out", help="write the results as JSON (bench/peers_render.py reads it)")
     a = ap.parse_args()
 
-    if a.quick:
-        a.sizes, a.rounds, a.warmup = "100000", 2, 1
+    for key, full, quick in (("sizes", "1M,16M,64M", "100000"), ("rounds", 15, 2), ("warmup", 2, 1)):
+        if getattr(a, key) is None:  # options given explicitly win over --quick's
+            setattr(a, key, quick if a.quick else full)
     sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     layouts = [x.strip() for x in a.layouts.split(",") if x.strip()]

@@ -162,7 +162,7 @@ def summary(doc):
     return (f"{env.get('cpu_model', '?')}, {doc.get('threads', env.get('threads', '?'))} threads; "
             f"mpzero {env.get('mpzero_commit') or env.get('mpzero_version') or '?'} (host step "
             f"{env.get('mpzero_host_simd', '?')}), torch {env.get('torch', '?')}, deepspeed "
-            f"{env.get('deepspeed') or 'absent'}, python {env.get('python', '?')}; {doc['rounds']} rounds; "
+            f"{env.get('deepspeed') or 'not run'}, python {env.get('python', '?')}; {doc['rounds']} rounds; "
             f"load average {load('loadavg_before')} before, {load('loadavg_after')} after. "
             "Cells: peer time / mpzero time, median (min-max) over the rounds; above 1, mpzero is faster.")
 
