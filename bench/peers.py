@@ -759,6 +759,10 @@ def main():
     if env["torch_threads"] != threads or env["mpzero_threads"] != threads:
         print(f"warning: thread counts disagree: torch {env['torch_threads']}, mpzero {env['mpzero_threads']}, "
               f"requested {threads}", file=sys.stderr)
+    if load_before and load_before[0] > 0.5:
+        print(f"warning: load average {load_before[0]:.2f}: other processes share the CPUs, and a step's OpenMP "
+              "region waits for any of its threads that is not running; the timings measure that too",
+              file=sys.stderr)
     if len(env["openmp_runtimes"]) > 1:
         print("warning: more than one OpenMP runtime is loaded; the contenders' thread pools differ",
               file=sys.stderr)
