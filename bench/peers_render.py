@@ -163,6 +163,7 @@ def summary(doc):
             f"mpzero {env.get('mpzero_commit') or env.get('mpzero_version') or '?'} (host step "
             f"{env.get('mpzero_host_simd', '?')}), torch {env.get('torch', '?')}, deepspeed "
             f"{env.get('deepspeed') or 'not run'}, python {env.get('python', '?')}; {doc['rounds']} rounds; "
+            f"tensors on {'huge pages' if env.get('huge_pages') else '4 KiB pages' if env.get('thp_mode') != 'always' else 'THP (always)'}; "
             f"load average {load('loadavg_before')} before, {load('loadavg_after')} after. "
             "Cells: peer time / mpzero time, median (min-max) over the rounds; above 1, mpzero is faster.")
 
