@@ -872,21 +872,28 @@ TEST_CASE("ZeRO: full_grad reads the averaged reduced gradient; accumulate_grad 
   const std::vector<std::uint64_t> numels{300, 5, 4000};
   for (int st : {0, 1, 2, 3}) {
     auto run = [&](auto& z) {
-      // Rank r reports (r + 1) * 2^-3 scaled by 1/2 (one micro-step of two), twice.
+      // Rank r reports (r + 1) * 2^-3 scaled by 1/2 (one micro-step of two), twice; in
+      // the steps after the first, the step's gradient starts from zero again (stages 0-1
+      // clear the buffer lazily: a scaled first report, then the unscaled one of the
+      // last step, each on a slot that held the step before's values).
       std::vector<float> g(4000, static_cast<float>(c.rank() + 1) * 0x1p-3f);
-      for (int pass = 0; pass < 2; ++pass) {
-        for (std::size_t p = numels.size(); p-- > 0;) z.accumulate_grad(p, g.data(), 0.5f);
-        z.end_backward();
+      for (int step = 0; step < 3; ++step) {
+        INFO("stage " << st << ", step " << step + 1);
+        const float scale = step < 2 ? 0.5f : 1.0f;
+        for (int pass = 0; pass < 2; ++pass) {
+          for (std::size_t p = numels.size(); p-- > 0;) z.accumulate_grad(p, g.data(), scale);
+          z.end_backward();
+        }
+        const float expect = static_cast<float>((c.size() + 1) / 2.0 * 0x1p-3 * (2 * scale));  // mean over ranks
+        for (std::size_t p = 0; p < numels.size(); ++p) {
+          const std::vector<float> full = z.full_grad(p);
+          REQUIRE(full.size() == numels[p]);
+          REQUIRE(std::count(full.begin(), full.end(), expect) == static_cast<std::ptrdiff_t>(full.size()));
+        }
+        REQUIRE_THROWS_WITH(z.accumulate_grad(0, g.data()), Catch::Contains("already reduced"));
+        const step_report r = z.step();
+        REQUIRE(r.grad_norm == Approx(expect * std::sqrt(4305.0)).epsilon(1e-12));
       }
-      const float expect = static_cast<float>((c.size() + 1) / 2.0 * 0x1p-3);  // mean over ranks of 2 x half
-      for (std::size_t p = 0; p < numels.size(); ++p) {
-        const std::vector<float> full = z.full_grad(p);
-        REQUIRE(full.size() == numels[p]);
-        REQUIRE(std::count(full.begin(), full.end(), expect) == static_cast<std::ptrdiff_t>(full.size()));
-      }
-      REQUIRE_THROWS_WITH(z.accumulate_grad(0, g.data()), Catch::Contains("already reduced"));
-      const step_report r = z.step();
-      REQUIRE(r.grad_norm == Approx(expect * std::sqrt(4305.0)).epsilon(1e-12));
     };
     zero_options zo;
     zo.reduce_bucket_numel = 1000;

@@ -168,6 +168,15 @@ class zero_core {
     grads_pending_ = true;
     if (s_.stage() < 2) {
       const flat_range r = s_.layout.param_range(sl);
+      if (!take_stale_slot(sl)) {
+        // The slot's first gradient since it was cleared: written, not added to zeros
+        // (the same values: 0 + g is g, but for the sign of a zero).
+        if (scale == 1.0f) {
+          s_.be.convert(s_.grads.at(r.begin), s_.grad_t(), src, t, r.size());
+          return;
+        }
+        s_.be.zero(s_.grads.at(r.begin), r.size() * size_of(s_.grad_t()));
+      }
       s_.be.accumulate(s_.grads.at(r.begin), s_.grad_t(), src, t, r.size(), scale);
     } else {
       reducer_.report(sl, src, t, scale);
@@ -179,10 +188,12 @@ class zero_core {
       detail::throw_invalid("ZeroOptimizer::grad(" + std::to_string(i) +
                     "): gradients are partitioned at ZeRO stage 2 and 3; report them with accumulate_grad()");
     }
-    const flat_range r = s_.layout.param_range(s_.slot(i));
+    const std::size_t sl = s_.slot(i);
+    const flat_range r = s_.layout.param_range(sl);
     require_not_reduced("grad", i);
     in_backward_ = true;
     grads_pending_ = true;
+    if (!take_stale_slot(sl)) s_.be.zero(s_.grads.at(r.begin), r.size() * size_of(s_.grad_t()));
     return s_.grads.at(r.begin);
   }
 
@@ -209,6 +220,7 @@ class zero_core {
     // bucket reductions of the ranks whose pass did. (Every rank must still run the same
     // number of non-empty passes per step.)
     if (s_.stage() >= 2 && !pass_ended_) end_backward();
+    clear_stale_slots();
     if (s_.stage() < 2) reducer_.reduce_whole();
     if (s_.offloaded() && s_.stage() == 1) {
       // The reduced shard goes to the host partition (stages 2-3 did this bucket by bucket).
@@ -550,9 +562,42 @@ class zero_core {
     }
   }
 
+  // Stages 0-1 clear the whole gradient buffer lazily: zero_all_grads marks every slot
+  // stale (nothing written), a slot's first gradient overwrites it (one pass over the
+  // gradient where clearing, then adding, takes three), and the slots no gradient
+  // reached are cleared before the buffer is read (clear_stale_slots, at the reduction).
+  // Returns whether slot sl held this step's values already, marking it so.
+  bool take_stale_slot(std::size_t sl) {
+    if (!grads_stale_ || slot_fresh_[sl]) return true;
+    slot_fresh_[sl] = 1;
+    return false;
+  }
+  void clear_stale_slots() {
+    if (!grads_stale_) return;
+    grads_stale_ = false;
+    const std::size_t n = slot_fresh_.size(), bytes = size_of(s_.grad_t());
+    // Runs of stale slots, one clear each (with the padding between them, which is zero).
+    for (std::size_t a = 0; a < n;) {
+      if (slot_fresh_[a]) {
+        ++a;
+        continue;
+      }
+      std::size_t b = a;
+      while (b + 1 < n && !slot_fresh_[b + 1]) ++b;
+      const std::uint64_t begin = s_.layout.param_range(a).begin, end = s_.layout.param_range(b).end;
+      if (end > begin) s_.be.zero(s_.grads.at(begin), (end - begin) * bytes);
+      a = b + 1;
+    }
+  }
+
   void zero_all_grads() {
     grads_pending_ = false;
     pass_ended_ = false;
+    if (s_.stage() < 2) {
+      slot_fresh_.assign(s_.layout.num_params(), 0);
+      grads_stale_ = true;
+      return;
+    }
     s_.be.zero(s_.grads.data(), s_.grads.bytes());
     // Stage 1 overwrites the host partition with each step's reduced shard instead.
     if (s_.offloaded() && s_.stage() >= 2) s_.host.zero(s_.h_grads.data(), s_.h_grads.bytes());
@@ -722,6 +767,9 @@ class zero_core {
   bool reduced_ = false;        // reduce_gradients() ran for this step
   bool grads_pending_ = false;  // gradients reported since the last step() or zero_grad()
   bool pass_ended_ = false;     // stages 2-3: end_backward() ran since the last step() or zero_grad()
+  // Stages 0-1 (zero_all_grads): whether slots may hold stale values, and which do not.
+  bool grads_stale_ = false;
+  std::vector<std::uint8_t> slot_fresh_;
   std::optional<comm::any_communicator> tp_;                // set_tensor_parallel's group
   std::vector<std::pair<flat_range, bool>> tp_runs_;        // [0, padded) in runs of split / replicated parameters
   std::vector<std::unique_ptr<stepper>> steppers_;  // one per parameter group present in the shard
