@@ -154,6 +154,13 @@ def fmt_size(n):
 
 # ---- environment ---------------------------------------------------------------------------
 
+def repo_relative(path):
+    """path relative to the repository when it lies inside it (results carry no machine's
+    directories), else absolute."""
+    full = os.path.abspath(path)
+    return os.path.relpath(full, REPO) if full.startswith(os.path.abspath(REPO) + os.sep) else full
+
+
 def thp_mode():
     """The kernel's transparent huge page mode ("always", "madvise" or "never"), or None."""
     try:
@@ -745,7 +752,7 @@ def main():
         "deepspeed_dtypes": ds.get("dtypes"),
         "mpzero_version": lib.mpzero_peers_version().decode(),
         "mpzero_commit": git_commit(),
-        "mpzero_library": os.path.abspath(lib_path),
+        "mpzero_library": repo_relative(lib_path),
         "mpzero_host_simd": lib.mpzero_peers_simd().decode(),
         "mpzero_march_native": bool(lib.mpzero_peers_march_native()),
         "mpzero_cxx_flags": lib.mpzero_peers_cxx_flags().decode(),
