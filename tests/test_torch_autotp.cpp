@@ -21,6 +21,7 @@
 #include <iterator>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <torch/csrc/jit/serialization/pickle.h>
@@ -128,17 +129,25 @@ Block frozen_gate_up(std::uint64_t seed) {
   return b;
 }
 
-// The plan of the block's trainable parameters (planned with the frozen ones, as the
-// engine plans them) and their whole shapes.
-std::pair<std::vector<mt::tp_param_plan>, std::vector<std::vector<std::int64_t>>> trainable_plan(mt::engine_base& e,
-                                                                                               Block whole) {
+// Every parameter of the whole block (trainable and frozen): names, shapes and the
+// engine's config's plan of them.
+std::tuple<std::vector<std::string>, std::vector<std::vector<std::int64_t>>, std::vector<mt::tp_param_plan>> whole_plan(
+    mt::engine_base& e, Block whole) {
   std::vector<std::string> names;
   std::vector<std::vector<std::int64_t>> shapes;
   for (const auto& item : whole->named_parameters()) {
     names.push_back(item.key());
     shapes.push_back(item.value().sizes().vec());
   }
-  const auto all = mt::plan_tensor_parallel(e.config().tensor_parallel, names, shapes);
+  auto plan = mt::plan_tensor_parallel(e.config().tensor_parallel, names, shapes);
+  return {names, shapes, plan};
+}
+
+// The plan of the block's trainable parameters (planned with the frozen ones, as the
+// engine plans them) and their whole shapes.
+std::pair<std::vector<mt::tp_param_plan>, std::vector<std::vector<std::int64_t>>> trainable_plan(mt::engine_base& e,
+                                                                                               Block whole) {
+  const auto [names, shapes, all] = whole_plan(e, whole);
   std::vector<mt::tp_param_plan> plan;
   std::vector<std::vector<std::int64_t>> kept;
   for (std::size_t i = 0; i < names.size(); ++i) {
@@ -204,13 +213,7 @@ std::map<std::string, Tensor> read_pt(const std::string& path) {
 
 // Tensor-parallel rank `rank`'s slice of whole parameter `name` of the block, by its plan.
 Tensor slice_of(mt::engine_base& e, Block whole, const std::string& name, int tp, int rank) {
-  std::vector<std::string> names;
-  std::vector<std::vector<std::int64_t>> shapes;
-  for (const auto& item : whole->named_parameters()) {
-    names.push_back(item.key());
-    shapes.push_back(item.value().sizes().vec());
-  }
-  const auto plan = mt::plan_tensor_parallel(e.config().tensor_parallel, names, shapes);
+  const auto [names, shapes, plan] = whole_plan(e, whole);
   const auto i = static_cast<std::size_t>(std::find(names.begin(), names.end(), name) - names.begin());
   const Tensor flat = whole->named_parameters()[name].detach().reshape({-1});
   std::vector<Tensor> pieces;
