@@ -345,13 +345,13 @@ class engine_checkpoints {
 
  private:
   nlohmann::json engine_json(const std::string& tag, const nlohmann::json& client_state, std::uint64_t save_id) const;
-  // The module's parameters, then its buffers, by name, each as a placeholder that
   // AutoTP, a load at another tensor-parallel size: `saved` (tensor-parallel rank 0's
   // entries of the save in tag_dir) becomes this rank's: each entry the save split is
   // joined from every saved rank's file, and each one this engine splits is cut to its slice.
   void reshard_module_states(const fs::path& tag_dir, std::uint64_t saved_tp, const detail::saved_tp_layout& layout,
                              std::unordered_map<std::string, ::torch::Tensor>& saved,
                              const std::function<bool(const std::string&)>& wanted);
+  // The module's parameters, then its buffers, by name, each as a placeholder that
   // fetch() turns into its values (detail::write_torch_file), so that a save holds one
   // tensor at a time: at ZeRO-3 a partitioned parameter is gathered for it, then released.
   // whole: AutoTP's split parameters joined from the tensor-parallel ranks' slices
@@ -671,7 +671,6 @@ class engine_state : public std::enable_shared_from_this<engine_state> {
   void check_given_groups();
   // The frozen floating parameters a spec splits too (by tensor), with their whole shapes.
   struct tp_frozen {
-    std::string name;
     tp_param_plan plan;
     std::vector<std::int64_t> whole;
   };
@@ -1388,7 +1387,7 @@ std::pair<std::string, std::string> engine_state::prepare() {
     for (std::size_t f = 0; f < frozen.size(); ++f) {
       tp_param_plan& fp = all_plans[params_.size() + f];
       if (fp.type != tp_partition::skip)
-        tp_frozen_[frozen[f].unsafeGetTensorImpl()] = {frozen_names[f], std::move(fp), all_shapes[params_.size() + f]};
+        tp_frozen_[frozen[f].unsafeGetTensorImpl()] = {std::move(fp), all_shapes[params_.size() + f]};
     }
     all_plans.resize(params_.size());
     tp_plan_ = std::move(all_plans);
