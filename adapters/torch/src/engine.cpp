@@ -2868,7 +2868,7 @@ any_communicator& comm_at(std::int64_t address) { return *reinterpret_cast<any_c
 struct tp_copy_in : ag::Function<tp_copy_in> {
   static ::torch::Tensor forward(ag::AutogradContext* ctx, const ::torch::Tensor& x, std::int64_t comm) {
     ctx->saved_data["comm"] = comm;
-    return x.clone();
+    return x;  // autograd makes the output a view of x, so no copy is made
   }
   static ag::variable_list backward(ag::AutogradContext* ctx, ag::variable_list grads) {
     ::torch::Tensor g = grads[0].contiguous().clone();
