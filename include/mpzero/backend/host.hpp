@@ -44,15 +44,17 @@ struct options {
 
 namespace detail {
 
+// One chunk runs on the calling thread: a team would start only to leave all but one
+// thread idle (a small parameter's gradient, accumulated in a backward hook, is one chunk).
 template <class Body>
 void for_each_chunk(std::size_t num_chunks, const options& opt, Body&& body) {
   const auto n = static_cast<std::int64_t>(num_chunks);
 #if defined(_OPENMP)
   if (opt.threads > 0) {
-#pragma omp parallel for schedule(static) num_threads(opt.threads)
+#pragma omp parallel for schedule(static) num_threads(opt.threads) if (n > 1)
     for (std::int64_t c = 0; c < n; ++c) body(static_cast<std::size_t>(c));
   } else {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > 1)
     for (std::int64_t c = 0; c < n; ++c) body(static_cast<std::size_t>(c));
   }
 #else
