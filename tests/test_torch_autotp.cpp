@@ -452,8 +452,10 @@ TEST_CASE("autotp: tensor- and data-parallel groups made by the program, as MPI 
                 : mt::any_communicator::own(mpzero::comm::mpi_communicator(c), name);
   };
   {
+    // The world given (c10d), or left empty (MPI): initialize joins the one mpirun started.
     auto engine = mt::initialize(Block(R() == 0 ? 7 : 11), tp_config(1, 0.05),
-                                 mt::parallel_groups{mt::any_communicator::wrap(world()), wrap(tpc, "tp"), wrap(dpc, "dp")});
+                                 mt::parallel_groups{c10d ? mt::any_communicator::wrap(world()) : mt::any_communicator{},
+                                                     wrap(tpc, "tp"), wrap(dpc, "dp")});
     CHECK(engine.tensor_parallel_rank() == tp_rank);
     CHECK(engine.world_size() == dp);
     for (int k = 0; k < 3; ++k) {
