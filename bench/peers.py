@@ -63,6 +63,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import peers_render  # noqa: E402 (beside this script: the results' format, its table and sizes' names)
+from peers_render import fmt_size  # noqa: E402
 DEFAULT_LIB = os.path.join("build-bench", "bench", "libmpzero_peers_step.so")
 FORMAT = "mpzero-peers/1"
 DEEPSPEED_PIP = "DS_BUILD_OPS=0 python3 -m pip install deepspeed"
@@ -143,13 +146,6 @@ def ratio_summary(peer_times, mpzero_times):
 def rotated(items, r):
     k = r % len(items)
     return items[k:] + items[:k]
-
-
-def fmt_size(n):
-    for unit, b in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= b and n % b == 0:
-            return f"{n // b}{unit}"
-    return str(n)
 
 
 # ---- environment ---------------------------------------------------------------------------
@@ -814,7 +810,6 @@ def main():
     doc = {"format": FORMAT, "command": sys.argv, "environment": env, "hyperparameters": HPARAMS,
            "threads": threads, "rounds": a.rounds, "warmup": a.warmup, "tensors_multi": a.tensors,
            "peers": peers, "results": results}
-    import peers_render
     peers_render.validate(doc)
     print()
     print(peers_render.render(doc, markdown=False))
@@ -828,5 +823,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
     main()
