@@ -381,6 +381,50 @@ TEST_CASE("Checkpoint: adam_runtime is Adam or AdamW as its options say, saved u
   check_adam_runtime<offload_cpu>(false);
 }
 
+TEST_CASE("Checkpoint: the shard files record the stochastic-rounding stream", "[checkpoint]") {
+  auto& c = world();
+  const zero_options zo = options_for(false);
+  const auto header_of = [&](const fs::path& dir) {
+    const fs::path file = checkpoint::shard_path(dir, static_cast<std::uint32_t>(c.rank()));
+    std::ifstream in;  // read_header opens it
+    return checkpoint::read_header(in, file);
+  };
+  shared_dir sr_dir, nearest_dir;
+  {
+    zopt<policies::bf16_all_sr, optim::adamw, 1> z(c, model_numels, {}, zo);
+    init(z);
+    std::vector<double> norms;
+    train(z, c, 1, 1, norms);
+    z.save_checkpoint(sr_dir.path);
+    zopt<policies::bf16_all, optim::adamw, 1> y(c, model_numels, {}, zo);
+    init(y);
+    y.save_checkpoint(nearest_dir.path);
+  }
+  CHECK(header_of(sr_dir.path).rounding_stream == rounding_stream);
+  CHECK(header_of(nearest_dir.path).rounding_stream == 0);
+
+  zopt<policies::bf16_all_sr, optim::adamw, 1> z(c, model_numels, {}, zo);
+  CHECK(z.loaded_rounding_stream() == 0);
+  z.load_checkpoint(sr_dir.path);
+  CHECK(z.loaded_rounding_stream() == rounding_stream);
+  z.load_checkpoint(nearest_dir.path);  // nearest-rounding states load into a stochastic-rounding optimizer
+  CHECK(z.loaded_rounding_stream() == 0);
+  // A file of another stream (byte 6 of the dtype row, at offset 40: magic 8, version 4,
+  // byte order 4, save id 8, rank / world / files / stage 16) loads, and says which.
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (c.rank() == 0) {
+    for (const auto& f : fs::directory_iterator(sr_dir.path)) {
+      std::fstream io(f.path(), std::ios::binary | std::ios::in | std::ios::out);
+      io.seekp(40 + 6);
+      const char one = 1;
+      io.write(&one, 1);
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  z.load_checkpoint(sr_dir.path);
+  CHECK(z.loaded_rounding_stream() == 1);
+}
+
 TEST_CASE("Checkpoint: bad input is refused on every rank, with a message, and changes nothing", "[checkpoint]") {
   auto& c = world();
   const zero_options zo = options_for(false);

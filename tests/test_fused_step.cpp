@@ -212,14 +212,14 @@ template <mpzero::precision_policy P, mpzero::optim::rule O>
 void check_split_invariance(const typename O::options& opt) {
   INFO(optim_test::policy_name<P>() << " x " << O::name);
   constexpr std::uint64_t N = 20011;
-  // An odd first index, and one that puts pair 2^32 (global index 2^33) inside the
-  // data, where the Philox counter's high word changes.
+  // An odd first index, and one that puts global index 2^33 inside the data, where the
+  // rounding counter's high word changes.
   for (const std::uint64_t first : {std::uint64_t{1}, (std::uint64_t{1} << 33) - 9999}) {
     INFO("first global index " << first);
     const auto whole = run_split<P, O>(N, {}, first, opt, {}, {.threads = 1});
     REQUIRE(count_different(whole, run_split<P, O>(N, {}, first, opt, {}, {.threads = 1}, 0)) > N / 2);
     // Tensors that start at odd and at even global indices (a one-element tensor too),
-    // chunks of odd sizes (every chunk but the first starts mid-pair in turn), threads.
+    // chunks of odd sizes (every chunk but the first starts at an odd index in turn), threads.
     const std::vector<std::vector<std::uint64_t>> cut_sets = {{1}, {4097}, {1, 2, 4097, 12346}, {9999, 10000}};
     const mpzero::plan_options plans[] = {{}, {.chunk_size = 7}, {.chunk_size = 1025}};
     for (const auto& cuts : cut_sets) {

@@ -342,12 +342,11 @@ const std::vector<tensor_spec> kStepTensors = {{0, placement::aligned},         
                                                {4099, placement::grad_offset}};
 constexpr std::size_t kLargest = 4;  // index of the 300001-element tensor
 
-// Global element indices start just below 2^33: stochastic rounding draws once per
-// pair of elements, counted by index / 2, so pair 2^32, where the Philox counter's high
-// word changes, lies inside the largest tensor. The tensors start at even and at odd
-// indices (offsets 0, 0, 1, 8, 65545, 365546, 435547 from here), and the second plan's
-// odd chunk size starts chunks mid-pair: the kernel's per-pair draws must match the
-// host's wherever a thread's elements begin.
+// Global element indices start just below 2^33: stochastic rounding hashes the counter
+// 2 x index, whose high word changes at index 2^33, inside the largest tensor. The
+// tensors start at even and at odd indices (offsets 0, 0, 1, 8, 65545, 365546, 435547
+// from here), and the second plan's odd chunk size starts chunks at odd indices: the
+// kernel's bits must match the host's wherever a thread's elements begin.
 constexpr std::uint64_t kFirstGlobalIndex = (1ull << 33) - 100000;
 constexpr std::uint64_t kRoundingSeed = 0x0123456789ABCDEFull;
 

@@ -3,8 +3,8 @@
 // computes, since no two threads touch one element and none waits for another.
 // Held bit for bit against the step's definition, update_element() on each element
 // with its global index, for every valid precision policy: the kernel's indexing,
-// 16-byte vector path and tail, its fallback for unaligned arrays, and its one random
-// draw per pair of elements (odd global offsets, the Philox counter's high word).
+// 16-byte vector path and tail, its fallback for unaligned arrays, and its rounding
+// bits (the key made once per thread; odd global offsets; the counter's high word).
 // These run in CPU CI; the [gpu] tests (test_gpu.cu) then need only show that nvcc's
 // code for the same text gives the host's bits.
 #include "support/reference_step.hpp"
@@ -146,8 +146,8 @@ void check_grid(const typename O::options& opt) {
   const std::vector<std::uint64_t> sizes = {0, 1, 7, 4099, 65545};
   const layout_case cases[] = {
       {.what = "aligned, global offset 0"},
-      {.what = "odd global offset: pairs straddle every vector group", .first_offset = 1},
-      {.what = "the Philox counter's high word changes inside the data",
+      {.what = "odd global offset", .first_offset = 1},
+      {.what = "the rounding counter's high word changes inside the data",
        .first_offset = (std::uint64_t{1} << 33) - 5001},
       {.what = "every array one element off 16-byte alignment", .lead = 1},
       {.what = "the parameters alone unaligned", .one_off = array_kind::param},

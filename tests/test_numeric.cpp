@@ -18,6 +18,7 @@
 #include <mpzero/numeric/convert.hpp>
 #include <mpzero/numeric/fp16.hpp>
 #include <mpzero/numeric/philox.hpp>
+#include <mpzero/numeric/rounding_bits.hpp>
 
 #if defined(MPZERO_TEST_CUDA_HEADERS)
 #include <cuda_bf16.h>
@@ -292,52 +293,120 @@ TEST_CASE("element random bits depend on seed, step and index only", "[numeric]"
   CHECK(element_random_bits(42, 3, 1000ull + (1ull << 32)).v[0] != a.v[0]);  // high index bits matter
 }
 
-TEST_CASE("stochastic-rounding bits: one Philox draw per pair of elements, 16-bit halves", "[numeric]") {
-  // The layout from its definition (numeric/philox.hpp): pair p = g / 2 draws Philox4x32-10
-  // with counter (p low, p high, step low, step high) and key (seed low, seed high); of
-  // the draw's eight 16-bit halves (half h = bits [16 (h % 2), 16 (h % 2) + 16) of
-  // word h / 2) the even element takes halves 0-3 and the odd one halves 4-7.
+namespace {
+
+// Stream 2 from its definition (numeric/rounding_bits.hpp, docs/precision.md), written
+// out here rather than calling the library's pieces: word j of element g hashes the
+// counter c = 2 g + j under a key drawn from Philox4x32-10.
+std::uint32_t stream2_word(std::uint64_t seed, std::uint64_t step, std::uint64_t g, int j) {
+  const philox_u32x4 key =
+      philox4x32_10({{static_cast<std::uint32_t>(step), static_cast<std::uint32_t>(step >> 32), 0x53520002u, 0u}},
+                    static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32));
+  const std::uint64_t c = 2 * g + static_cast<std::uint64_t>(j);
+  std::uint32_t x = static_cast<std::uint32_t>(c) ^ key.v[0];
+  x = (x ^ (x >> 16)) * 0x21f0aaadu;
+  x = (x ^ (x >> 15) ^ key.v[1] ^ static_cast<std::uint32_t>(c >> 32) * 0x9e3779b9u) * 0x735a2d97u;
+  return x ^ (x >> 15);
+}
+
+// Pearson's chi-square of `counts` against a uniform expectation.
+double chi_square(const std::vector<std::uint64_t>& counts, std::uint64_t total) {
+  const double expected = static_cast<double>(total) / static_cast<double>(counts.size());
+  double x2 = 0;
+  for (const std::uint64_t c : counts) x2 += (static_cast<double>(c) - expected) * (static_cast<double>(c) - expected) / expected;
+  return x2;
+}
+
+// Six standard deviations above the mean of a chi-square with `bins - 1` degrees of
+// freedom (mean k, variance 2 k): a bound a uniform source exceeds with probability
+// about 1e-8 (the data are fixed, so the check cannot flake).
+double chi_square_bound(std::size_t bins) {
+  const double k = static_cast<double>(bins - 1);
+  return k + 6.0 * std::sqrt(2.0 * k);
+}
+
+}  // namespace
+
+TEST_CASE("stochastic-rounding bits: stream 2 from its definition", "[numeric]") {
   const std::uint64_t seeds[] = {0, 42, 0x0123456789ABCDEFull};
   const std::uint64_t steps[] = {1, 7, (1ull << 32) + 3};
-  const std::uint64_t indices[] = {0, 1, 2, 3, 1000, 1001, (1ull << 33) - 2, (1ull << 33) - 1, 1ull << 33,
-                                   (1ull << 33) + 1, ~0ull - 1, ~0ull};
+  // Around the counter's high word changing (g = 2^31, 2^32, 2^33) and near the top.
+  const std::uint64_t indices[] = {0, 1, 2, 3, 1000, 1001, (1ull << 31) - 1, 1ull << 31, (1ull << 32) + 1,
+                                   (1ull << 33) - 1, 1ull << 33, (1ull << 62) + 12345};
   int mismatches = 0;
   for (const std::uint64_t seed : seeds) {
     for (const std::uint64_t step : steps) {
+      const rounding_key key = rounding_key_of(seed, step);
       for (const std::uint64_t g : indices) {
-        const std::uint64_t p = g / 2;
-        const philox_u32x4 d =
-            philox4x32_10({{static_cast<std::uint32_t>(p), static_cast<std::uint32_t>(p >> 32),
-                            static_cast<std::uint32_t>(step), static_cast<std::uint32_t>(step >> 32)}},
-                          static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32));
+        const std::uint32_t w0 = stream2_word(seed, step, g, 0), w1 = stream2_word(seed, step, g, 1);
         const element_bits e = element_rounding_bits(seed, step, g);
-        const element_bits from_pair = element_pair_bits(pair_random_bits(seed, step, p), g);
-        for (int h = 0; h < 4; ++h) {
-          const int draw_half = static_cast<int>(g % 2) * 4 + h;
-          const auto want = static_cast<std::uint16_t>((d.v[draw_half / 2] >> (16 * (draw_half % 2))) & 0xffffu);
-          mismatches += e.half(h) != want;
-          mismatches += from_pair.half(h) != want;
-        }
+        mismatches += e.w[0] != w0;
+        mismatches += e.w[1] != w1;
+        mismatches += element_rounding_bits<2>(key, g).w[1] != w1;
+        mismatches += element_rounding_bits<1>(key, g).w[0] != w0;
+        for (int h = 0; h < 4; ++h) mismatches += e.half(h) != static_cast<std::uint16_t>((h < 2 ? w0 : w1) >> (16 * (h % 2)));
       }
     }
   }
   CHECK(mismatches == 0);
-
-  // The two elements of a pair use all eight halves of one draw between them, and
-  // nothing of the next pair's draw.
-  const element_bits even = element_rounding_bits(9, 2, 500), odd = element_rounding_bits(9, 2, 501);
-  const philox_u32x4 d = pair_random_bits(9, 2, 250);
-  CHECK(even.w[0] == d.v[0]);
-  CHECK(even.w[1] == d.v[1]);
-  CHECK(odd.w[0] == d.v[2]);
-  CHECK(odd.w[1] == d.v[3]);
-  CHECK(element_rounding_bits(9, 2, 502).w[0] != even.w[0]);
+  CHECK(rounding_stream == 2);
   // Seed, step and the index's high bits all reach the bits.
-  CHECK(element_rounding_bits(10, 2, 500).w[0] != even.w[0]);
-  CHECK(element_rounding_bits(9, 3, 500).w[0] != even.w[0]);
-  CHECK(element_rounding_bits(9, 2, 500 + (1ull << 33)).w[0] != even.w[0]);
-  static_assert(element_rounding_bits(1, 2, 3).half(3) == element_pair_bits(pair_random_bits(1, 2, 1), 3).half(3),
-                "usable in constant expressions; an element's bits are its pair's draw");
+  const element_bits e = element_rounding_bits(9, 2, 500);
+  CHECK(element_rounding_bits(9, 2, 501).w[0] != e.w[0]);
+  CHECK(element_rounding_bits(10, 2, 500).w[0] != e.w[0]);
+  CHECK(element_rounding_bits(9, 3, 500).w[0] != e.w[0]);
+  CHECK(element_rounding_bits(9, 2, 500 + (1ull << 33)).w[0] != e.w[0]);
+  static_assert(element_rounding_bits(1, 2, 3).half(3) == element_rounding_bits<2>(rounding_key_of(1, 2), 3).half(3),
+                "usable in constant expressions");
+}
+
+TEST_CASE("stochastic-rounding bits: halves uniform, no dependence across neighbours, words or steps", "[numeric]") {
+  constexpr std::uint64_t n = 1 << 20;
+  const std::uint64_t first = (1ull << 31) - n / 2;  // across a change of the counter's high word
+  std::vector<element_bits> now(n), next(n);
+  const rounding_key k5 = rounding_key_of(3, 5), k6 = rounding_key_of(3, 6);
+  for (std::uint64_t i = 0; i < n; ++i) {
+    now[i] = element_rounding_bits(k5, first + i);
+    next[i] = element_rounding_bits(k6, first + i);
+  }
+  // Each half's top and bottom byte: 256 bins each.
+  for (int h = 0; h < 4; ++h) {
+    for (const int shift : {8, 0}) {
+      std::vector<std::uint64_t> counts(256);
+      for (const element_bits& e : now) ++counts[(e.half(h) >> shift) & 0xffu];
+      INFO("half " << h << ", byte at bit " << shift);
+      CHECK(chi_square(counts, n) < chi_square_bound(256));
+    }
+  }
+  // Every one of the 64 bits is set half the time (within six standard deviations).
+  for (int bit = 0; bit < 64; ++bit) {
+    std::uint64_t ones = 0;
+    for (const element_bits& e : now) ones += (e.w[bit / 32] >> (bit % 32)) & 1u;
+    INFO("bit " << bit);
+    CHECK(std::fabs(static_cast<double>(ones) - n / 2.0) < 6.0 * std::sqrt(n / 4.0));
+  }
+  // Joint distributions of the top 4 bits of two halves (16 x 16 bins): neighbouring
+  // elements, the two words of one element, the same element at consecutive steps, and
+  // an element against the one 2^k away (a simple counter relation).
+  const auto joint = [&](auto&& a, auto&& b, std::uint64_t count) {
+    std::vector<std::uint64_t> counts(256);
+    for (std::uint64_t i = 0; i < count; ++i) ++counts[(a(i) >> 12) * 16 + (b(i) >> 12)];
+    return chi_square(counts, count);
+  };
+  const double bound = chi_square_bound(256);
+  CHECK(joint([&](std::uint64_t i) { return now[i].half(0); }, [&](std::uint64_t i) { return now[i + 1].half(0); }, n - 1) <
+        bound);
+  CHECK(joint([&](std::uint64_t i) { return now[i].half(1); }, [&](std::uint64_t i) { return now[i + 1].half(1); }, n - 1) <
+        bound);
+  CHECK(joint([&](std::uint64_t i) { return now[i].half(0); }, [&](std::uint64_t i) { return now[i].half(2); }, n) < bound);
+  CHECK(joint([&](std::uint64_t i) { return now[i].half(1); }, [&](std::uint64_t i) { return now[i].half(3); }, n) < bound);
+  CHECK(joint([&](std::uint64_t i) { return now[i].half(0); }, [&](std::uint64_t i) { return next[i].half(0); }, n) < bound);
+  CHECK(joint([&](std::uint64_t i) { return now[i].half(2); }, [&](std::uint64_t i) { return next[i].half(2); }, n) < bound);
+  for (const std::uint64_t d : {2ull, 16ull, 1024ull}) {
+    INFO("distance " << d);
+    CHECK(joint([&](std::uint64_t i) { return now[i].half(0); }, [&](std::uint64_t i) { return now[i + d].half(0); },
+                n - d) < bound);
+  }
 }
 
 TEST_CASE("round_nearest_even matches its definition for every remainder up to 16 bits", "[numeric]") {

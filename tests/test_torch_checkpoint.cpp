@@ -9,10 +9,12 @@
 #include "support/shared_dir.hpp"
 #include "support/torch_reference.hpp"
 
+#include <mpzero/numeric/rounding_bits.hpp>
 #include <mpzero/torch/zero_to_fp32.hpp>
 #include <torch/csrc/jit/serialization/pickle.h>
 
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +24,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <sstream>
 #include <string>
@@ -172,6 +175,64 @@ TEST_CASE("engine checkpoint: a resumed run ends bit for bit where an uninterrup
   train(e, dt, 4, 8);
   require_same(take(e), straight);
   if (prec == "fp16") REQUIRE(straight.loss_scale > 256.0);  // the scaler's growth carried over
+}
+
+TEST_CASE("engine checkpoint: a checkpoint of another stochastic-rounding stream loads, and says so", "[checkpoint]") {
+  json cfg = config(1, "bf16");
+  cfg["bf16"] = {{"enabled", true}, {"bf16_master_weights_and_grads", true}, {"bf16_optimizer_states", true}};
+  cfg["rounding"] = "stochastic";
+  cfg["seed"] = 5;
+  shared_dir dir;
+  state saved;
+  {
+    auto e = mt::initialize(CkNet(7), cfg, world());
+    train(e, ::torch::kBFloat16, 0, 2);
+    e.save_checkpoint(dir.path.string(), "t");
+    saved = take(e);
+  }
+  // Stream 1 in every shard file: byte 6 of the dtype row, at offset 46
+  // (mpzero/zero/checkpoint.hpp's layout).
+  MPI_Barrier(MPI_COMM_WORLD);
+  int patched = 0;
+  if (R() == 0) {
+    for (const auto& f : fs::recursive_directory_iterator(dir.path / "t")) {
+      if (f.path().extension() != ".mpz") continue;
+      std::fstream io(f.path(), std::ios::binary | std::ios::in | std::ios::out);
+      io.seekg(46);
+      char was = 0;
+      io.read(&was, 1);
+      CHECK(static_cast<int>(was) == static_cast<int>(mpzero::rounding_stream));
+      io.seekp(46);
+      const char one = 1;
+      io.write(&one, 1);
+      ++patched;
+    }
+    CHECK(patched >= 1);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  auto e = mt::initialize(CkNet(99), cfg, world());
+  // What the load prints on stderr, through a file in place of descriptor 2.
+  std::fflush(stderr);
+  const fs::path log = dir.path / ("stderr_" + std::to_string(R()));
+  const int saved_fd = dup(2);
+  FILE* f = std::fopen(log.c_str(), "w");
+  REQUIRE(f != nullptr);
+  dup2(fileno(f), 2);
+  const auto got = e.load_checkpoint(dir.path.string(), "t");
+  std::fflush(stderr);
+  dup2(saved_fd, 2);
+  close(saved_fd);
+  std::fclose(f);
+  REQUIRE(got.has_value());
+  require_same(take(e), saved);  // the values load exactly
+  std::ifstream in(log);
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (R() == 0) {
+    CHECK_THAT(text, Catch::Contains("written with stochastic-rounding stream 1; this build draws stream 2") &&
+                         Catch::Contains("The loaded values are exact"));
+  } else {
+    CHECK(text.find("stochastic-rounding stream") == std::string::npos);  // said once, by rank 0
+  }
 }
 
 TEST_CASE("engine checkpoint: loads at another stage and world size, and module-only", "[checkpoint]") {

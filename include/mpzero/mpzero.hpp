@@ -11,6 +11,7 @@
 #include "numeric/dtype.hpp"
 #include "numeric/fp16.hpp"
 #include "numeric/philox.hpp"
+#include "numeric/rounding_bits.hpp"
 #include "optim/optimizer.hpp"
 #include "policy/memory_model.hpp"
 #include "policy/precision.hpp"

@@ -41,6 +41,7 @@
 #include <mpzero/torch/zero_core.hpp>
 #include "checkpoint_files.hpp"
 #include "param_use.hpp"
+#include <mpzero/numeric/rounding_bits.hpp>
 #include <mpzero/zero/checkpoint.hpp>
 
 namespace mpzero::torch {
@@ -2606,7 +2607,15 @@ std::optional<engine_base::loaded_checkpoint> engine_checkpoints::load(const std
       e_.core_->load_param(i, v.data_ptr<float>(), dtype::fp32);
     }
   } else {
-    e_.core_->load_checkpoint(core_dir.string());  // collective; throws on every rank, changing nothing, if any rank fails
+    // Collective; throws on every rank, changing nothing, if any rank fails.
+    const std::uint32_t stream = e_.core_->load_checkpoint(core_dir.string());
+    if (e_.cfg_.stochastic_rounding() && stream != 0 && stream != rounding_stream && e_.comm_.rank() == 0) {
+      std::fprintf(stderr,
+                   "mpzero: engine.load_checkpoint: the checkpoint was written with stochastic-rounding stream %u; this "
+                   "build draws stream %u. The loaded values are exact; the rounding bits of the steps from here on "
+                   "differ from those the saving build would have drawn (docs/precision.md)\n",
+                   static_cast<unsigned>(stream), static_cast<unsigned>(rounding_stream));
+    }
     e_.global_steps_ = counters[0];
     e_.micro_steps_ = counters[1];
     e_.skipped_steps_ = counters[2];

@@ -163,9 +163,10 @@ std::uint64_t zero_core::save_checkpoint(const std::string& dir) {
   scope s(*ctx_);
   return z_->save_checkpoint(dir);
 }
-void zero_core::load_checkpoint(const std::string& dir) {
+std::uint32_t zero_core::load_checkpoint(const std::string& dir) {
   scope s(*ctx_);
   z_->load_checkpoint(dir);
+  return z_->loaded_rounding_stream();
 }
 bool zero_core::grads_pending() const { return z_->grads_pending(); }
 

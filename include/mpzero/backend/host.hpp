@@ -63,32 +63,6 @@ void for_each_chunk(std::size_t num_chunks, const options& opt, Body&& body) {
 #endif
 }
 
-// ---- Stochastic-rounding bits for a block of elements ----------------------------------
-//
-// The step draws Philox once per pair of elements (numeric/philox.hpp). A block of
-// consecutive elements first gets its pairs' draws, written per element (element k of
-// the pairs owns lo[k], hi[k], the words of its element_bits), then the element loop
-// reads them like any other array, so it vectorizes as the nearest-rounding loop does.
-// `fill(seed, step, p0, npairs, lo, hi)` writes the bits of elements 2 p0 to
-// 2 (p0 + npairs) - 1 (global indices); it may write up to pair_fill_slack words more.
-
-inline constexpr std::uint32_t pair_fill_slack = 32;
-
-// Portable: one draw per iteration through the shared scalar functions.
-struct pair_fill_scalar {
-  MPZERO_FORCEINLINE void operator()(std::uint64_t seed, std::uint64_t step, std::uint64_t p0, std::uint32_t npairs,
-                                     std::uint32_t* MPZERO_RESTRICT lo, std::uint32_t* MPZERO_RESTRICT hi) const {
-    for (std::uint32_t j = 0; j < npairs; ++j) {
-      const philox_u32x4 d = pair_random_bits(seed, step, p0 + j);
-      for (unsigned odd = 0; odd < 2; ++odd) {
-        const element_bits e = element_pair_bits(d, odd);
-        lo[2 * j + odd] = e.w[0];
-        hi[2 * j + odd] = e.w[1];
-      }
-    }
-  }
-};
-
 // ---- fp16 blocks --------------------------------------------------------------------
 //
 // fp16 <-> float in integer arithmetic (numeric/fp16.hpp) is the price of bit-identical
@@ -105,154 +79,16 @@ struct half_scalar {
 };
 
 #if defined(MPZERO_RUNTIME_SIMD)
-// Philox4x32-10 on GCC vectors of 64-bit lanes, one pair per lane. Each 32-bit word
-// of the state lives in the low half of a 64-bit lane, where pmuludq reads it: the
-// multiply gives hi:lo in one lane, lo is already in place and hi moves down with a
-// pshufd; the high halves hold junk that never reaches a low half. Per round and 8
-// pairs (AVX-512): 2 pmuludq, 2 pshufd, 2 three-way xors. GCC vectorizes the scalar
-// code's 32x32->64 multiplies as widened 64-bit multiplies (vpmullq) instead: 5.5x
-// slower (7.6 against 1.4 ns per pair on one Xeon core, GCC 12). The arithmetic is
-// the scalar philox4x32_10's, so the bits are the same (tests/test_simd.cpp checks
-// every variant against the scalar reference).
 namespace simd {
 
-typedef std::uint64_t u64x2 __attribute__((vector_size(16)));
-typedef std::uint32_t u32x4 __attribute__((vector_size(16)));
-typedef std::uint64_t u64x4 __attribute__((vector_size(32)));
-typedef std::uint32_t u32x8 __attribute__((vector_size(32)));
-typedef std::uint64_t u64x8 __attribute__((vector_size(64)));
-typedef std::uint32_t u32x16 __attribute__((vector_size(64)));
-
-template <class W>
-struct words_of;  // the same vector as 32-bit words
-template <>
-struct words_of<u64x2> {
-  using type = u32x4;
-};
-template <>
-struct words_of<u64x4> {
-  using type = u32x8;
-};
-template <>
-struct words_of<u64x8> {
-  using type = u32x16;
-};
-
-// The 64-bit products of the low halves of each lane (pmuludq). Not always_inline:
-// GCC inlines callees into the generic code below before that code is inlined into the
+// fp16 blocks with F16C / AVX-512F, each element as numeric/fp16.hpp converts it
+// (tests/test_simd.cpp: all 65536 halves and all 2^32 floats). Not always_inline: GCC
+// inlines callees into the generic step code before that code is inlined into the
 // target("avx2") / target("avx512f") loops, and refuses an always_inline callee whose
 // target the (default-target) caller lacks; these are inlined later, in the right
-// target. Vectors go by reference: by value, a 32- or 64-byte vector argument of a
-// function called from default-target code changes the ABI (-Wpsabi).
-inline void mul_low(const u64x2& a, const u64x2& b, u64x2& out) {
-  out = reinterpret_cast<u64x2>(_mm_mul_epu32(reinterpret_cast<__m128i>(a), reinterpret_cast<__m128i>(b)));
-}
-__attribute__((target("avx2"))) inline void mul_low(const u64x4& a, const u64x4& b, u64x4& out) {
-  out = reinterpret_cast<u64x4>(_mm256_mul_epu32(reinterpret_cast<__m256i>(a), reinterpret_cast<__m256i>(b)));
-}
-// The zero-masked form with every lane selected is the same vpmuludq; the unmasked
-// intrinsic trips GCC 12's -Wmaybe-uninitialized on its undefined pass-through operand.
-__attribute__((target("avx512f"))) inline void mul_low(const u64x8& a, const u64x8& b, u64x8& out) {
-  out = reinterpret_cast<u64x8>(
-      _mm512_maskz_mul_epu32(static_cast<__mmask8>(0xff), reinterpret_cast<__m512i>(a), reinterpret_cast<__m512i>(b)));
-}
-
-// Every lane x, lane by lane: `W{} + x` says the same, but where such a vector is
-// copied into an array (c1[u] below) GCC 12 warns -Wmaybe-uninitialized. In the round
-// loop the keys keep `W{} + x`: written lane by lane there, GCC 12 emits masked
-// broadcasts, which slow the loop several times over.
-template <class W>
-MPZERO_FORCEINLINE void splat(std::uint64_t x, W& out) {
-  for (int l = 0; l < static_cast<int>(sizeof(W) / 8); ++l) out[l] = x;
-}
-
-// Each lane's high word copied to its low half, by the word shuffle `high`.
-template <class W, class V>
-MPZERO_FORCEINLINE void high_to_low(const W& x, const V& high, W& out) {
-  out = reinterpret_cast<W>(__builtin_shuffle(reinterpret_cast<V>(x), high));
-}
-
-template <class W>
-struct pair_fill {
-  static constexpr int n = static_cast<int>(sizeof(W) / 8);  // pairs per vector
-  // Vectors per iteration: two independent ones share each round key, which GCC
-  // rebuilds in the loop (a broadcast each) when it runs out of registers for all 18.
-  // About 1.14x over one; four gain another 4% and waste more draws past a block's end.
-  static constexpr int unroll = 2;
-  static_assert(2 * n * unroll <= static_cast<int>(pair_fill_slack), "the block buffers are too short");
-
-  MPZERO_FORCEINLINE void operator()(std::uint64_t seed, std::uint64_t step, std::uint64_t p0, std::uint32_t npairs,
-                                     std::uint32_t* MPZERO_RESTRICT lo, std::uint32_t* MPZERO_RESTRICT hi) const {
-    using V = typename words_of<W>::type;
-    constexpr int U = unroll;
-    // lane: pair j + l in lane l. high: each lane's high word copied to its low half
-    // (pshufd: not on the port that multiplies). interleave: the low words of
-    // two vectors, alternating: the even and the odd element of each pair.
-    W lane{};
-    V high{}, interleave{};
-    for (int l = 0; l < n; ++l) {
-      lane[l] = static_cast<std::uint64_t>(l);
-      high[2 * l] = high[2 * l + 1] = static_cast<std::uint32_t>(2 * l + 1);
-      interleave[2 * l] = static_cast<std::uint32_t>(2 * l);
-      interleave[2 * l + 1] = static_cast<std::uint32_t>(2 * n + 2 * l);
-    }
-    constexpr std::uint32_t m0 = 0xD2511F53u, m1 = 0xCD9E8D57u, w0 = 0x9E3779B9u, w1 = 0xBB67AE85u;
-    W vm0, vm1;
-    splat(m0, vm0);
-    splat(m1, vm1);
-    const std::uint32_t k0 = static_cast<std::uint32_t>(seed), k1 = static_cast<std::uint32_t>(seed >> 32);
-    // The counter's words 2 and 3 (the step) are the same in every lane: round 0's
-    // product of word 2 is a scalar.
-    std::uint32_t step_hi = 0, step_lo = 0;
-    mpzero::detail::mulhilo32(m1, static_cast<std::uint32_t>(step), step_hi, step_lo);
-    const std::uint32_t step_top = static_cast<std::uint32_t>(step >> 32);
-    W round0_c0, round0_c1, round0_c2;
-    splat(step_hi ^ k0, round0_c0);
-    splat(step_lo, round0_c1);
-    splat(step_top ^ k1, round0_c2);
-    for (std::uint32_t j = 0; j < npairs; j += U * n) {
-      W c0[U], c1[U], c2[U], c3[U];
-      for (int u = 0; u < U; ++u) {
-        const W index = lane + (p0 + j + u * n);  // the counter's words 0 and 1
-        W prod;
-        mul_low(index, vm0, prod);
-        c0[u] = (index >> 32) ^ round0_c0;
-        c1[u] = round0_c1;
-        high_to_low(prod, high, c2[u]);
-        c2[u] ^= round0_c2;
-        c3[u] = prod;
-      }
-      for (int round = 1; round < 10; ++round) {
-        const W key0 = W{} + static_cast<std::uint32_t>(k0 + static_cast<std::uint32_t>(round) * w0);
-        const W key1 = W{} + static_cast<std::uint32_t>(k1 + static_cast<std::uint32_t>(round) * w1);
-        for (int u = 0; u < U; ++u) {
-          W prod0, prod1, hi0, hi1;
-          mul_low(c0[u], vm0, prod0);
-          mul_low(c2[u], vm1, prod1);
-          high_to_low(prod0, high, hi0);
-          high_to_low(prod1, high, hi1);
-          c0[u] = hi1 ^ c1[u] ^ key0;
-          c1[u] = prod1;
-          c2[u] = hi0 ^ c3[u] ^ key1;
-          c3[u] = prod0;
-        }
-      }
-      for (int u = 0; u < U; ++u) {
-        const W v[4] = {c0[u], c1[u], c2[u], c3[u]};
-        for (int w = 0; w < 2; ++w) {
-          const V words = __builtin_shuffle(reinterpret_cast<V>(v[pair_word(0, w)]), reinterpret_cast<V>(v[pair_word(1, w)]),
-                                            interleave);
-          __builtin_memcpy((w == 0 ? lo : hi) + 2 * (j + u * n), &words, sizeof(V));
-        }
-      }
-    }
-  }
-};
-
-// fp16 blocks with F16C / AVX-512F, each element as numeric/fp16.hpp converts it
-// (tests/test_simd.cpp: all 65536 halves and all 2^32 floats). Not always_inline, for
-// the reason given at mul_low. The zero-masked intrinsics with every lane selected are
-// the unmasked instructions (see mul_low for GCC 12's warning on the others).
+// target. The zero-masked intrinsics with every lane selected are the unmasked
+// instructions; the unmasked intrinsics trip GCC 12's -Wmaybe-uninitialized on their
+// undefined pass-through operand.
 struct half_avx512 {
   static constexpr bool enabled = true;
   static constexpr __mmask16 all = 0xffff;
@@ -319,12 +155,10 @@ struct half_avx2 {
 }  // namespace simd
 #endif
 
-// The step over elements [begin, begin + size) of one tensor. Fill generates the
-// stochastic-rounding bits (pair_fill_scalar or a simd::pair_fill); Half converts fp16
+// The step over elements [begin, begin + size) of one tensor. Half converts fp16
 // blocks (half_scalar: the element loop converts, or a simd::half_*). Mode is the
 // optimizer's mode (optim::moded_rule), chosen by the caller for the whole range.
-template <precision_policy Policy, optim::rule Optimizer, int Mode, class Fill = pair_fill_scalar,
-          class Half = half_scalar>
+template <precision_policy Policy, optim::rule Optimizer, int Mode, class Half = half_scalar>
 MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin,
                                         std::uint32_t size, const step_args<Optimizer>& args) {
   // A local copy: the loop's float stores (master, states) could otherwise alias the
@@ -349,14 +183,16 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
   state_t* MPZERO_RESTRICT s0 = t.states[0] + begin;
   state_t* MPZERO_RESTRICT s1 = n > 1 ? t.states[n > 1 ? 1 : 0] + begin : nullptr;
   state_t* MPZERO_RESTRICT s2 = n > 2 ? t.states[n > 2 ? 2 : 0] + begin : nullptr;
-  // Blocks of pair_block elements: under stochastic rounding, first the block's random
-  // bits, then its update. The block's first element may be the odd one of its pair (a
-  // tensor or chunk that starts at an odd global index): its pair's draw is made for it
-  // too, and `odd` skips the even element's words. So an element's bits depend on its
-  // global index only, whatever the chunking.
+  // Blocks of `block` elements. Under stochastic rounding the element loop hashes each
+  // element's counter itself (numeric/rounding_bits.hpp: 32-bit lane arithmetic, which
+  // vectorizes with the update); the key is made once per range, and the key word of the
+  // counters' high half once per block, so a block never spans a multiple of 2^31
+  // elements in global index (where that half changes).
   constexpr bool sr = Policy::rounding::stochastic;
-  constexpr std::uint32_t pair_block = 1024;
-  alignas(64) std::uint32_t lo[sr ? pair_block + pair_fill_slack : 1], hi[sr ? pair_block + pair_fill_slack : 1];
+  constexpr int words = rounding_words<Policy, Optimizer>;
+  constexpr std::uint32_t block = 1024;
+  rounding_key key{};
+  if constexpr (sr) key = rounding_key_of(a.seed, a.step);
   // fp16 blocks converted by Half: gradients and the master read, the master written
   // under nearest rounding (stochastic rounding stays in the element loop), the
   // parameter copy written (always nearest).
@@ -364,19 +200,29 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
   constexpr bool half_master = Half::enabled && std::same_as<master_t, fp16>;
   constexpr bool half_master_out = half_master && !sr;
   constexpr bool half_param = Half::enabled && !Policy::master_is_param && std::same_as<param_t, fp16>;
-  alignas(64) float gbuf[half_grad ? pair_block : 1], mbuf[half_master ? pair_block : 1],
-      pbuf[half_param ? pair_block : 1];
+  alignas(64) float gbuf[half_grad ? block : 1], mbuf[half_master ? block : 1], pbuf[half_param ? block : 1];
   const std::uint64_t first = t.global_offset + begin;
-  for (std::uint64_t b = 0; b < size; b += pair_block) {
-    const std::uint32_t len = static_cast<std::uint32_t>(std::min<std::uint64_t>(pair_block, size - b));
-    const std::uint32_t odd = static_cast<std::uint32_t>((first + b) & 1u);
-    if constexpr (sr) Fill{}(a.seed, a.step, (first + b) >> 1, (odd + len + 1) / 2, lo, hi);
+  constexpr std::uint64_t high_span = std::uint64_t{1} << 31;  // elements per counter high word
+  for (std::uint64_t b = 0, next = 0; b < size; b = next) {
+    const auto len = static_cast<std::uint32_t>(
+        std::min<std::uint64_t>({block, size - b, high_span - ((first + b) & (high_span - 1))}));
+    next = b + len;
+    std::uint32_t outer = 0, inner = 0, counter0 = 0;
+    if constexpr (sr) {
+      outer = key.k[0];
+      inner = rounding_inner_key(key, static_cast<std::uint32_t>((first + b) >> 31));
+      counter0 = static_cast<std::uint32_t>(2 * (first + b));
+    }
     if constexpr (half_grad) Half::widen(grad + b, gbuf, len);
     if constexpr (half_master) Half::widen(master + b, mbuf, len);
     const auto element = [&](std::uint32_t j) MPZERO_FORCEINLINE_LAMBDA {
       const std::uint64_t i = b + j;
       element_bits bits{};
-      if constexpr (sr) bits = element_bits{{lo[odd + j], hi[odd + j]}};
+      if constexpr (sr) {
+        const std::uint32_t c = counter0 + 2u * j;
+        bits.w[0] = rounding_word(outer, inner, c);
+        if constexpr (words > 1) bits.w[1] = rounding_word(outer, inner, c + 1u);
+      }
       master_t w = master[i];
       state_t s[n];
       s[0] = s0[i];
@@ -429,29 +275,20 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
 // a struct whose `run<Kit>(args...)` is the loop, inlined into one function per variant
 // compiled for the widest vectors the CPU has and chosen at run time, so a binary built
 // for baseline x86-64 still uses AVX2 or AVX-512. A Kit is what a variant's loops use
-// besides the compiler's vectorization: its stochastic-rounding generator and its fp16
-// block converter. No FMA is enabled in these targets (and -ffp-contract=off forbids
+// besides the compiler's vectorization: its fp16 block converter. No FMA is enabled in these targets (and -ffp-contract=off forbids
 // contraction anyway): every variant rounds alike, bit for bit.
-template <class Fill, class Half>
+template <class Half>
 struct kit {
-  using fill = Fill;
   using half = Half;
 };
-using portable_kit = kit<pair_fill_scalar, half_scalar>;  // non-x86, Clang: the shared scalar functions
+using portable_kit = kit<half_scalar>;  // non-x86, Clang: the shared scalar functions
 
 #if defined(MPZERO_RUNTIME_SIMD)
 
-// The build's baseline (SSE2 on x86-64; whatever -m flags the build adds, which the
-// random bits use too).
-#if defined(__AVX512F__)
-using baseline_kit = kit<simd::pair_fill<simd::u64x8>, half_scalar>;
-#elif defined(__AVX2__)
-using baseline_kit = kit<simd::pair_fill<simd::u64x4>, half_scalar>;
-#else
-using baseline_kit = kit<simd::pair_fill<simd::u64x2>, half_scalar>;
-#endif
-using avx2_kit = kit<simd::pair_fill<simd::u64x4>, simd::half_avx2>;
-using avx512_kit = kit<simd::pair_fill<simd::u64x8>, simd::half_avx512>;
+// The build's baseline (SSE2 on x86-64, or whatever -m flags the build adds).
+using baseline_kit = kit<half_scalar>;
+using avx2_kit = kit<simd::half_avx2>;
+using avx512_kit = kit<simd::half_avx512>;
 
 // noinline: in a build whose own flags already have the ISA (-march=native), GCC would
 // otherwise inline a variant into run_widest and compile its loop with the caller's
@@ -508,7 +345,7 @@ struct step_kernel {
   template <class Kit>
   MPZERO_FORCEINLINE static void run(const step_tensor<Policy, Optimizer>& t, std::uint64_t begin, std::uint32_t size,
                                      const step_args<Optimizer>& a) {
-    step_range_body<Policy, Optimizer, Mode, typename Kit::fill, typename Kit::half>(t, begin, size, a);
+    step_range_body<Policy, Optimizer, Mode, typename Kit::half>(t, begin, size, a);
   }
 };
 

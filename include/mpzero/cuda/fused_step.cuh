@@ -1,6 +1,6 @@
 // mpzero: the CUDA backend of the fused step and of the gradient check. These
 // kernels only move data: the arithmetic is update_element_with_bits() with the
-// rounding bits of pair_random_bits() / element_pair_bits(), and to_float(), the code
+// rounding bits of element_rounding_bits(), and to_float(), the code
 // the host backend runs, so both give the same bits. What each thread does is in
 // thread_work.hpp, which the host compiles too (CPU tests run it thread by thread).
 //

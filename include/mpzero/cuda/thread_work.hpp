@@ -21,7 +21,7 @@
 #include "../multi_tensor/plan.hpp"
 #include "../numeric/convert.hpp"
 #include "../numeric/fp_ops.hpp"
-#include "../numeric/philox.hpp"
+#include "../numeric/rounding_bits.hpp"
 #include "../step/fused_step.hpp"
 #include "../step/grad_stats.hpp"
 
@@ -113,6 +113,12 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void fused_step_thread(const step_tensor<P
   }
   const std::uint64_t base = t.global_offset + c.begin;
   const std::uint32_t n_vec = vec_ok ? (c.size / Ilp) * Ilp : 0u;
+  // Stochastic rounding: the step's key once per thread, then two hashes per element
+  // (numeric/rounding_bits.hpp); the bits depend on the global index alone.
+  constexpr bool sr = Policy::rounding::stochastic;
+  constexpr int words = rounding_words<Policy, Optimizer>;
+  rounding_key key{};
+  if constexpr (sr) key = rounding_key_of(args.seed, args.step);
 
   for (std::uint32_t i = thread * Ilp; i < n_vec; i += Threads * Ilp) {
     grad_t g[Ilp];
@@ -123,19 +129,10 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void fused_step_thread(const step_tensor<P
     load_vec(master + i, w);
     MPZERO_UNROLL
     for (int k = 0; k < n; ++k) load_vec(states[k] + i, s[k]);
-    // One Philox draw per pair of elements (numeric/philox.hpp). i is a multiple of
-    // Ilp (even), so every thread of the block sees the same parity of base + i: when
-    // base is odd, element 0's pair began in the previous thread's group and is drawn
-    // again here; the bits depend on the global index alone.
-    philox_u32x4 draw{};
     MPZERO_UNROLL
     for (int j = 0; j < Ilp; ++j) {
-      const std::uint64_t gi = base + i + j;
       element_bits bits{};
-      if constexpr (Policy::rounding::stochastic) {
-        if (j == 0 || (gi & 1u) == 0) draw = pair_random_bits(args.seed, args.step, gi >> 1);
-        bits = element_pair_bits(draw, gi);
-      }
+      if constexpr (sr) bits = element_rounding_bits<words>(key, base + i + j);
       state_t sj[n];
       MPZERO_UNROLL
       for (int k = 0; k < n; ++k) sj[k] = s[k][j];
@@ -148,15 +145,16 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void fused_step_thread(const step_tensor<P
     MPZERO_UNROLL
     for (int k = 0; k < n; ++k) store_vec(states[k] + i, s[k]);
   }
-  // Tail, or a tensor whose pointers are not 16-byte aligned: one element at a time,
-  // each drawing its pair's bits for itself.
+  // Tail, or a tensor whose pointers are not 16-byte aligned: one element at a time.
   for (std::uint32_t i = n_vec + thread; i < c.size; i += Threads) {
     master_t w = master[i];
     state_t s[n];
     MPZERO_UNROLL
     for (int k = 0; k < n; ++k) s[k] = states[k][i];
     param_t p{};
-    update_element<Policy, Optimizer, Mode>(args, base + i, w, grad[i], s, p);
+    element_bits bits{};
+    if constexpr (sr) bits = element_rounding_bits<words>(key, base + i);
+    update_element_with_bits<Policy, Optimizer, Mode>(args, bits, w, grad[i], s, p);
     master[i] = w;
     if constexpr (!Policy::master_is_param) param[i] = p;
     MPZERO_UNROLL

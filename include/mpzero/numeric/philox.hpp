@@ -49,62 +49,10 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr philox_u32x4 philox_draw(std::ui
 }
 
 // 128 random bits counted by an element's global index: for generating data (tests,
-// examples). Stochastic rounding uses pair_random_bits and element_pair_bits below.
+// examples). Stochastic rounding draws from its own stream (numeric/rounding_bits.hpp).
 MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr philox_u32x4 element_random_bits(std::uint64_t seed, std::uint64_t step,
                                                                                   std::uint64_t global_index) noexcept {
   return philox_draw(seed, step, global_index);
-}
-
-// ---- Stochastic-rounding bits: one Philox draw per pair of elements -------------------
-//
-// Rounding to a 16-bit format needs 16 random bits per value (docs/precision.md), and an
-// element rounds at most four values (its master and up to three optimizer states). So
-// one 128-bit draw serves two elements: elements 2p and 2p + 1 share the draw of pair p,
-// keyed by (seed, step, p = global index / 2). Its eight 16-bit halves, half h being bits
-// [16 (h % 2), 16 (h % 2) + 16) of word h / 2, go four to each element: halves 0-3 (words
-// 0, 1) to the even element, halves 4-7 (words 2, 3) to the odd one. Drawing per pair
-// halves the generator's cost, which bounds the host step (docs/perf.md, "Host step
-// against copy bandwidth"). The global
-// index never changes with chunking, threads, backend or sharding, and neither do the bits.
-
-// The four 16-bit halves of one element, in two words: half j is bits
-// [16 (j % 2), 16 (j % 2) + 16) of w[j / 2]. The master rounds with half 0, optimizer
-// state k with half 1 + k (see update_element_with_bits).
-struct element_bits {
-  std::uint32_t w[2];
-
-  MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr std::uint16_t half(int j) const noexcept {
-    return static_cast<std::uint16_t>(w[j >> 1] >> ((j & 1) * 16));
-  }
-};
-
-// The draw of pair p = global_index / 2.
-MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr philox_u32x4 pair_random_bits(std::uint64_t seed, std::uint64_t step,
-                                                                               std::uint64_t pair_index) noexcept {
-  return philox_draw(seed, step, pair_index);
-}
-
-// Which word of its pair's draw is word w (0 or 1) of the element with index parity
-// `odd`: the one definition of the split, shared by every backend (the host's vector
-// generator selects words with it too).
-MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr int pair_word(unsigned odd, int w) noexcept {
-  return static_cast<int>(2u * odd) + w;
-}
-
-// The element's share of its pair's draw. Selects rather than indexes with a run-time
-// value, so device code keeps `draw` in registers.
-MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr element_bits element_pair_bits(const philox_u32x4& draw,
-                                                                                std::uint64_t global_index) noexcept {
-  const bool odd = (global_index & 1u) != 0;
-  return element_bits{{odd ? draw.v[pair_word(1, 0)] : draw.v[pair_word(0, 0)],
-                       odd ? draw.v[pair_word(1, 1)] : draw.v[pair_word(0, 1)]}};
-}
-
-// The rounding bits of one element, drawn on their own (the other half of the pair's
-// draw is discarded): for single elements and references; loops share draws per pair.
-MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr element_bits element_rounding_bits(std::uint64_t seed, std::uint64_t step,
-                                                                                    std::uint64_t global_index) noexcept {
-  return element_pair_bits(pair_random_bits(seed, step, global_index >> 1), global_index);
 }
 
 }  // namespace mpzero

@@ -15,7 +15,7 @@
 #include "../multi_tensor/plan.hpp"
 #include "../numeric/convert.hpp"
 #include "../numeric/fp_ops.hpp"
-#include "../numeric/philox.hpp"
+#include "../numeric/rounding_bits.hpp"
 #include "../optim/optimizer.hpp"
 #include "../policy/precision.hpp"
 
@@ -66,13 +66,19 @@ step_args<Optimizer> make_step_args(const typename Optimizer::options& o, std::u
   return step_args<Optimizer>{Optimizer::prepare(o, step), grad_scale, seed, step};
 }
 
+// How many words of element_bits a policy's step reads: half 0 rounds the master,
+// half 1 + k state k, so 16-bit states beyond the first need the second word. Loops
+// draw only these (element_rounding_bits<Words>).
+template <precision_policy Policy, optim::rule Optimizer>
+inline constexpr int rounding_words = sizeof(typename Policy::state_type) == 2 && Optimizer::n_states >= 2 ? 2 : 1;
+
 // The whole update of one element, in registers, from float inputs: `wf` is the
 // master value, `g` the gradient before the multiplier. Writes the master rounded to
 // its dtype into `w` and the optimizer states into `s`, and returns the updated master
 // in float (what a separate parameter copy is rounded from). `bits` are the element's
-// stochastic-rounding bits (element_pair_bits of its pair's draw; ignored under
-// nearest rounding): the master rounds with half 0, optimizer state k with half 1 + k.
-// Loops draw once per pair of elements and pass each its share. The host loop calls
+// stochastic-rounding bits (element_rounding_bits; ignored under nearest rounding):
+// the master rounds with half 0, optimizer state k with half 1 + k. Loops make the
+// step's rounding_key once and draw each element's words from it. The host loop calls
 // this directly where it converts whole blocks of 16-bit values with vector
 // instructions (backend/host.hpp); everything else goes through
 // update_element_with_bits. `Mode` is the optimizer's mode when the caller chose it
@@ -113,7 +119,7 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void update_element_with_bits(const step_a
   }
 }
 
-// The same update with the element's bits drawn on their own (one draw for one
+// The same update with the element's bits drawn on their own (the key made for one
 // element): the scalar reference, and the path for elements updated one at a time.
 template <precision_policy Policy, optim::rule Optimizer, int Mode = -1>
 MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void update_element(const step_args<Optimizer>& a, std::uint64_t global_index,

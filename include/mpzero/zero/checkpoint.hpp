@@ -12,7 +12,8 @@
 //   char[8]  "MPZEROCK"             u32 format version (1)     u32 0x01020304 (byte order)
 //   u64      save id (equal in every file of one save)
 //   u32      rank, world, files, stage
-//   u8       param dtype, master dtype, state dtype, has_master, n_states, has_scaler, pad[2]
+//   u8       param dtype, master dtype, state dtype, has_master, n_states, has_scaler,
+//            rounding stream, pad
 //   char[16] optimizer name (zero-padded)
 //   u64      steps (optimizer updates applied)
 //   f64 scale, i32 hysteresis_left, u32 pad, u64 clean_steps, last_overflow_iter, iter (loss scaler)
@@ -65,6 +66,10 @@ struct shard_header {
   dtype param = dtype::fp32, master = dtype::fp32, state = dtype::fp32;
   bool has_master = false;  // false: the master weights are the parameters
   std::uint32_t n_states = 0;
+  // The stochastic-rounding stream the saving optimizer drew from
+  // (numeric/rounding_bits.hpp's rounding_stream); 0 when it rounded to nearest, or
+  // when the file predates the field (those files rounded with stream 1).
+  std::uint32_t rounding_stream = 0;
   std::string optimizer;
   std::uint64_t steps = 0;
   std::optional<scaler_record> scaler;
@@ -213,7 +218,7 @@ void write_shard(const std::filesystem::path& path, shard_header h, WriteData&& 
   const std::uint8_t flags[8] = {static_cast<std::uint8_t>(h.param),    static_cast<std::uint8_t>(h.master),
                                  static_cast<std::uint8_t>(h.state),    static_cast<std::uint8_t>(h.has_master),
                                  static_cast<std::uint8_t>(h.n_states), static_cast<std::uint8_t>(h.scaler.has_value()),
-                                 0, 0};
+                                 static_cast<std::uint8_t>(h.rounding_stream), 0};
   head.append(reinterpret_cast<const char*>(flags), sizeof flags);
   char name[16] = {};
   std::memcpy(name, h.optimizer.data(), std::min<std::size_t>(h.optimizer.size(), sizeof name - 1));
@@ -295,6 +300,7 @@ inline shard_header read_header(std::ifstream& in, const std::filesystem::path& 
   h.has_master = flags[3] != 0;
   h.n_states = flags[4];
   const bool has_scaler = flags[5] != 0;
+  h.rounding_stream = flags[6];
   char name[16];
   if (!in.read(name, sizeof name)) r.truncated("the optimizer name");
   h.optimizer.assign(name, static_cast<std::size_t>(std::find(name, name + sizeof name, '\0') - name));

@@ -42,6 +42,7 @@
 #include "../backend/erased.hpp"
 #include "../comm/any.hpp"
 #include "../error.hpp"
+#include "../numeric/rounding_bits.hpp"
 #include "checkpoint.hpp"
 #include "clipping.hpp"
 #include "core_checkpoint.hpp"
@@ -378,6 +379,12 @@ class zero_core {
   const flat_layout& layout() const noexcept { return s_.layout; }
   flat_range shard() const noexcept { return s_.shard; }
   std::uint64_t steps() const noexcept { return steps_; }
+  // The stochastic-rounding stream the last loaded checkpoint was written with
+  // (checkpoint::shard_header::rounding_stream: 0 for nearest rounding or files that
+  // predate the record); 0 before any load. Where it is not 0 and differs from
+  // mpzero::rounding_stream, the loaded values are exact, but the steps after the load
+  // draw other bits than the saving build would have.
+  std::uint32_t loaded_rounding_stream() const noexcept { return loaded_rounding_stream_; }
   // Parameter groups (zero_options::param_groups; one when none is given) and the
   // learning rate group g's next step uses.
   std::size_t num_groups() const noexcept { return s_.num_groups(); }
@@ -443,16 +450,18 @@ class zero_core {
   void load_checkpoint(const std::filesystem::path& dir) {
     std::vector<detail::host_piece> pieces;
     std::uint64_t steps = 0;
+    std::uint32_t stream = 0;
     std::optional<loss_scaler> scaler;
     // Everything is read and checked first; the core changes only once every rank has its part.
     agree("load_checkpoint", "nothing was loaded on this rank", [&] {
       require_no_pending_grads("load_checkpoint");
       groups_.require_none("load_checkpoint");
-      io_.read(dir, kernel_->optimizer_name(), scaler_, pieces, steps, scaler);
+      io_.read(dir, kernel_->optimizer_name(), scaler_, pieces, steps, stream, scaler);
     });
     if (s_.offloaded()) wait_uploads();  // they read the host buffers rewritten here
     io_.install(pieces);
     steps_ = steps;
+    loaded_rounding_stream_ = stream;
     if (scaler) scaler_ = std::move(scaler);
     gather_updated_params();
   }
@@ -733,6 +742,7 @@ class zero_core {
     h.state = s_.state_t();
     h.has_master = !s_.master_is_param();
     h.n_states = static_cast<std::uint32_t>(s_.n_states);
+    h.rounding_stream = s_.spec.precision.stochastic_rounding ? rounding_stream : 0;
     h.optimizer = std::string(kernel_->optimizer_name());
     h.steps = steps_;
     if (scaler_) {
@@ -762,6 +772,7 @@ class zero_core {
   detail::core_checkpoint io_;
   std::optional<loss_scaler> scaler_;
   std::uint64_t steps_ = 0;
+  std::uint32_t loaded_rounding_stream_ = 0;
   int threads_ = 0;
   bool in_backward_ = false;
   bool reduced_ = false;        // reduce_gradients() ran for this step

@@ -186,6 +186,10 @@ class ZeroOptimizer {
   // The flat range of elements whose master weights and states this rank updates.
   flat_range shard() const noexcept { return core_.shard(); }
   std::uint64_t steps() const noexcept { return core_.steps(); }
+  // The stochastic-rounding stream recorded by the last loaded checkpoint (0: nearest
+  // rounding, a file older than the record, or nothing loaded); see
+  // zero_core::loaded_rounding_stream.
+  std::uint32_t loaded_rounding_stream() const noexcept { return core_.loaded_rounding_stream(); }
   // Whether gradients were reported since the last step() or zero_grad() (checkpoints
   // refuse to run then: they hold no gradients).
   bool grads_pending() const noexcept { return core_.grads_pending(); }

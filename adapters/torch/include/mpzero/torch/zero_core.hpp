@@ -116,9 +116,10 @@ class zero_core {
 
   // Checkpoints into / from directory `dir` (collective; a failure throws on every rank,
   // and a failed load changes nothing). save_checkpoint returns the save id its shard
-  // files carry.
+  // files carry; load_checkpoint the stochastic-rounding stream the files record
+  // (mpzero::zero_core::loaded_rounding_stream).
   std::uint64_t save_checkpoint(const std::string& dir);
-  void load_checkpoint(const std::string& dir);
+  std::uint32_t load_checkpoint(const std::string& dir);
   // Gradients reported since the last step or zero_grad.
   bool grads_pending() const;
 

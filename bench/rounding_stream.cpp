@@ -1,0 +1,41 @@
+// Writes mpzero's stochastic-rounding bits (numeric/rounding_bits.hpp) to stdout as raw
+// native-endian 32-bit words, for statistical test batteries that read a stream
+// (dieharder -g 200). Runs until stdout closes.
+//
+//   mpzero_rounding_stream elements [seed] [step]   words 0 and 1 of elements 0, 1, 2, ...
+//   mpzero_rounding_stream steps [seed] [element]   word 0 of elements e .. e + 7 at steps 1, 2, ...
+//                                                   (the bits one parameter sees over training)
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include <mpzero/numeric/rounding_bits.hpp>
+
+int main(int argc, char** argv) {
+  const bool elements = argc >= 2 && std::strcmp(argv[1], "elements") == 0;
+  if (argc < 2 || (!elements && std::strcmp(argv[1], "steps") != 0)) {
+    std::fprintf(stderr, "usage: %s elements [seed] [step] | steps [seed] [element]\n", argv[0]);
+    return 2;
+  }
+  const std::uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 0) : 1234;
+  const std::uint64_t fixed = argc > 3 ? std::strtoull(argv[3], nullptr, 0) : (elements ? 1 : 1000);
+  std::vector<std::uint32_t> buf(1 << 16);
+  for (std::uint64_t n = 0;; n += buf.size()) {
+    if (elements) {
+      const mpzero::rounding_key key = mpzero::rounding_key_of(seed, fixed);
+      for (std::size_t i = 0; i < buf.size(); i += 2) {
+        const mpzero::element_bits e = mpzero::element_rounding_bits<2>(key, (n + i) / 2);
+        buf[i] = e.w[0];
+        buf[i + 1] = e.w[1];
+      }
+    } else {
+      for (std::size_t i = 0; i < buf.size(); i += 8) {
+        const mpzero::rounding_key key = mpzero::rounding_key_of(seed, 1 + (n + i) / 8);
+        for (std::size_t e = 0; e < 8; ++e) buf[i + e] = mpzero::element_rounding_bits<1>(key, fixed + e).w[0];
+      }
+    }
+    if (std::fwrite(buf.data(), sizeof buf[0], buf.size(), stdout) != buf.size()) return 0;
+  }
+}
