@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """mpzero's CPU AdamW step against its peers, side by side in one process over the same
-tensors: DeepSpeed's DeepSpeedCPUAdam and torch.optim.AdamW (fused=True, foreach=True and
-the for-loop) on CPU tensors, with mpzero's host step (mpzero::host::run, optim::adamw)
+tensors: DeepSpeed's DeepSpeedCPUAdam, torch.optim.AdamW (fused=True, foreach=True and
+the for-loop) and torchao's AdamW (torchao.optim._AdamW, compiled by torch.compile; with
+bf16 stochastic rounding where mpzero rounds stochastically) on CPU tensors, with mpzero's host step (mpzero::host::run, optim::adamw)
 called through bench/peers_step.cpp's C functions (libmpzero_peers_step.so, ctypes).
 
 Every contender steps the very same tensors (mpzero gets their data_ptr()), with the same
@@ -44,7 +45,10 @@ the median and the min-max over the rounds.
   python3 bench/peers_render.py results.json [--markdown] [--plot ratios.png]
 
 DeepSpeed is optional:  DS_BUILD_OPS=0 python3 -m pip install deepspeed  (its cpu_adam op
-is built on first use with ninja and g++, about a minute). Without it the other peers run.
+is built on first use with ninja and g++, about a minute). So is torchao:
+python3 -m pip install torchao (its step compiles on first use, about half a minute, and
+again for every tensor shape, so it runs on the single-tensor rows only). Without them
+the other peers run.
 """
 import argparse
 import ctypes
@@ -69,6 +73,7 @@ from peers_render import fmt_size  # noqa: E402
 DEFAULT_LIB = os.path.join("build-bench", "bench", "libmpzero_peers_step.so")
 FORMAT = "mpzero-peers/1"
 DEEPSPEED_PIP = "DS_BUILD_OPS=0 python3 -m pip install deepspeed"
+TORCHAO_PIP = "python3 -m pip install torchao"
 
 
 
@@ -100,6 +105,7 @@ PEERS = {  # --peers id: display name
     "fused": "torch fused",
     "foreach": "torch foreach",
     "forloop": "torch for-loop",
+    "torchao": "torchao AdamW",
 }
 LAYOUTS = ("single", "multi")
 
@@ -444,6 +450,12 @@ def deepspeed_maker(ds, state_dtype):
     return make
 
 
+def torchao_maker(ao, sr):
+    return lambda targets: ao["cls"](targets, lr=HPARAMS["lr"], betas=(HPARAMS["beta1"], HPARAMS["beta2"]),
+                                     eps=HPARAMS["eps"], weight_decay=HPARAMS["weight_decay"], amsgrad=False,
+                                     bf16_stochastic_round=sr)
+
+
 _probe_cache = {}
 
 
@@ -465,10 +477,39 @@ def probe(key, make, pdtype, sdtype):
     return _probe_cache[key]
 
 
-def plan_peer(name, config, ds):
-    """How a peer runs a configuration: a dict with status ("run", "unsupported",
-    "unavailable"), how ("native", "composite", "substitute"), note or reason, and make."""
+def plan_torchao(config, layout, ao):
     p, m, _, s, sr = CONFIGS[config]
+    if not ao["available"]:
+        return {"status": "unavailable", "reason": ao["reason"]}
+    label = f"torchao {ao['version']}"
+    if layout != "single":
+        return {"status": "skipped",
+                "reason": f"{label}'s AdamW compiles its step (torch.compile, dynamic=False) once per tensor shape; "
+                          "the benchmark runs it on the single-tensor rows only"}
+    if m is not None:
+        return {"status": "run", "how": "composite", "make": torchao_maker(ao, False),
+                "note": f"{label}'s AdamW steps one dtype for parameter and states: the {p} gradient copied into an "
+                        f"fp32 buffer, the step on the fp32 master, the master copied into the {p} parameter "
+                        "(torch._foreach_copy_)"}
+    if p != s:
+        return {"status": "unsupported",
+                "reason": f"{label}'s AdamW (torchao.optim._AdamW) creates its states in the parameter's dtype "
+                          f"(torch.zeros_like): no {p} parameters with {s} states"}
+    if sr:
+        return {"status": "run", "how": "native", "make": torchao_maker(ao, True),
+                "note": f"{label}'s AdamW with bf16_stochastic_round=True rounds the bf16 parameters stochastically "
+                        "(16 bits from torch.randint) and its bf16 states to nearest; mpzero rounds all three "
+                        "stochastically"}
+    return {"status": "run", "how": "native", "make": torchao_maker(ao, False), "note": None}
+
+
+def plan_peer(name, config, layout, ds, ao):
+    """How a peer runs a configuration: a dict with status ("run", "unsupported",
+    "unavailable", "skipped"), how ("native", "composite", "substitute"), note or reason,
+    and make."""
+    p, m, _, s, sr = CONFIGS[config]
+    if name == PEERS["torchao"]:
+        return plan_torchao(config, layout, ao)
     if name == PEERS["deepspeed"]:
         if not ds["available"]:
             return {"status": "unavailable", "reason": ds["reason"]}
@@ -568,9 +609,26 @@ def deepspeed_info(wanted):
     return info
 
 
+def torchao_info(wanted):
+    info = {"available": False, "version": None, "reason": None}
+    if not wanted:
+        info["reason"] = "not requested (--peers)"
+        return info
+    try:
+        import torchao
+        from torchao.optim import _AdamW
+    except Exception as e:  # noqa: BLE001 (ImportError, or a broken install)
+        info["reason"] = f"torchao AdamW: torchao is not installed ({type(e).__name__}: {e}); " \
+                         f"install it with: {TORCHAO_PIP}"
+        print(f"torchao AdamW will not run: {info['reason']}", file=sys.stderr)
+        return info
+    info.update(available=True, version=torchao.__version__, cls=_AdamW)
+    return info
+
+
 # ---- one row: check, then time ------------------------------------------------------------
 
-def run_row(lib, threads, config, numels, layout, peer_names, ds, warmup, rounds):
+def run_row(lib, threads, config, numels, layout, peer_names, ds, ao, warmup, rounds):
     n = sum(numels)
     title = f"{config}, {fmt_size(n)} elements, " + ("one tensor" if layout == "single" else f"{len(numels)} tensors")
     print(f"\n== {title}", flush=True)
@@ -582,7 +640,7 @@ def run_row(lib, threads, config, numels, layout, peer_names, ds, warmup, rounds
     contenders = []  # (name, peer, entry)
     try:
         for name in peer_names:
-            plan = plan_peer(name, config, ds)
+            plan = plan_peer(name, config, layout, ds, ao)
             entry = {"status": plan["status"], "how": plan.get("how"), "note": plan.get("note"),
                      "reason": plan.get("reason"), "check": None}
             row["peers"][name] = entry
@@ -737,6 +795,7 @@ def main():
     # After torch: the library's libgomp.so.1 resolves to the runtime torch loaded.
     lib = load_library(lib_path)
     ds = deepspeed_info("deepspeed" in peer_ids)
+    ao = torchao_info("torchao" in peer_ids)
 
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -746,6 +805,7 @@ def main():
         "deepspeed": ds["version"],
         "deepspeed_simd": ds.get("simd"),
         "deepspeed_dtypes": ds.get("dtypes"),
+        "torchao": ao["version"],
         "mpzero_version": lib.mpzero_peers_version().decode(),
         "mpzero_commit": git_commit(),
         "mpzero_library": repo_relative(lib_path),
@@ -778,6 +838,7 @@ def main():
           + (f"{ds['version']} (cpu_adam {ds.get('simd') or '?'}, param/state dtypes "
              f"{', '.join('/'.join(d) for d in ds.get('dtypes') or []) or '?'})" if ds["available"] else
              f"not available ({ds['reason']})")
+          + f"; torchao {ao['version'] if ao['available'] else 'not available (' + ao['reason'] + ')'}"
           + f"; python {env['python']}")
     if env["torch_threads"] != threads or env["mpzero_threads"] != threads:
         print(f"warning: thread counts disagree: torch {env['torch_threads']}, mpzero {env['mpzero_threads']}, "
@@ -790,16 +851,20 @@ def main():
         print("warning: more than one OpenMP runtime is loaded; the contenders' thread pools differ",
               file=sys.stderr)
 
-    peers = [{"name": PEERS["deepspeed"], "available": ds["available"], "version": ds["version"],
-              "reason": ds["reason"]}] if "deepspeed" in peer_ids else []
-    peers += [{"name": PEERS[p], "available": True, "version": torch.__version__, "reason": None}
-              for p in peer_ids if p != "deepspeed"]
+    peers = []
+    for p in peer_ids:
+        extra = {"deepspeed": ds, "torchao": ao}.get(p)
+        if extra is not None:
+            peers.append({"name": PEERS[p], "available": extra["available"], "version": extra["version"],
+                          "reason": extra["reason"]})
+        else:
+            peers.append({"name": PEERS[p], "available": True, "version": torch.__version__, "reason": None})
     results = []
     for config in configs:
         for n in sizes:
             for layout in layouts:
                 numels = [n] if layout == "single" else mixed_sizes(n, a.tensors, HPARAMS["seed"] + n)
-                row = run_row(lib, threads, config, numels, layout, [PEERS[p] for p in peer_ids], ds,
+                row = run_row(lib, threads, config, numels, layout, [PEERS[p] for p in peer_ids], ds, ao,
                               a.warmup, a.rounds)
                 results.append(row)
                 gc.collect()
@@ -818,8 +883,9 @@ def main():
         with open(a.out, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"\nresults written to {a.out}; render them with: python3 bench/peers_render.py {a.out} --markdown")
-    if not ds["available"] and "deepspeed" in peer_ids:
-        print(f"\n{ds['reason']}")
+    for info, key in ((ds, "deepspeed"), (ao, "torchao")):
+        if not info["available"] and key in peer_ids:
+            print(f"\n{info['reason']}")
 
 
 if __name__ == "__main__":

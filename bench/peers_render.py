@@ -13,7 +13,7 @@ reasons (each naming its peer) follow the table.
 
 The format (checked by validate(), which bench/peers.py also runs before writing):
   format        "mpzero-peers/1"
-  environment   dict: cpu_model, threads, torch, deepspeed (null when absent),
+  environment   dict: cpu_model, threads, torch, deepspeed and torchao (null when absent),
                 mpzero_commit, mpzero_host_simd, loadavg_before, loadavg_after, ...
   hyperparameters, rounds, warmup, threads
   peers         [{name, available, version, reason}]
@@ -22,15 +22,16 @@ The format (checked by validate(), which bench/peers.py also runs before writing
                   peers: {name: {status, how, note, reason, check,
                                  median_s, times_s, ratios, ratio_median, ratio_min, ratio_max}}}]
   A peer's status is "timed" (then the timing keys are present), "differs" (failed the
-  start-up check against mpzero), "unsupported", "unavailable" or "error" (then reason
-  says why); how is "native", "composite" or "substitute" for a peer that ran.
+  start-up check against mpzero), "unsupported", "unavailable", "skipped" (the benchmark
+  chose not to run it there) or "error" (then reason says why); how is "native",
+  "composite" or "substitute" for a peer that ran.
 """
 import argparse
 import json
 import sys
 
 FORMAT = "mpzero-peers/1"
-STATUSES = ("timed", "differs", "unsupported", "unavailable", "error")
+STATUSES = ("timed", "differs", "unsupported", "unavailable", "skipped", "error")
 HOWS = ("native", "composite", "substitute")
 
 
@@ -162,10 +163,33 @@ def summary(doc):
     return (f"{env.get('cpu_model', '?')}, {doc.get('threads', env.get('threads', '?'))} threads; "
             f"mpzero {env.get('mpzero_commit') or env.get('mpzero_version') or '?'} (host step "
             f"{env.get('mpzero_host_simd', '?')}), torch {env.get('torch', '?')}, deepspeed "
-            f"{env.get('deepspeed') or 'not run'}, python {env.get('python', '?')}; {doc['rounds']} rounds; "
+            f"{env.get('deepspeed') or 'not run'}, torchao {env.get('torchao') or 'not run'}, "
+            f"python {env.get('python', '?')}; {doc['rounds']} rounds; "
             f"tensors on {'huge pages' if env.get('huge_pages') else '4 KiB pages' if env.get('thp_mode') != 'always' else 'THP (always)'}; "
             f"load average {load('loadavg_before')} before, {load('loadavg_after')} after. "
             "Cells: peer time / mpzero time, median (min-max) over the rounds; above 1, mpzero is faster.")
+
+
+def sr_over_nearest(doc):
+    """mpzero's own stochastic-rounding time over its nearest-rounding time, per size and
+    layout that has both rows (bf16_all_sr / bf16_all): [(size, layout, ratio)]."""
+    nearest = {(r["numel"], r["layout"], r["tensors"]): r["mpzero"]["median_s"]
+               for r in doc["results"] if r["config"] == "bf16_all"}
+    out = []
+    for r in doc["results"]:
+        key = (r["numel"], r["layout"], r["tensors"])
+        if r["config"] == "bf16_all_sr" and key in nearest:
+            layout = "1 tensor" if r["layout"] == "single" else f"{r['tensors']} tensors"
+            out.append((fmt_size(r["numel"]), layout, r["mpzero"]["median_s"] / nearest[key]))
+    return out
+
+
+def sr_line(doc):
+    ratios = sr_over_nearest(doc)
+    if not ratios:
+        return None
+    return ("mpzero's stochastic rounding over its nearest rounding (bf16_all_sr / bf16_all, medians): "
+            + ", ".join(f"{size} {layout} {ratio:.2f}x" for size, layout, ratio in ratios))
 
 
 def render(doc, markdown=False):
@@ -189,6 +213,8 @@ def render(doc, markdown=False):
         out.append(line(header))
         out += [line(r) for r in rows]
         out += [f"[{i + 1}] {n}" for i, n in enumerate(notes)]
+    if sr_line(doc):
+        out += ["", sr_line(doc)]
     return "\n".join(out)
 
 
