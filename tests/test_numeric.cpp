@@ -306,7 +306,8 @@ std::uint32_t stream2_word(std::uint64_t seed, std::uint64_t step, std::uint64_t
   std::uint32_t x = static_cast<std::uint32_t>(c) ^ key.v[0];
   x = (x ^ (x >> 16)) * 0x21f0aaadu;
   x = (x ^ (x >> 15) ^ key.v[1] ^ static_cast<std::uint32_t>(c >> 32) * 0x9e3779b9u) * 0x735a2d97u;
-  return x ^ (x >> 15);
+  x = (x ^ (x >> 15) ^ key.v[2]) * 0x31848babu;
+  return x ^ (x >> 14);
 }
 
 // Pearson's chi-square of `counts` against a uniform expectation.

@@ -207,9 +207,8 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
     const auto len = static_cast<std::uint32_t>(
         std::min<std::uint64_t>({block, size - b, high_span - ((first + b) & (high_span - 1))}));
     next = b + len;
-    std::uint32_t outer = 0, inner = 0, counter0 = 0;
+    std::uint32_t inner = 0, counter0 = 0;
     if constexpr (sr) {
-      outer = key.k[0];
       inner = rounding_inner_key(key, static_cast<std::uint32_t>((first + b) >> 31));
       counter0 = static_cast<std::uint32_t>(2 * (first + b));
     }
@@ -220,8 +219,8 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
       element_bits bits{};
       if constexpr (sr) {
         const std::uint32_t c = counter0 + 2u * j;
-        bits.w[0] = rounding_word(outer, inner, c);
-        if constexpr (words > 1) bits.w[1] = rounding_word(outer, inner, c + 1u);
+        bits.w[0] = rounding_word(key, inner, c);
+        if constexpr (words > 1) bits.w[1] = rounding_word(key, inner, c + 1u);
       }
       master_t w = master[i];
       state_t s[n];

@@ -25,13 +25,16 @@ inline constexpr std::uint32_t rounding_stream = 2;
 //   x    = low32(c) ^ key[0]
 //   x   ^= x >> 16;  x *= 0x21f0aaad
 //   x   ^= x >> 15;  x ^= key[1] ^ high32(c) * 0x9e3779b9;  x *= 0x735a2d97
-//   x   ^= x >> 15
-// The shifts and multipliers are those of lowbias32 as improved in Chris Wellons'
-// hash-prospector (a two-multiply integer hash searched for low avalanche bias); the
-// key enters before each multiply, so two steps' permutations are not shifts of one
-// another. One Philox draw per (seed, step)
-// makes the key, and the per-element work is two multiplies per word: a third of what
-// one Philox draw per pair of elements cost, whose 40 multiplies bounded the host step.
+//   x   ^= x >> 15;  x ^= key[2];  x *= 0x31848bab
+//   x   ^= x >> 14
+// The first two rounds are lowbias32 as improved in Chris Wellons' hash-prospector (an
+// integer hash searched for low avalanche bias), the third takes triple32's last
+// multiplier and shift; the key enters before each multiply, so two steps' permutations
+// are not shifts of one another. Two rounds alone fail dieharder's 4-D minimum-distance
+// test on the element-order stream; three pass the whole battery (docs/perf.md). One
+// Philox draw per (seed, step) makes the key, and the per-element work is three
+// multiplies per word: under half of what one Philox draw per pair of elements cost,
+// whose 40 multiplies bounded the host step.
 // Statistical checks: tests/test_numeric.cpp (uniform halves, no correlation across
 // neighbours, words or steps) and docs/precision.md (dieharder).
 struct rounding_key {
@@ -53,16 +56,20 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr std::uint32_t rounding_inner_key
   return key.k[1] ^ counter_high * 0x9e3779b9u;
 }
 
-// Word of the counter whose low 32 bits are `counter_low`.
-MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr std::uint32_t rounding_word(std::uint32_t outer_key, std::uint32_t inner_key,
+// Word of the counter whose low 32 bits are `counter_low`; `inner_key` is
+// rounding_inner_key of its high half.
+MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr std::uint32_t rounding_word(const rounding_key& key, std::uint32_t inner_key,
                                                                           std::uint32_t counter_low) noexcept {
-  std::uint32_t x = counter_low ^ outer_key;
+  std::uint32_t x = counter_low ^ key.k[0];
   x ^= x >> 16;
   x *= 0x21f0aaadu;
   x ^= x >> 15;
   x ^= inner_key;
   x *= 0x735a2d97u;
   x ^= x >> 15;
+  x ^= key.k[2];
+  x *= 0x31848babu;
+  x ^= x >> 14;
   return x;
 }
 
@@ -85,7 +92,7 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr element_bits element_rounding_bi
   const std::uint64_t c = 2 * global_index;  // even: c + 1 has the same high word
   const std::uint32_t inner = rounding_inner_key(key, static_cast<std::uint32_t>(c >> 32));
   const std::uint32_t lo = static_cast<std::uint32_t>(c);
-  return element_bits{{rounding_word(key.k[0], inner, lo), Words > 1 ? rounding_word(key.k[0], inner, lo + 1u) : 0u}};
+  return element_bits{{rounding_word(key, inner, lo), Words > 1 ? rounding_word(key, inner, lo + 1u) : 0u}};
 }
 
 // The same, with the key made from (seed, step): for single elements and references
