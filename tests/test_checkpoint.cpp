@@ -196,6 +196,16 @@ void check_resume(bool fp16 = false) {
   if (fp16) REQUIRE(straight.loss_scale > 256.0);  // the scaler's growth was restored, not restarted
 }
 
+// A fresh optimizer of type Z, trained over steps [first, last] and saved into `dir`.
+template <class Z>
+void save_trained(comm::mpi_communicator& c, const zero_options& zo, const fs::path& dir, int first, int last) {
+  Z z(c, model_numels, {}, zo);
+  init(z);
+  std::vector<double> norms;
+  train(z, c, first, last, norms);
+  z.save_checkpoint(dir);
+}
+
 template <class Z>
 std::string load_error(Z& z, const fs::path& dir) {
   try {
@@ -390,16 +400,8 @@ TEST_CASE("Checkpoint: the shard files record the stochastic-rounding stream", "
     return checkpoint::read_header(in, file);
   };
   shared_dir sr_dir, nearest_dir;
-  {
-    zopt<policies::bf16_all_sr, optim::adamw, 1> z(c, model_numels, {}, zo);
-    init(z);
-    std::vector<double> norms;
-    train(z, c, 1, 1, norms);
-    z.save_checkpoint(sr_dir.path);
-    zopt<policies::bf16_all, optim::adamw, 1> y(c, model_numels, {}, zo);
-    init(y);
-    y.save_checkpoint(nearest_dir.path);
-  }
+  save_trained<zopt<policies::bf16_all_sr, optim::adamw, 1>>(c, zo, sr_dir.path, 1, 1);
+  save_trained<zopt<policies::bf16_all, optim::adamw, 1>>(c, zo, nearest_dir.path, 1, 1);
   CHECK(header_of(sr_dir.path).rounding_stream == rounding_stream);
   CHECK(header_of(nearest_dir.path).rounding_stream == 0);
 
@@ -429,13 +431,7 @@ TEST_CASE("Checkpoint: bad input is refused on every rank, with a message, and c
   auto& c = world();
   const zero_options zo = options_for(false);
   shared_dir dir;
-  {
-    zopt<policies::bf16_fp32_master, optim::adamw, 2> z(c, model_numels, {}, zo);
-    init(z);
-    std::vector<double> norms;
-    train(z, c, 1, 2, norms);
-    z.save_checkpoint(dir.path);
-  }
+  save_trained<zopt<policies::bf16_fp32_master, optim::adamw, 2>>(c, zo, dir.path, 1, 2);
   // The target: trained differently, so that a partial load would show.
   zopt<policies::bf16_fp32_master, optim::adamw, 1> z(c, model_numels, {}, zo);
   init(z);
