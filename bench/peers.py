@@ -349,8 +349,10 @@ class Mpzero:
     """mpzero's host step over the row's tensors: a fused_step built once (its multi-tensor
     plan), run every step through mpzero_peers_run."""
 
-    def __init__(self, lib, model, threads):
-        self.lib, self.threads, self.config = lib, threads, model.config
+    def __init__(self, lib, model, threads, config=None):
+        """config: the policy to step the model's tensors with (default the model's own; the
+        stochastic-rounding row also times bf16_all's nearest rounding over its tensors)."""
+        self.lib, self.threads, self.config = lib, threads, config or model.config
         n = len(model.numels)
 
         def ptrs(ts):
@@ -360,10 +362,10 @@ class Mpzero:
                           HPARAMS["weight_decay"], HPARAMS["seed"])
         self._arrays = [ptrs(model.params), ptrs(model.masters), ptrs(model.grads), ptrs(model.exp_avgs),
                         ptrs(model.exp_avg_sqs), (ctypes.c_uint64 * n)(*model.numels)]
-        create = getattr(lib, "mpzero_peers_create_" + model.config)
+        create = getattr(lib, "mpzero_peers_create_" + self.config)
         self.handle = create(n, *self._arrays, ctypes.byref(self.hp))
         if not self.handle:
-            raise RuntimeError("mpzero_peers_create_%s: %s" % (model.config, lib.mpzero_peers_last_error().decode()))
+            raise RuntimeError("mpzero_peers_create_%s: %s" % (self.config, lib.mpzero_peers_last_error().decode()))
         self.t = HPARAMS["first_step"]
 
     def set_step(self, k):
@@ -636,6 +638,10 @@ def run_row(lib, threads, config, numels, layout, peer_names, ds, ao, warmup, ro
            "mpzero": {"status": "timed"}, "peers": {}}
     model = Model(config, numels, HPARAMS["seed"] + n + len(numels))
     mp = Mpzero(lib, model, threads)
+    # Stochastic rounding's cost is measured against mpzero's own nearest rounding over the
+    # same tensors, in the same rounds: rows differ in where their memory landed, which
+    # moves every contender's time (up to 1.5x between two rows on a shared VM).
+    nearest = Mpzero(lib, model, threads, config="bf16_all") if config == "bf16_all_sr" else None
     first = HPARAMS["first_step"]
     contenders = []  # (name, peer, entry)
     try:
@@ -694,6 +700,8 @@ def run_row(lib, threads, config, numels, layout, peer_names, ds, ao, warmup, ro
 
         # Timing: warm-up, then rounds of every contender in a rotating order.
         timed = [("mpzero", mp)] + [(name, peer) for name, peer, entry in contenders if entry["status"] == "run"]
+        if nearest is not None:
+            timed.append(("mpzero nearest", nearest))
         for name, c in timed:
             c.set_step(first)
         for _ in range(warmup):
@@ -714,6 +722,13 @@ def run_row(lib, threads, config, numels, layout, peer_names, ds, ao, warmup, ro
         print(f"  timing: {warmup} warm-up step(s), {rounds} rounds in rotating order; ratio = peer / mpzero "
               "(median, min-max over rounds)")
         print(f"    {'mpzero':<18} {'native':<11} {row['mpzero']['median_s'] * 1e3:10.3f} ms")
+        if nearest is not None:
+            row["mpzero"]["nearest"] = dict(median_s=statistics.median(times["mpzero nearest"]),
+                                            times_s=times["mpzero nearest"],
+                                            **ratio_summary(times["mpzero"], times["mpzero nearest"]))
+            e = row["mpzero"]["nearest"]
+            print(f"    {'mpzero nearest':<18} {'bf16_all':<11} {e['median_s'] * 1e3:10.3f} ms   stochastic over "
+                  f"nearest {e['ratio_median']:.2f} ({e['ratio_min']:.2f}-{e['ratio_max']:.2f})")
         for name, peer, entry in contenders:
             if entry["status"] != "run":
                 continue
@@ -726,6 +741,8 @@ def run_row(lib, threads, config, numels, layout, peer_names, ds, ao, warmup, ro
                 print(f"    {name:<18} {entry['status']:<11} {entry['reason']}")
     finally:
         mp.close()
+        if nearest is not None:
+            nearest.close()
         for _, peer, _ in contenders:
             peer.close()
     return row

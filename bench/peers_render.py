@@ -18,7 +18,10 @@ The format (checked by validate(), which bench/peers.py also runs before writing
   hyperparameters, rounds, warmup, threads
   peers         [{name, available, version, reason}]
   results       [{config, numel, layout ("single"|"multi"), tensors,
-                  mpzero: {status "timed", median_s, times_s},
+                  mpzero: {status "timed", median_s, times_s, nearest (bf16_all_sr rows:
+                           {median_s, times_s, ratios, ratio_median, ratio_min, ratio_max},
+                           mpzero's nearest rounding over the same tensors in the same rounds;
+                           the ratios are stochastic / nearest)},
                   peers: {name: {status, how, note, reason, check,
                                  median_s, times_s, ratios, ratio_median, ratio_min, ratio_max}}}]
   A peer's status is "timed" (then the timing keys are present), "differs" (failed the
@@ -80,6 +83,11 @@ def validate(doc):
         _positive_number(r, "tensors", where)
         m = _need(r, "mpzero", dict, where)
         _positive_number(m, "median_s", where + ".mpzero")
+        if m.get("nearest") is not None:
+            lo, med, hi = (_positive_number(m["nearest"], k, where + ".mpzero.nearest")
+                           for k in ("ratio_min", "ratio_median", "ratio_max"))
+            if not lo <= med <= hi:
+                raise FormatError(f"{where}.mpzero.nearest: ratio_min <= ratio_median <= ratio_max does not hold")
         for name, e in _need(r, "peers", dict, where).items():
             w = f"{where}.peers[{name!r}]"
             if name not in names:
@@ -171,25 +179,25 @@ def summary(doc):
 
 
 def sr_over_nearest(doc):
-    """mpzero's own stochastic-rounding time over its nearest-rounding time, per size and
-    layout that has both rows (bf16_all_sr / bf16_all): [(size, layout, ratio)]."""
-    nearest = {(r["numel"], r["layout"], r["tensors"]): r["mpzero"]["median_s"]
-               for r in doc["results"] if r["config"] == "bf16_all"}
+    """mpzero's stochastic-rounding time over its nearest-rounding time on the same tensors
+    in the same rounds, per bf16_all_sr row that timed both: [(size, layout, median, min,
+    max)]."""
     out = []
     for r in doc["results"]:
-        key = (r["numel"], r["layout"], r["tensors"])
-        if r["config"] == "bf16_all_sr" and key in nearest:
+        e = r["mpzero"].get("nearest")
+        if r["config"] == "bf16_all_sr" and e:
             layout = "1 tensor" if r["layout"] == "single" else f"{r['tensors']} tensors"
-            out.append((fmt_size(r["numel"]), layout, r["mpzero"]["median_s"] / nearest[key]))
+            out.append((fmt_size(r["numel"]), layout, e["ratio_median"], e["ratio_min"], e["ratio_max"]))
     return out
 
 
-def sr_line(doc):
+def sr_line(doc, dash="-"):
     ratios = sr_over_nearest(doc)
     if not ratios:
         return None
-    return ("mpzero's stochastic rounding over its nearest rounding (bf16_all_sr / bf16_all, medians): "
-            + ", ".join(f"{size} {layout} {ratio:.2f}x" for size, layout, ratio in ratios))
+    return ("mpzero's stochastic rounding over its nearest rounding, the same tensors in the same rounds "
+            "(bf16_all_sr / bf16_all, median (min-max) over the rounds): "
+            + ", ".join(f"{size} {layout} {med:.2f} ({lo:.2f}{dash}{hi:.2f})" for size, layout, med, lo, hi in ratios))
 
 
 def render(doc, markdown=False):
@@ -214,7 +222,7 @@ def render(doc, markdown=False):
         out += [line(r) for r in rows]
         out += [f"[{i + 1}] {n}" for i, n in enumerate(notes)]
     if sr_line(doc):
-        out += ["", sr_line(doc)]
+        out += ["", sr_line(doc, "–" if markdown else "-")]
     return "\n".join(out)
 
 

@@ -60,7 +60,9 @@ doc = {
          "peers": {"DeepSpeedCPUAdam": timed("native", 1.2e-3, 1.1, 1.2, 1.3),
                    "torch fused": timed("native", 2e-3, 1.5, 2.0, 2.5)}},
         {"config": "bf16_all_sr", "numel": 1 << 20, "layout": "multi", "tensors": 200,
-         "mpzero": {"status": "timed", "median_s": 5e-4, "times_s": [5e-4]},
+         "mpzero": {"status": "timed", "median_s": 5e-4, "times_s": [5e-4],
+                    "nearest": {"median_s": 4e-4, "times_s": [4e-4], "ratios": [1.1, 1.25, 1.4],
+                                "ratio_median": 1.25, "ratio_min": 1.1, "ratio_max": 1.4}},
          "peers": {"DeepSpeedCPUAdam": not_run("differs", DIFFERS),
                    "torch fused": timed("substitute", 1e-3, 1.75, 2.0, 3.125, note=SR_NOTE)}},
         {"config": "bf16_all", "numel": 1 << 20, "layout": "multi", "tensors": 200,
@@ -98,8 +100,9 @@ with tempfile.TemporaryDirectory() as tmp:
           f"a skipped peer: {out!r}")
     check("| bf16_master_fp32_states | 16M | 1 tensor | 10.000 | unavailable [4] | unsupported [5] |" in lines,
           f"rows of peers that did not run: {out!r}")
-    check("mpzero's stochastic rounding over its nearest rounding (bf16_all_sr / bf16_all, medians): "
-          "1M 200 tensors 1.25x" in lines, f"the SR line: {out!r}")
+    check("mpzero's stochastic rounding over its nearest rounding, the same tensors in the same rounds "
+          "(bf16_all_sr / bf16_all, median (min-max) over the rounds): 1M 200 tensors 1.25 (1.10–1.40)" in lines,
+          f"the SR line: {out!r}")
     check(any(l.startswith("[1] " + DIFFERS) for l in lines), "note [1]: the differs reason")
     check(any(l.startswith("[2] " + SR_NOTE) for l in lines), "note [2]: the substitute's note")
     check(any(l.startswith("[5] ") and "dtype \\| bf16" in l for l in lines), f"'|' escaped in markdown: {out!r}")
