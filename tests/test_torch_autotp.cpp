@@ -453,9 +453,15 @@ TEST_CASE("autotp: tensor- and data-parallel groups made by the program, as MPI 
   };
   {
     // The world given (c10d), or left empty (MPI): initialize joins the one mpirun started.
-    auto engine = mt::initialize(Block(R() == 0 ? 7 : 11), tp_config(1, 0.05),
-                                 mt::parallel_groups{c10d ? mt::any_communicator::wrap(world()) : mt::any_communicator{},
-                                                     wrap(tpc, "tp"), wrap(dpc, "dp")});
+    // With MPI the optimizer is given in code instead of the config (DeepSpeed's
+    // initialize(model, config, optimizer, mpu)): the same AdamW.
+    const mt::parallel_groups groups{c10d ? mt::any_communicator::wrap(world()) : mt::any_communicator{},
+                                     wrap(tpc, "tp"), wrap(dpc, "dp")};
+    json no_optimizer = tp_config(1, 0.05);
+    no_optimizer.erase("optimizer");
+    const mt::optimizer_config adamw{.type = mt::optimizer_type::adamw, .lr = 1e-2, .eps = 1e-3, .weight_decay = 0.01};
+    auto engine = c10d ? mt::initialize(Block(R() == 0 ? 7 : 11), tp_config(1, 0.05), groups)
+                       : mt::initialize(Block(R() == 0 ? 7 : 11), no_optimizer, adamw, groups);
     CHECK(engine.tensor_parallel_rank() == tp_rank);
     CHECK(engine.world_size() == dp);
     for (int k = 0; k < 3; ++k) {

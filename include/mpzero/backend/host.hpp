@@ -274,8 +274,9 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
 // a struct whose `run<Kit>(args...)` is the loop, inlined into one function per variant
 // compiled for the widest vectors the CPU has and chosen at run time, so a binary built
 // for baseline x86-64 still uses AVX2 or AVX-512. A Kit is what a variant's loops use
-// besides the compiler's vectorization: its fp16 block converter. No FMA is enabled in these targets (and -ffp-contract=off forbids
-// contraction anyway): every variant rounds alike, bit for bit.
+// besides the compiler's vectorization: its fp16 block converter. No FMA is enabled in
+// these targets (and -ffp-contract=off forbids contraction anyway): every variant
+// rounds alike, bit for bit.
 template <class Half>
 struct kit {
   using half = Half;

@@ -105,9 +105,10 @@ class core_checkpoint {
                             });
   }
 
-  // Reads this rank's pieces of the checkpoint in `dir` into host memory; changes nothing.
+  // Reads this rank's pieces of the checkpoint in `dir` into host memory, with its step count
+  // and stochastic-rounding stream; changes nothing.
   void read(const std::filesystem::path& dir, std::string_view optimizer, const std::optional<loss_scaler>& current,
-            std::vector<host_piece>& pieces, std::uint64_t& steps, std::uint32_t& rounding_stream,
+            std::vector<host_piece>& pieces, std::uint64_t& steps, std::uint32_t& stream,
             std::optional<loss_scaler>& scaler) const {
     checkpoint::shard_set files(dir, "ZeroOptimizer::load_checkpoint",
                                 [&](const checkpoint::shard_header& h, const std::filesystem::path& p) {
@@ -121,7 +122,7 @@ class core_checkpoint {
       scaler = std::move(sc);
     }
     steps = h0.steps;
-    rounding_stream = h0.rounding_stream;
+    stream = h0.rounding_stream;
     const std::vector<std::size_t> user = user_of_slot();
     for (const flat_range& range : s_.shard_pieces()) {
       host_piece& p = pieces.emplace_back(s_, range);

@@ -607,6 +607,32 @@ template <class Model>
 engine<Model> initialize(Model model, const char* path_or_json, parallel_groups groups) {
   return initialize(std::move(model), std::string(path_or_json), std::move(groups));
 }
+// Both: the optimizer given in code and the groups the program made (DeepSpeed's
+// initialize(model, config, optimizer, mpu)).
+template <class Model>
+engine<Model> initialize(Model model, const nlohmann::json& cfg, const optimizer_config& optimizer,
+                         parallel_groups groups) {
+  any_communicator world = groups.world;
+  auto st = detail::make_engine_state(
+      detail::module_ptr(model), [&](int w) { return parse_config_with_optimizer(cfg, optimizer, w); },
+      std::move(world), std::move(groups));
+  return engine<Model>(std::move(model), std::move(st));
+}
+template <class Model>
+engine<Model> initialize(Model model, const std::string& path_or_json, const optimizer_config& optimizer,
+                         parallel_groups groups) {
+  any_communicator world = groups.world;
+  auto st = detail::make_engine_state(
+      detail::module_ptr(model),
+      [&](int w) { return parse_config_with_optimizer(read_config_json(path_or_json), optimizer, w); },
+      std::move(world), std::move(groups));
+  return engine<Model>(std::move(model), std::move(st));
+}
+template <class Model>
+engine<Model> initialize(Model model, const char* path_or_json, const optimizer_config& optimizer,
+                         parallel_groups groups) {
+  return initialize(std::move(model), std::string(path_or_json), optimizer, std::move(groups));
+}
 template <class Model, class Config, comm::communicator C>
   requires(!std::is_same_v<std::remove_cvref_t<C>, any_communicator>)
 engine<Model> initialize(Model model, const Config& cfg, const optimizer_config& optimizer, C& comm) {
