@@ -2,8 +2,8 @@
 """mpzero's CPU AdamW step against its peers, side by side in one process over the same
 tensors: DeepSpeed's DeepSpeedCPUAdam, torch.optim.AdamW (fused=True, foreach=True and
 the for-loop) and torchao's AdamW (torchao.optim._AdamW, compiled by torch.compile; with
-bf16 stochastic rounding where mpzero rounds stochastically) on CPU tensors, with mpzero's host step (mpzero::host::run, optim::adamw)
-called through bench/peers_step.cpp's C functions (libmpzero_peers_step.so, ctypes).
+bf16 stochastic rounding where mpzero rounds stochastically) on CPU tensors, with
+mpzero's host step (mpzero::host::run, optim::adamw) called through bench/peers_step.cpp's C functions (libmpzero_peers_step.so, ctypes).
 
 Every contender steps the very same tensors (mpzero gets their data_ptr()), with the same
 hyperparameters (AdamW: lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01, each as
@@ -458,6 +458,12 @@ def torchao_maker(ao, sr):
                                      bf16_stochastic_round=sr)
 
 
+def composite_note(who, p):
+    """The note of a peer that steps one dtype, run as the fp32-master composite."""
+    return (f"{who} steps one dtype for parameter, gradient and states: the {p} gradient copied into an fp32 "
+            f"buffer, the step on the fp32 master, the master copied into the {p} parameter (torch._foreach_copy_)")
+
+
 _probe_cache = {}
 
 
@@ -490,9 +496,7 @@ def plan_torchao(config, layout, ao):
                           "the benchmark runs it on the single-tensor rows only"}
     if m is not None:
         return {"status": "run", "how": "composite", "make": torchao_maker(ao, False),
-                "note": f"{label}'s AdamW steps one dtype for parameter and states: the {p} gradient copied into an "
-                        f"fp32 buffer, the step on the fp32 master, the master copied into the {p} parameter "
-                        "(torch._foreach_copy_)"}
+                "note": composite_note(f"{label}'s AdamW", p)}
     if p != s:
         return {"status": "unsupported",
                 "reason": f"{label}'s AdamW (torchao.optim._AdamW) creates its states in the parameter's dtype "
@@ -544,9 +548,7 @@ def plan_peer(name, config, layout, ds, ao):
     label = f"torch {torch.__version__.split('+')[0]}"
     if m is not None:
         return {"status": "run", "how": "composite", "make": make,
-                "note": f"torch.optim.AdamW ({label}) steps one dtype for parameter, gradient and states: the {p} "
-                        f"gradient copied into an fp32 buffer, the step on the fp32 master, the master copied into the "
-                        f"{p} parameter (torch._foreach_copy_)"}
+                "note": composite_note(f"torch.optim.AdamW ({label})", p)}
     if p != s:
         err = probe((name, p, s), make, p, s)
         if err is not None:

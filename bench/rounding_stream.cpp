@@ -22,9 +22,9 @@ int main(int argc, char** argv) {
   const std::uint64_t seed = argc > 2 ? std::strtoull(argv[2], nullptr, 0) : 1234;
   const std::uint64_t fixed = argc > 3 ? std::strtoull(argv[3], nullptr, 0) : (elements ? 1 : 1000);
   std::vector<std::uint32_t> buf(1 << 16);
+  const mpzero::rounding_key key = mpzero::rounding_key_of(seed, fixed);  // elements: the one step's
   for (std::uint64_t n = 0;; n += buf.size()) {
     if (elements) {
-      const mpzero::rounding_key key = mpzero::rounding_key_of(seed, fixed);
       for (std::size_t i = 0; i < buf.size(); i += 2) {
         const mpzero::element_bits e = mpzero::element_rounding_bits<2>(key, (n + i) / 2);
         buf[i] = e.w[0];
@@ -32,8 +32,8 @@ int main(int argc, char** argv) {
       }
     } else {
       for (std::size_t i = 0; i < buf.size(); i += 8) {
-        const mpzero::rounding_key key = mpzero::rounding_key_of(seed, 1 + (n + i) / 8);
-        for (std::size_t e = 0; e < 8; ++e) buf[i + e] = mpzero::element_rounding_bits<1>(key, fixed + e).w[0];
+        const mpzero::rounding_key at_step = mpzero::rounding_key_of(seed, 1 + (n + i) / 8);
+        for (std::size_t e = 0; e < 8; ++e) buf[i + e] = mpzero::element_rounding_bits<1>(at_step, fixed + e).w[0];
       }
     }
     if (std::fwrite(buf.data(), sizeof buf[0], buf.size(), stdout) != buf.size()) return 0;
