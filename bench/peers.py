@@ -70,10 +70,11 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import peers_render  # noqa: E402 (beside this script: the results' format, its table and sizes' names)
 from peers_render import fmt_size  # noqa: E402
-DEFAULT_LIB = os.path.join("build-bench", "bench", "libmpzero_peers_step.so")
 FORMAT = "mpzero-peers/1"
 DEEPSPEED_PIP = "DS_BUILD_OPS=0 python3 -m pip install deepspeed"
 TORCHAO_PIP = "python3 -m pip install torchao"
+TE_PIP = "python3 -m pip install --no-build-isolation transformer_engine[pytorch]"
+BNB_PIP = "python3 -m pip install bitsandbytes"
 
 
 
@@ -100,14 +101,18 @@ CONFIGS = {
     "bf16_all_sr": ("bf16", None, "bf16", "bf16", True),
     "fp16_fp32_master": ("fp16", "fp32", "fp16", "fp32", False),
 }
-PEERS = {  # --peers id: display name
-    "deepspeed": "DeepSpeedCPUAdam",
-    "fused": "torch fused",
-    "foreach": "torch foreach",
-    "forloop": "torch for-loop",
-    "torchao": "torchao AdamW",
+PEERS = {  # --peers id: display name on the CPU, on a CUDA device (None: not a peer there)
+    "deepspeed": ("DeepSpeedCPUAdam", "DeepSpeed FusedAdam"),
+    "fused": ("torch fused", "torch fused"),
+    "foreach": ("torch foreach", "torch foreach"),
+    "forloop": ("torch for-loop", "torch for-loop"),
+    "torchao": ("torchao AdamW", "torchao AdamW"),
+    "te": (None, "TE FusedAdam"),
+    "bnb": (None, "bitsandbytes AdamW8bit"),
 }
+DEVICES = ("cpu", "cuda")
 LAYOUTS = ("single", "multi")
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 # The value ranges of bench_common.hpp's fills: params (and masters), gradients, moments.
 FILL = {"param": (-1.0, 1.0), "grad": (-1e-2, 1e-2), "exp_avg": (-1e-3, 1e-3), "exp_avg_sq": (0.0, 1e-4)}
@@ -152,6 +157,22 @@ def ratio_summary(peer_times, mpzero_times):
 def rotated(items, r):
     k = r % len(items)
     return items[k:] + items[:k]
+
+
+def peer_ids_for(device):
+    """The --peers ids that are peers on `device`, in PEERS' order."""
+    return [pid for pid, names in PEERS.items() if names[DEVICES.index(device)] is not None]
+
+
+def peer_name(pid, device):
+    return PEERS[pid][DEVICES.index(device)]
+
+
+def step_bytes(config):
+    """Bytes a step of one element reads and writes: the parameter, the master and the two
+    states read and written, the gradient read."""
+    p, m, g, s, _ = CONFIGS[config]
+    return 2 * BYTES[p] + (2 * BYTES[m] if m else 0) + BYTES[g] + 4 * BYTES[s]
 
 
 # ---- environment ---------------------------------------------------------------------------
@@ -225,14 +246,28 @@ class Hparams(ctypes.Structure):
                 ("eps", ctypes.c_double), ("weight_decay", ctypes.c_double), ("seed", ctypes.c_uint64)]
 
 
-def load_library(path):
+def load_library(path, device):
     lib = ctypes.CDLL(path)
     vp, u64, ptrs = ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)
-    for name in ("configs", "last_error", "simd", "cxx_flags", "version"):
+    if not hasattr(lib, "mpzero_peers_device"):
+        raise RuntimeError(f"{path} is a step library of an older mpzero (no mpzero_peers_device): rebuild it")
+    lib.mpzero_peers_device.restype = ctypes.c_char_p
+    built_for = lib.mpzero_peers_device().decode()
+    if built_for != device:
+        want = "libmpzero_peers_step_cuda.so" if device == "cuda" else "libmpzero_peers_step.so"
+        raise RuntimeError(f"{path} steps {built_for} memory, and --device is {device}: give --lib {want}")
+    text = ("configs", "last_error", "version") + \
+        (("simd", "cxx_flags") if device == "cpu" else ("cuda_archs",))
+    for name in text:
         getattr(lib, "mpzero_peers_" + name).restype = ctypes.c_char_p
         getattr(lib, "mpzero_peers_" + name).argtypes = []
-    lib.mpzero_peers_march_native.restype = ctypes.c_int
-    lib.mpzero_peers_max_threads.restype = ctypes.c_int
+    if device == "cpu":
+        lib.mpzero_peers_march_native.restype = ctypes.c_int
+        lib.mpzero_peers_max_threads.restype = ctypes.c_int
+    else:
+        lib.mpzero_peers_cuda_runtime.restype = ctypes.c_int
+        lib.mpzero_peers_set_stream.argtypes = [vp]
+        lib.mpzero_peers_set_stream.restype = None
     lib.mpzero_peers_run.argtypes = [vp, u64, ctypes.c_int]
     lib.mpzero_peers_run.restype = ctypes.c_int
     lib.mpzero_peers_destroy.argtypes = [vp]
@@ -253,6 +288,7 @@ def load_library(path):
 # ---- the tensors of one row -------------------------------------------------------------------
 
 torch = None  # imported by main() once OMP_NUM_THREADS is set
+DEVICE = "cpu"  # where every contender's tensors live: main() sets it from --device
 
 
 def dtype_of(name):
@@ -271,7 +307,8 @@ class Model:
 
         def filled(n, role, dtype):
             lo, hi = FILL[role]
-            return torch.empty(n, dtype=torch.float32).uniform_(lo, hi, generator=gen).to(dtype)
+            # Drawn on the CPU, so that a size gets the same values on either device.
+            return torch.empty(n, dtype=torch.float32).uniform_(lo, hi, generator=gen).to(device=DEVICE, dtype=dtype)
 
         if m is None:
             self.params, self.masters = [filled(n, "param", dtype_of(p)) for n in numels], None
@@ -286,7 +323,7 @@ class Model:
     def grads32(self):
         """The fp32 gradient buffers of the fp32-master composites (allocated once, shared)."""
         if self._grads32 is None:
-            self._grads32 = [torch.empty(n, dtype=torch.float32) for n in self.numels]
+            self._grads32 = [torch.empty(n, dtype=torch.float32, device=DEVICE) for n in self.numels]
         return self._grads32
 
     def roles(self):
@@ -395,27 +432,49 @@ class OptimizerPeer:
     so it starts from the same moments and step count as mpzero). Natively it steps the
     parameters; as the fp32-master composite it steps the fp32 masters, with the 16-bit
     gradients copied into fp32 buffers first and the masters copied into the 16-bit
-    parameters after."""
+    parameters after.
 
-    def __init__(self, make, model, composite, int_step):
-        self.composite, self.int_step, self.model = composite, int_step, model
-        targets = model.masters if composite else model.params
-        grads = model.grads32() if composite else model.grads
+    plan["step"] says where the optimizer keeps its step count: "int" (DeepSpeed: a
+    Python int per state), "tensor" (torch, torchao: a float32 scalar tensor per state, on
+    the device for torch's fused kernels and on the CPU otherwise, as each creates it),
+    "group" (TransformerEngine: the parameter group's count) or "own" (a reference peer
+    whose states are its own: not injected). plan["master_state"] names the state that
+    holds an optimizer's own fp32 master (TransformerEngine's "master_param"): the row's
+    master is injected there."""
+
+    def __init__(self, plan, model):
+        self.composite, self.model = plan["how"] == "composite", model
+        self.step_kind = plan.get("step", "tensor")
+        targets = model.masters if self.composite or plan["how"] == "reference" and model.masters else model.params
+        grads = model.grads32() if targets is model.masters else model.grads
+        self.composite = targets is model.masters
         for t, g in zip(targets, grads):
             t.grad = g
-        self.opt = make(targets)
+        self.opt = plan["make"](targets)
         self.states = []
-        for t, m, v in zip(targets, model.exp_avgs, model.exp_avg_sqs):
-            st = {"step": 0 if int_step else torch.zeros((), dtype=torch.float32), "exp_avg": m, "exp_avg_sq": v}
-            self.opt.state[t] = st
-            self.states.append(st)
+        if self.step_kind != "own":
+            step_device = DEVICE if plan.get("step_on_device") else "cpu"
+            for i, (t, m, v) in enumerate(zip(targets, model.exp_avgs, model.exp_avg_sqs)):
+                st = {"exp_avg": m, "exp_avg_sq": v}
+                if self.step_kind == "int":
+                    st["step"] = 0
+                elif self.step_kind == "tensor":
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+                if plan.get("master_state"):
+                    st[plan["master_state"]] = model.masters[i]
+                self.opt.state[t] = st
+                self.states.append(st)
         self.set_step(HPARAMS["first_step"])
 
     def set_step(self, k):
-        for st in self.states:  # the optimizer adds 1 before its update
-            if self.int_step:
+        # The optimizer adds 1 before its update.
+        if self.step_kind == "group":
+            for g in self.opt.param_groups:
+                g["step"] = k - 1
+        for st in self.states:
+            if self.step_kind == "int":
                 st["step"] = k - 1
-            else:
+            elif self.step_kind == "tensor":
                 st["step"].fill_(k - 1)
 
     def step(self):
@@ -435,17 +494,22 @@ TORCH_FLAGS = {"torch fused": {"fused": True}, "torch foreach": {"foreach": True
                "torch for-loop": {"foreach": False, "fused": False}}
 
 
+def adamw_kwargs(**extra):
+    """The hyperparameters in torch.optim's keywords."""
+    return dict(lr=HPARAMS["lr"], betas=(HPARAMS["beta1"], HPARAMS["beta2"]), eps=HPARAMS["eps"],
+                weight_decay=HPARAMS["weight_decay"], **extra)
+
+
 def torch_maker(name):
     flags = TORCH_FLAGS[name]
-    return lambda targets: torch.optim.AdamW(targets, lr=HPARAMS["lr"], betas=(HPARAMS["beta1"], HPARAMS["beta2"]),
-                                             eps=HPARAMS["eps"], weight_decay=HPARAMS["weight_decay"],
-                                             amsgrad=False, **flags)
+    return lambda targets: torch.optim.AdamW(targets, **adamw_kwargs(amsgrad=False, **flags))
 
 
 def deepspeed_maker(ds, state_dtype):
     def make(targets):
-        kw = dict(lr=HPARAMS["lr"], bias_correction=True, betas=(HPARAMS["beta1"], HPARAMS["beta2"]),
-                  eps=HPARAMS["eps"], weight_decay=HPARAMS["weight_decay"], amsgrad=False, adamw_mode=True)
+        if DEVICE == "cuda":  # FusedAdam: states in the parameter's dtype
+            return ds["cls"](targets, **adamw_kwargs(bias_correction=True, adam_w_mode=True, amsgrad=False))
+        kw = adamw_kwargs(bias_correction=True, amsgrad=False, adamw_mode=True)
         if ds["has_fp32_optimizer_states"]:
             kw["fp32_optimizer_states"] = state_dtype == "fp32"
         return ds["cls"](targets, **kw)
@@ -453,15 +517,25 @@ def deepspeed_maker(ds, state_dtype):
 
 
 def torchao_maker(ao, sr):
-    return lambda targets: ao["cls"](targets, lr=HPARAMS["lr"], betas=(HPARAMS["beta1"], HPARAMS["beta2"]),
-                                     eps=HPARAMS["eps"], weight_decay=HPARAMS["weight_decay"], amsgrad=False,
-                                     bf16_stochastic_round=sr)
+    return lambda targets: ao["cls"](targets, **adamw_kwargs(amsgrad=False, bf16_stochastic_round=sr))
+
+
+def te_maker(te, **dtypes):
+    return lambda targets: te["cls"](targets, **adamw_kwargs(bias_correction=True, adam_w_mode=True, **dtypes))
+
+
+def bnb_maker(bnb):
+    return lambda targets: bnb["cls"](targets, **adamw_kwargs())
 
 
 def composite_note(who, p):
     """The note of a peer that steps one dtype, run as the fp32-master composite."""
     return (f"{who} steps one dtype for parameter, gradient and states: the {p} gradient copied into an fp32 "
             f"buffer, the step on the fp32 master, the master copied into the {p} parameter (torch._foreach_copy_)")
+
+
+def substitute_note(label, p):
+    return f"{label} has no stochastic rounding; compared against its nearest-rounding {p} step"
 
 
 _probe_cache = {}
@@ -471,13 +545,13 @@ def probe(key, make, pdtype, sdtype):
     """None if the optimizer steps pdtype parameters with sdtype states (tiny tensors),
     else its error message."""
     if key not in _probe_cache:
-        p = torch.zeros(64, dtype=dtype_of(pdtype))
-        p.grad = torch.full((64,), 1e-3, dtype=dtype_of(pdtype))
+        p = torch.zeros(64, dtype=dtype_of(pdtype), device=DEVICE)
+        p.grad = torch.full((64,), 1e-3, dtype=dtype_of(pdtype), device=DEVICE)
         try:
             opt = make([p])
             opt.state[p] = {"step": torch.zeros((), dtype=torch.float32) if key[0] != "deepspeed" else 0,
-                            "exp_avg": torch.zeros(64, dtype=dtype_of(sdtype)),
-                            "exp_avg_sq": torch.zeros(64, dtype=dtype_of(sdtype))}
+                            "exp_avg": torch.zeros(64, dtype=dtype_of(sdtype), device=DEVICE),
+                            "exp_avg_sq": torch.zeros(64, dtype=dtype_of(sdtype), device=DEVICE)}
             opt.step()
             _probe_cache[key] = None
         except Exception as e:  # noqa: BLE001 (any failure means: cannot run this)
@@ -487,8 +561,6 @@ def probe(key, make, pdtype, sdtype):
 
 def plan_torchao(config, layout, ao):
     p, m, _, s, sr = CONFIGS[config]
-    if not ao["available"]:
-        return {"status": "unavailable", "reason": ao["reason"]}
     label = f"torchao {ao['version']}"
     if layout != "single":
         return {"status": "skipped",
@@ -509,46 +581,96 @@ def plan_torchao(config, layout, ao):
     return {"status": "run", "how": "native", "make": torchao_maker(ao, False), "note": None}
 
 
-def plan_peer(name, config, layout, ds, ao):
-    """How a peer runs a configuration: a dict with status ("run", "unsupported",
-    "unavailable", "skipped"), how ("native", "composite", "substitute"), note or reason,
-    and make."""
+def plan_deepspeed_cpu(config, ds):
     p, m, _, s, sr = CONFIGS[config]
-    if name == PEERS["torchao"]:
-        return plan_torchao(config, layout, ao)
-    if name == PEERS["deepspeed"]:
-        if not ds["available"]:
-            return {"status": "unavailable", "reason": ds["reason"]}
-        label = f"DeepSpeedCPUAdam {ds['version']}"
-        combos = ds["dtypes"]
-        scalar = ds.get("simd") == "AVX256" and m is None and "bf16" in (p, s)
-        slow = " (its AVX2 build has no bf16 vector path: the scalar loop)" if scalar else ""
-        if m is not None:
-            if combos is not None and ("fp32", "fp32") not in combos:
-                return {"status": "unsupported", "reason": f"{label} has no fp32 step"}
-            return {"status": "run", "how": "composite", "make": deepspeed_maker(ds, "fp32"),
-                    "note": f"{label} has no fp32-master path for {p} parameters (its op steps the parameter in "
-                            f"place, with gradients of the parameter's dtype); run as ZeRO-Offload keeps a {p} "
-                            f"model's fp32 master on the CPU: the {p} gradient copied into an fp32 buffer, "
-                            f"DeepSpeedCPUAdam on the fp32 master, the master copied into the {p} parameter"}
-        supported = (p, s) in combos if combos is not None else \
-            probe(("deepspeed", p, s), deepspeed_maker(ds, s), p, s) is None
-        if not supported:
-            have = ", ".join("/".join(c) for c in combos) if combos else "unknown"
-            return {"status": "unsupported",
-                    "reason": f"{label} takes parameter/state dtypes {have}: no {p} parameters with {s} states"}
-        if sr:
-            return {"status": "run", "how": "substitute", "make": deepspeed_maker(ds, s),
-                    "note": f"{label} has no stochastic rounding; compared against its nearest-rounding {p} step"
-                            + slow}
-        return {"status": "run", "how": "native", "make": deepspeed_maker(ds, s),
-                "note": f"{label}{slow}" if slow else None}
+    label = f"DeepSpeedCPUAdam {ds['version']}"
+    combos = ds["dtypes"]
+    scalar = ds.get("simd") == "AVX256" and m is None and "bf16" in (p, s)
+    slow = " (its AVX2 build has no bf16 vector path: the scalar loop)" if scalar else ""
+    if m is not None:
+        if combos is not None and ("fp32", "fp32") not in combos:
+            return {"status": "unsupported", "reason": f"{label} has no fp32 step"}
+        return {"status": "run", "how": "composite", "make": deepspeed_maker(ds, "fp32"),
+                "note": f"{label} has no fp32-master path for {p} parameters (its op steps the parameter in "
+                        f"place, with gradients of the parameter's dtype); run as ZeRO-Offload keeps a {p} "
+                        f"model's fp32 master on the CPU: the {p} gradient copied into an fp32 buffer, "
+                        f"DeepSpeedCPUAdam on the fp32 master, the master copied into the {p} parameter"}
+    supported = (p, s) in combos if combos is not None else \
+        probe(("deepspeed", p, s), deepspeed_maker(ds, s), p, s) is None
+    if not supported:
+        have = ", ".join("/".join(c) for c in combos) if combos else "unknown"
+        return {"status": "unsupported",
+                "reason": f"{label} takes parameter/state dtypes {have}: no {p} parameters with {s} states"}
+    if sr:
+        return {"status": "run", "how": "substitute", "make": deepspeed_maker(ds, s),
+                "note": substitute_note(label, p) + slow}
+    return {"status": "run", "how": "native", "make": deepspeed_maker(ds, s), "note": f"{label}{slow}" if slow else None}
 
+
+def plan_deepspeed_cuda(config, ds):
+    p, m, _, s, sr = CONFIGS[config]
+    label = f"DeepSpeed {ds['version']} FusedAdam"
+    if m is not None:
+        return {"status": "run", "how": "composite", "make": deepspeed_maker(ds, "fp32"),
+                "note": composite_note(label, p)}
+    if p != s:
+        # Not probed: its multi_tensor_adam kernel takes one element type for all four
+        # lists and checks none, so a step would read the states past their end.
+        return {"status": "unsupported",
+                "reason": f"{label} steps parameter, gradient and states of one dtype (its multi_tensor_adam "
+                          f"kernel takes one element type for all four): no {p} parameters with {s} states"}
+    if sr:
+        return {"status": "run", "how": "substitute", "make": deepspeed_maker(ds, s), "note": substitute_note(label, p)}
+    return {"status": "run", "how": "native", "make": deepspeed_maker(ds, s), "note": None}
+
+
+def plan_te(config, te):
+    p, m, _, s, sr = CONFIGS[config]
+    label = f"TransformerEngine {te['version']} FusedAdam"
+    dtypes = {"exp_avg_dtype": dtype_of(s), "exp_avg_sq_dtype": dtype_of(s)}
+    if m is not None:
+        return {"status": "run", "how": "native", "step": "group", "master_state": "master_param",
+                "make": te_maker(te, master_weights=True, master_weight_dtype=torch.float32, **dtypes),
+                "note": f"{label} with master_weights=True keeps the fp32 master itself (its 'master_param' state)"}
+    plan = {"status": "run", "how": "substitute" if sr else "native", "step": "group", "make": te_maker(te, **dtypes),
+            "note": substitute_note(label, p) if sr else None}
+    return plan
+
+
+def plan_bnb(config, bnb):
+    p, m, _, s, _ = CONFIGS[config]
+    return {"status": "run", "how": "reference", "step": "own", "make": bnb_maker(bnb),
+            "note": f"bitsandbytes {bnb['version']} AdamW8bit keeps its two states as 8-bit blockwise-quantized codes "
+                    f"(2 bytes per element, against {2 * BYTES[s]} here){' and steps the fp32 master' if m else ''}: "
+                    "another update, so not compared; timed as the memory-saving reference"}
+
+
+def plan_peer(pid, config, layout, infos):
+    """How peer `pid` runs a configuration: a dict with status ("run", "unsupported",
+    "unavailable", "skipped"), how ("native", "composite", "substitute", "reference"),
+    note or reason, make, and the keys OptimizerPeer reads (step, step_on_device,
+    master_state)."""
+    p, m, _, s, sr = CONFIGS[config]
+    info = infos.get(pid)
+    if info is not None and not info["available"]:
+        return {"status": "unavailable", "reason": info["reason"]}
+    if pid == "torchao":
+        return plan_torchao(config, layout, info)
+    if pid == "deepspeed":
+        return dict(plan_deepspeed_cuda(config, info) if DEVICE == "cuda" else plan_deepspeed_cpu(config, info),
+                    step="int")
+    if pid == "te":
+        return plan_te(config, info)
+    if pid == "bnb":
+        return plan_bnb(config, bnb=info)
+
+    name = peer_name(pid, DEVICE)
     make = torch_maker(name)
     label = f"torch {torch.__version__.split('+')[0]}"
+    # torch's fused kernels take the step count on the parameters' device, its others on the CPU.
+    common = {"make": make, "step": "tensor", "step_on_device": pid == "fused"}
     if m is not None:
-        return {"status": "run", "how": "composite", "make": make,
-                "note": composite_note(f"torch.optim.AdamW ({label})", p)}
+        return dict(common, status="run", how="composite", note=composite_note(f"torch.optim.AdamW ({label})", p))
     if p != s:
         err = probe((name, p, s), make, p, s)
         if err is not None:
@@ -556,9 +678,14 @@ def plan_peer(name, config, layout, ds, ao):
                     "reason": f"torch.optim.AdamW ({label}) keeps its states in the parameter's dtype; {p} parameters "
                               f"with {s} states stop with: {err}"}
     if sr:
-        return {"status": "run", "how": "substitute", "make": make,
-                "note": f"{label} has no stochastic rounding; compared against its nearest-rounding {p} step"}
-    return {"status": "run", "how": "native", "make": make, "note": None}
+        return dict(common, status="run", how="substitute", note=substitute_note(label, p))
+    return dict(common, status="run", how="native", note=None)
+
+
+def _import_failed(info, who, e, pip):
+    info["reason"] = f"{who}: not installed ({type(e).__name__}: {' '.join(str(e).split())[:200]}); install it with: {pip}"
+    print(f"{who} will not run: {info['reason']}", file=sys.stderr)
+    return info
 
 
 def deepspeed_info(wanted):
@@ -566,6 +693,8 @@ def deepspeed_info(wanted):
     if not wanted:
         info["reason"] = "not requested (--peers)"
         return info
+    if DEVICE == "cuda":
+        return deepspeed_cuda_info(info)
     try:
         import logging
         import deepspeed
@@ -573,10 +702,7 @@ def deepspeed_info(wanted):
         from deepspeed.ops.op_builder import CPUAdamBuilder
         logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     except Exception as e:  # noqa: BLE001 (ImportError, or a broken install)
-        info["reason"] = f"DeepSpeedCPUAdam: deepspeed is not installed ({type(e).__name__}: {e}); " \
-                         f"install it with: {DEEPSPEED_PIP}"
-        print(f"DeepSpeedCPUAdam will not run: {info['reason']}", file=sys.stderr)
-        return info
+        return _import_failed(info, "DeepSpeedCPUAdam", e, DEEPSPEED_PIP)
     info["version"] = deepspeed.__version__
     import inspect
     info["has_fp32_optimizer_states"] = "fp32_optimizer_states" in inspect.signature(DeepSpeedCPUAdam).parameters
@@ -599,7 +725,7 @@ def deepspeed_info(wanted):
         info["dtypes"] = None
     if info["dtypes"] is not None:
         info["dtypes"] = [tuple(d) for d in info["dtypes"]]
-    print(f"loading DeepSpeed's cpu_adam op (built with ninja and g++ on first use: about a minute) ...", flush=True)
+    print("loading DeepSpeed's cpu_adam op (built with ninja and g++ on first use: about a minute) ...", flush=True)
     try:
         p = torch.zeros(16)
         p.grad = torch.zeros(16)
@@ -613,26 +739,126 @@ def deepspeed_info(wanted):
     return info
 
 
-def torchao_info(wanted):
+def deepspeed_cuda_info(info):
+    try:
+        import logging
+        import deepspeed
+        from deepspeed.ops.adam import FusedAdam
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    except Exception as e:  # noqa: BLE001
+        return _import_failed(info, "DeepSpeed FusedAdam", e, DEEPSPEED_PIP)
+    info.update(version=deepspeed.__version__, cls=FusedAdam)
+    # Its fused_adam op is compiled on first use (ninja, nvcc) for the archs of
+    # TORCH_CUDA_ARCH_LIST, else for every arch torch knows: name the GPU's own.
+    if "TORCH_CUDA_ARCH_LIST" not in os.environ:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "%d.%d" % torch.cuda.get_device_capability()
+    print(f"loading DeepSpeed's fused_adam op (built with ninja and nvcc on first use, for "
+          f"TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}) ...", flush=True)
+    t0 = time.perf_counter()
+    try:
+        p = torch.zeros(16, device="cuda")
+        p.grad = torch.zeros(16, device="cuda")
+        FusedAdam([p]).step()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        info["reason"] = f"DeepSpeed {deepspeed.__version__} FusedAdam could not build or load its fused_adam op: " + \
+            " ".join(str(e).split())[:300]
+        print(info["reason"], file=sys.stderr)
+        return info
+    info["op_load_s"] = time.perf_counter() - t0
+    info["available"] = True
+    return info
+
+
+def simple_info(wanted, who, load, pip):
+    """{available, version, reason, cls} of a peer whose class load() imports, returning
+    (version, cls)."""
     info = {"available": False, "version": None, "reason": None}
     if not wanted:
         info["reason"] = "not requested (--peers)"
         return info
     try:
+        version, cls = load()
+    except Exception as e:  # noqa: BLE001 (ImportError, or a broken install)
+        return _import_failed(info, who, e, pip)
+    info.update(available=True, version=version, cls=cls)
+    return info
+
+
+def torchao_info(wanted):
+    def load():
         import torchao
         from torchao.optim import _AdamW
-    except Exception as e:  # noqa: BLE001 (ImportError, or a broken install)
-        info["reason"] = f"torchao AdamW: torchao is not installed ({type(e).__name__}: {e}); " \
-                         f"install it with: {TORCHAO_PIP}"
-        print(f"torchao AdamW will not run: {info['reason']}", file=sys.stderr)
-        return info
-    info.update(available=True, version=torchao.__version__, cls=_AdamW)
-    return info
+        return torchao.__version__, _AdamW
+    return simple_info(wanted, "torchao AdamW", load, TORCHAO_PIP)
+
+
+def te_info(wanted):
+    def load():
+        import transformer_engine
+        from transformer_engine.pytorch.optimizers import FusedAdam
+        return transformer_engine.__version__, FusedAdam
+    return simple_info(wanted, "TransformerEngine FusedAdam", load, TE_PIP)
+
+
+def bnb_info(wanted):
+    def load():
+        import bitsandbytes
+        return bitsandbytes.__version__, bitsandbytes.optim.AdamW8bit
+    return simple_info(wanted, "bitsandbytes AdamW8bit", load, BNB_PIP)
 
 
 # ---- one row: check, then time ------------------------------------------------------------
 
-def run_row(lib, threads, config, numels, layout, peer_names, ds, ao, warmup, rounds):
+class Copy:
+    """The copy baseline: torch's copy_ of half the bytes a step of the row reads and
+    writes, so that it reads and writes the step's volume (the step's share of copy
+    bandwidth is copy time / step time)."""
+
+    def __init__(self, config, n):
+        self.bytes = step_bytes(config) * n // 2
+        self.src = torch.full((self.bytes,), 0x3C, dtype=torch.uint8, device=DEVICE)
+        self.dst = torch.empty_like(self.src)
+
+    def set_step(self, k):
+        pass
+
+    def step(self):
+        self.dst.copy_(self.src)
+
+    def close(self):
+        self.src = self.dst = None
+
+
+# Ahead of each timed CUDA step a spin kernel holds the stream while the step's work is
+# enqueued, as nvbench's blocking kernel does: the events then time the GPU's work, and a
+# launch's latency counts only where enqueueing takes longer than the spin (a peer that
+# launches kernels per tensor from Python). 2M cycles: about 1 ms at 2 GHz.
+SPIN_CYCLES = 2_000_000
+
+
+def time_round(order):
+    """One round: each (name, contender) of `order` steps once, timed; {name: seconds}."""
+    out = {}
+    if DEVICE != "cuda":
+        for name, c in order:
+            t0 = time.perf_counter()
+            c.step()
+            out[name] = time.perf_counter() - t0
+        return out
+    for name, c in order:
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(SPIN_CYCLES)
+        start.record()
+        c.step()
+        stop.record()
+        stop.synchronize()
+        out[name] = start.elapsed_time(stop) / 1e3
+    return out
+
+
+def run_row(lib, threads, config, numels, layout, peer_ids, infos, warmup, rounds):
     n = sum(numels)
     title = f"{config}, {fmt_size(n)} elements, " + ("one tensor" if layout == "single" else f"{len(numels)} tensors")
     print(f"\n== {title}", flush=True)
@@ -644,18 +870,20 @@ def run_row(lib, threads, config, numels, layout, peer_names, ds, ao, warmup, ro
     # same tensors, in the same rounds: rows differ in where their memory landed, which
     # moves every contender's time (up to 1.5x between two rows on a shared VM).
     nearest = Mpzero(lib, model, threads, config="bf16_all") if config == "bf16_all_sr" else None
+    copy = Copy(config, n)
     first = HPARAMS["first_step"]
     contenders = []  # (name, peer, entry)
     try:
-        for name in peer_names:
-            plan = plan_peer(name, config, layout, ds, ao)
+        for pid in peer_ids:
+            name = peer_name(pid, DEVICE)
+            plan = plan_peer(pid, config, layout, infos)
             entry = {"status": plan["status"], "how": plan.get("how"), "note": plan.get("note"),
                      "reason": plan.get("reason"), "check": None}
             row["peers"][name] = entry
             if plan["status"] != "run":
                 continue
             try:
-                peer = OptimizerPeer(plan["make"], model, plan["how"] == "composite", name == PEERS["deepspeed"])
+                peer = OptimizerPeer(plan, model)
             except Exception as e:  # noqa: BLE001
                 entry.update(status="error", reason=f"{name} failed to start: {type(e).__name__}: "
                                                     f"{' '.join(str(e).split())[:300]}")
@@ -676,7 +904,7 @@ def run_row(lib, threads, config, numels, layout, peer_names, ds, ao, warmup, ro
             mp.step_one_shot(model)
             same = all(torch.equal(a, b) for role, _, ts in model.roles() for a, b in zip(ts, ref[role]))
             row["mpzero"]["one_shot_identical"] = same
-            print(f"    {'mpzero one-shot':<18} {'native':<11} "
+            print(f"    {'mpzero one-shot':<22} {'native':<11} "
                   + ("identical to the planned step" if same else "DIFFERS from the planned step"))
             if not same:
                 raise RuntimeError(f"{title}: mpzero_peers_step_{config} and the planned step disagree")
@@ -688,14 +916,17 @@ def run_row(lib, threads, config, numels, layout, peer_names, ds, ao, warmup, ro
             except Exception as e:  # noqa: BLE001
                 entry.update(status="error", reason=f"{name} failed: {type(e).__name__}: "
                                                     f"{' '.join(str(e).split())[:300]}")
-                print(f"    {name:<18} {entry['how']:<11} {entry['reason']}")
+                print(f"    {name:<22} {entry['how']:<11} {entry['reason']}")
+                continue
+            if entry["how"] == "reference":
+                print(f"    {name:<22} {entry['how']:<11} stepped; another update, not compared")
                 continue
             entry["check"] = compare(model, ref)
             if not entry["check"]["ok"]:
                 entry["status"] = "differs"
                 entry["reason"] = f"{name} differs from mpzero after one step from the same inputs: " + \
                     check_text(entry["check"])
-            print(f"    {name:<18} {entry['how']:<11} {check_text(entry['check'])}: "
+            print(f"    {name:<22} {entry['how']:<11} {check_text(entry['check'])}: "
                   + ("ok" if entry["check"]["ok"] else "DIFFERS, not timed"))
         model.restore(pristine)
         del pristine, ref
@@ -704,6 +935,7 @@ def run_row(lib, threads, config, numels, layout, peer_names, ds, ao, warmup, ro
         timed = [("mpzero", mp)] + [(name, peer) for name, peer, entry in contenders if entry["status"] == "run"]
         if nearest is not None:
             timed.append(("mpzero nearest", nearest))
+        timed.append(("copy", copy))
         for name, c in timed:
             c.set_step(first)
         for _ in range(warmup):
@@ -714,51 +946,96 @@ def run_row(lib, threads, config, numels, layout, peer_names, ds, ao, warmup, ro
         gc.disable()
         try:
             for r in range(rounds):
-                for name, c in rotated(timed, r):
-                    t0 = time.perf_counter()
-                    c.step()
-                    times[name].append(time.perf_counter() - t0)
+                for name, t in time_round(rotated(timed, r)).items():
+                    times[name].append(t)
         finally:
             gc.enable()
         row["mpzero"].update(median_s=statistics.median(times["mpzero"]), times_s=times["mpzero"])
-        print(f"  timing: {warmup} warm-up step(s), {rounds} rounds in rotating order; ratio = peer / mpzero "
+        row["copy"] = dict(bytes=2 * copy.bytes, median_s=statistics.median(times["copy"]), times_s=times["copy"],
+                           **ratio_summary(times["copy"], times["mpzero"]))
+        timer = "CUDA events" if DEVICE == "cuda" else "perf_counter"
+        print(f"  timing ({timer}): {warmup} warm-up step(s), {rounds} rounds in rotating order; ratio = peer / mpzero "
               "(median, min-max over rounds)")
-        print(f"    {'mpzero':<18} {'native':<11} {row['mpzero']['median_s'] * 1e3:10.3f} ms")
+        c = row["copy"]
+        print(f"    {'mpzero':<22} {'native':<11} {row['mpzero']['median_s'] * 1e3:10.3f} ms   "
+              f"{c['ratio_median']:.1%} of copy ({c['ratio_min']:.1%}-{c['ratio_max']:.1%}); copy of "
+              f"{c['bytes'] / 1e6:.0f} MB read + written: {c['median_s'] * 1e3:.3f} ms, "
+              f"{c['bytes'] / c['median_s'] / 1e9:.0f} GB/s")
         if nearest is not None:
             row["mpzero"]["nearest"] = dict(median_s=statistics.median(times["mpzero nearest"]),
                                             times_s=times["mpzero nearest"],
                                             **ratio_summary(times["mpzero"], times["mpzero nearest"]))
             e = row["mpzero"]["nearest"]
-            print(f"    {'mpzero nearest':<18} {'bf16_all':<11} {e['median_s'] * 1e3:10.3f} ms   stochastic over "
+            print(f"    {'mpzero nearest':<22} {'bf16_all':<11} {e['median_s'] * 1e3:10.3f} ms   stochastic over "
                   f"nearest {e['ratio_median']:.2f} ({e['ratio_min']:.2f}-{e['ratio_max']:.2f})")
         for name, peer, entry in contenders:
             if entry["status"] != "run":
                 continue
             entry.update(status="timed", median_s=statistics.median(times[name]), times_s=times[name],
                          **ratio_summary(times[name], times["mpzero"]))
-            print(f"    {name:<18} {entry['how']:<11} {entry['median_s'] * 1e3:10.3f} ms   "
+            print(f"    {name:<22} {entry['how']:<11} {entry['median_s'] * 1e3:10.3f} ms   "
                   f"{entry['ratio_median']:.2f} ({entry['ratio_min']:.2f}-{entry['ratio_max']:.2f})")
         for name, entry in row["peers"].items():
             if entry["status"] != "timed":
-                print(f"    {name:<18} {entry['status']:<11} {entry['reason']}")
+                print(f"    {name:<22} {entry['status']:<11} {entry['reason']}")
     finally:
         mp.close()
         if nearest is not None:
             nearest.close()
+        copy.close()
         for _, peer, _ in contenders:
             peer.close()
     return row
 
+def nvidia_smi():
+    """The GPU's name, driver, clocks, temperature and power as nvidia-smi reads them, or None."""
+    fields = ("name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,temperature.gpu,power.draw,"
+              "power.limit,clocks_throttle_reasons.active")
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    return dict(zip(fields.split(","), (v.strip() for v in out.stdout.splitlines()[0].split(","))))
+
+
+def default_library(device):
+    """The step library of `device` in the first build folder that has it (under the
+    current directory, then under the repository), else the first candidate."""
+    name = "libmpzero_peers_step_cuda.so" if device == "cuda" else "libmpzero_peers_step.so"
+    folders = ("build-gpu", "build-bench", "build") if device == "cuda" else ("build-bench", "build")
+    candidates = [os.path.join(base, f, "bench", name) for base in ("", REPO) for f in folders]
+    return next((c for c in candidates if os.path.exists(c)), candidates[0])
+
+
+def build_hint(device):
+    if device == "cuda":
+        return ("  cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DMPZERO_BUILD_TESTS=OFF "
+                "-DMPZERO_BUILD_EXAMPLES=OFF -DMPZERO_BUILD_TORCH=OFF -DCMAKE_CUDA_ARCHITECTURES=90\n"
+                "  cmake --build build-gpu --target mpzero_peers_step_cuda")
+    return ("  cmake -S . -B build-bench -DCMAKE_BUILD_TYPE=Release -DMPZERO_BUILD_TESTS=OFF "
+            "-DMPZERO_BUILD_EXAMPLES=OFF -DMPZERO_BUILD_TORCH=OFF\n"
+            "  cmake --build build-bench --target mpzero_peers_step")
+
+
 def main():
+    global torch, DEVICE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=DEVICES,
+                    help="where the tensors live and every contender steps them (default cpu)")
     ap.add_argument("--lib", default=None,
-                    help=f"libmpzero_peers_step.so (default: {DEFAULT_LIB} under the current directory, "
-                         "else under the repository)")
-    ap.add_argument("--sizes", help="elements per row (default 1M,16M,64M)")
+                    help="the step library: libmpzero_peers_step.so (cpu) or libmpzero_peers_step_cuda.so (cuda); "
+                         "default: the first found under build-gpu (cuda), build-bench or build, in the current "
+                         "directory, then in the repository")
+    ap.add_argument("--sizes", help="elements per row (default 1M,16M,64M; with --device cuda 1M,16M,64M,256M)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated; default all")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="single, multi or both")
     ap.add_argument("--tensors", type=int, default=200, help="tensors of the multi layout (default 200)")
-    ap.add_argument("--peers", default=",".join(PEERS), help="comma-separated of " + ", ".join(PEERS))
+    ap.add_argument("--peers", default=None,
+                    help="comma-separated; default every peer of the device: " + "; ".join(
+                        f"{d}: {', '.join(peer_ids_for(d))}" for d in DEVICES))
     ap.add_argument("--rounds", type=int, help="timed rounds (default 15)")
     ap.add_argument("--warmup", type=int, help="untimed steps of each contender first (default 2)")
     ap.add_argument("--threads", type=int, default=None,
@@ -766,26 +1043,37 @@ def main():
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: by default 100000 elements (a ragged last chunk), 2 rounds, 1 warm-up")
     ap.add_argument("--huge-pages", action="store_true",
-                    help="allocate the tensors on transparent huge pages (torch's THP_MEM_ALLOC_ENABLE=1): "
+                    help="allocate the CPU tensors on transparent huge pages (torch's THP_MEM_ALLOC_ENABLE=1): "
                          "every contender streams them with fewer TLB misses; without it, 4 KiB pages unless "
                          "the kernel's THP mode is 'always'")
     ap.add_argument("--out", help="write the results as JSON (bench/peers_render.py reads it)")
     a = ap.parse_args()
+    DEVICE = a.device
     if a.huge_pages:
+        if DEVICE != "cpu":
+            ap.error("--huge-pages places CPU tensors; with --device cuda the tensors are the GPU's")
         os.environ["THP_MEM_ALLOC_ENABLE"] = "1"  # read by torch's CPU allocator, imported below
 
-    for key, full, quick in (("sizes", "1M,16M,64M", "100000"), ("rounds", 15, 2), ("warmup", 2, 1)):
+    full_sizes = "1M,16M,64M,256M" if DEVICE == "cuda" else "1M,16M,64M"
+    for key, full, quick in (("sizes", full_sizes, "100000"), ("rounds", 15, 2), ("warmup", 2, 1)):
         if getattr(a, key) is None:  # options given explicitly win over --quick's
             setattr(a, key, quick if a.quick else full)
-    sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
+    try:
+        sizes = [parse_size(s) for s in a.sizes.split(",") if s.strip()]
+    except ValueError as e:
+        ap.error(f"--sizes: {e}")
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     layouts = [x.strip() for x in a.layouts.split(",") if x.strip()]
-    peer_ids = [p.strip() for p in a.peers.split(",") if p.strip()]
+    peer_ids = [p.strip() for p in (a.peers or ",".join(peer_ids_for(DEVICE))).split(",") if p.strip()]
     for what, got, known in (("configuration", configs, CONFIGS), ("layout", layouts, LAYOUTS),
                              ("peer", peer_ids, PEERS)):
         bad = [x for x in got if x not in known]
         if bad:
             ap.error(f"unknown {what} {', '.join(bad)}; known: {', '.join(known)}")
+    elsewhere = [p for p in peer_ids if p not in peer_ids_for(DEVICE)]
+    if elsewhere:
+        ap.error(f"--peers {', '.join(elsewhere)}: not a peer on {DEVICE} (its peers: "
+                 f"{', '.join(peer_ids_for(DEVICE))}); try --device cuda")
     if a.rounds < 1 or a.warmup < 0 or a.tensors < 1 or not sizes or min(sizes) < 1:
         ap.error("--rounds and --tensors must be at least 1, --warmup at least 0, sizes positive")
 
@@ -796,28 +1084,36 @@ def main():
     if env_threads and env_threads != str(threads):
         ap.error(f"OMP_NUM_THREADS={env_threads} disagrees with --threads {threads}")
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed would otherwise probe for one and warn
+    os.environ.setdefault("DS_ACCELERATOR", DEVICE)  # DeepSpeed would otherwise probe for one and warn
 
-    lib_path = a.lib
-    if lib_path is None:
-        lib_path = DEFAULT_LIB if os.path.exists(DEFAULT_LIB) else os.path.join(REPO, DEFAULT_LIB)
+    lib_path = a.lib or default_library(DEVICE)
     if not os.path.exists(lib_path):
-        sys.exit(f"peers.py: no {lib_path}; build it with\n"
-                 "  cmake -S . -B build-bench -DCMAKE_BUILD_TYPE=Release -DMPZERO_BUILD_TESTS=OFF "
-                 "-DMPZERO_BUILD_EXAMPLES=OFF -DMPZERO_BUILD_TORCH=OFF\n"
-                 "  cmake --build build-bench --target mpzero_peers_step\nor give --lib")
+        sys.exit(f"peers.py: no {lib_path}; build it with\n{build_hint(DEVICE)}\nor give --lib")
 
     load_before = loadavg()
-    global torch
-    import torch  # after OMP_NUM_THREADS: torch reads it when its runtime starts
+    import torch as torch_module  # after OMP_NUM_THREADS: torch reads it when its runtime starts
+    torch = torch_module
     torch.set_num_threads(threads)
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"peers.py: --device cuda, but torch {torch.__version__} sees no CUDA device "
+                 f"(torch.version.cuda {torch.version.cuda}); run on a machine with an NVIDIA GPU and a CUDA build "
+                 "of torch, or use --device cpu")
     # After torch: the library's libgomp.so.1 resolves to the runtime torch loaded.
-    lib = load_library(lib_path)
-    ds = deepspeed_info("deepspeed" in peer_ids)
-    ao = torchao_info("torchao" in peer_ids)
+    try:
+        lib = load_library(lib_path, DEVICE)
+    except (OSError, RuntimeError) as e:
+        sys.exit(f"peers.py: {e}")
+    if DEVICE == "cuda":
+        torch.cuda.init()
+        lib.mpzero_peers_set_stream(ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    infos = {"deepspeed": deepspeed_info("deepspeed" in peer_ids), "torchao": torchao_info("torchao" in peer_ids)}
+    if DEVICE == "cuda":
+        infos.update(te=te_info("te" in peer_ids), bnb=bnb_info("bnb" in peer_ids))
+    ds, ao = infos["deepspeed"], infos["torchao"]
 
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": DEVICE,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -828,41 +1124,60 @@ def main():
         "mpzero_version": lib.mpzero_peers_version().decode(),
         "mpzero_commit": git_commit(),
         "mpzero_library": repo_relative(lib_path),
-        "mpzero_host_simd": lib.mpzero_peers_simd().decode(),
-        "mpzero_march_native": bool(lib.mpzero_peers_march_native()),
-        "mpzero_cxx_flags": lib.mpzero_peers_cxx_flags().decode(),
-        "mpzero_host_simd_cap": os.environ.get("MPZERO_HOST_SIMD"),
         "cpu_model": cpu_model(),
         "logical_cpus": os.cpu_count(),
         "threads": threads,
         "torch_threads": torch.get_num_threads(),
-        "mpzero_threads": lib.mpzero_peers_max_threads(),
         "omp_num_threads": os.environ["OMP_NUM_THREADS"],
-        "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
-        "thp_mode": thp_mode(),
         "openmp_runtimes": openmp_runtimes(),
         "loadavg_before": load_before,
     }
+    if DEVICE == "cpu":
+        env.update(mpzero_host_simd=lib.mpzero_peers_simd().decode(),
+                   mpzero_march_native=bool(lib.mpzero_peers_march_native()),
+                   mpzero_cxx_flags=lib.mpzero_peers_cxx_flags().decode(),
+                   mpzero_host_simd_cap=os.environ.get("MPZERO_HOST_SIMD"),
+                   mpzero_threads=lib.mpzero_peers_max_threads(),
+                   huge_pages=os.environ.get("THP_MEM_ALLOC_ENABLE") == "1", thp_mode=thp_mode())
+    else:
+        props = torch.cuda.get_device_properties(0)
+        runtime = lib.mpzero_peers_cuda_runtime()
+        env.update(gpu=props.name, gpu_capability="%d.%d" % (props.major, props.minor),
+                   gpu_memory_gib=round(props.total_memory / 2**30, 1), gpu_sms=props.multi_processor_count,
+                   torch_cuda=torch.version.cuda, mpzero_cuda_archs=lib.mpzero_peers_cuda_archs().decode(),
+                   mpzero_cuda_runtime=f"{runtime // 1000}.{runtime % 1000 // 10}",
+                   nvidia_smi_before=nvidia_smi(), te=infos["te"]["version"], bnb=infos["bnb"]["version"],
+                   deepspeed_op_load_s=ds.get("op_load_s"), spin_cycles=SPIN_CYCLES)
     print("mpzero peers: AdamW, float32 values of lr {lr:.9g}, betas ({beta1:.9g}, {beta2:.9g}), eps {eps:.9g}, "
           "weight decay {weight_decay:.9g} (decoupled), bias correction, first step {first_step}".format(**HPARAMS))
-    print(f"threads {threads} (torch {env['torch_threads']}, mpzero {env['mpzero_threads']}, OMP_NUM_THREADS "
-          f"{env['omp_num_threads']}); OpenMP runtimes loaded: {', '.join(env['openmp_runtimes']) or 'none found'}")
-    print(f"tensors on {'transparent huge pages (THP_MEM_ALLOC_ENABLE=1)' if env['huge_pages'] else 'pages as torch allocates them'}"
-          f"; kernel THP mode {env['thp_mode'] or 'unknown'}")
     print(f"CPU {env['cpu_model']} ({env['logical_cpus']} logical CPUs); load average before "
           + (" ".join(f"{x:.2f}" for x in load_before) if load_before else "unknown"))
-    print(f"mpzero {env['mpzero_version']} (commit {env['mpzero_commit'] or 'unknown'}), host step "
-          f"{env['mpzero_host_simd']}, -march=native {'yes' if env['mpzero_march_native'] else 'no'}; "
-          f"torch {env['torch']} (cpu capability {env['torch_cpu_capability']}); deepspeed "
-          + (f"{ds['version']} (cpu_adam {ds.get('simd') or '?'}, param/state dtypes "
-             f"{', '.join('/'.join(d) for d in ds.get('dtypes') or []) or '?'})" if ds["available"] else
-             f"not available ({ds['reason']})")
-          + f"; torchao {ao['version'] if ao['available'] else 'not available (' + ao['reason'] + ')'}"
-          + f"; python {env['python']}")
-    if env["torch_threads"] != threads or env["mpzero_threads"] != threads:
+    if DEVICE == "cpu":
+        print(f"threads {threads} (torch {env['torch_threads']}, mpzero {env['mpzero_threads']}, OMP_NUM_THREADS "
+              f"{env['omp_num_threads']}); OpenMP runtimes loaded: {', '.join(env['openmp_runtimes']) or 'none found'}")
+        print(f"tensors on {'transparent huge pages (THP_MEM_ALLOC_ENABLE=1)' if env['huge_pages'] else 'pages as torch allocates them'}"
+              f"; kernel THP mode {env['thp_mode'] or 'unknown'}")
+        print(f"mpzero {env['mpzero_version']} (commit {env['mpzero_commit'] or 'unknown'}), host step "
+              f"{env['mpzero_host_simd']}, -march=native {'yes' if env['mpzero_march_native'] else 'no'}; "
+              f"torch {env['torch']} (cpu capability {env['torch_cpu_capability']})")
+    else:
+        smi = env["nvidia_smi_before"] or {}
+        print(f"GPU {env['gpu']} (sm_{env['gpu_capability'].replace('.', '')}, {env['gpu_sms']} SMs, "
+              f"{env['gpu_memory_gib']} GiB); driver {smi.get('driver_version', '?')}, clocks SM "
+              f"{smi.get('clocks.sm', '?')} (max {smi.get('clocks.max.sm', '?')}), memory {smi.get('clocks.mem', '?')}"
+              f", {smi.get('temperature.gpu', '?')} C, {smi.get('power.draw', '?')}")
+        print(f"mpzero {env['mpzero_version']} (commit {env['mpzero_commit'] or 'unknown'}), kernels for "
+              f"{env['mpzero_cuda_archs'] or '?'}, CUDA runtime {env['mpzero_cuda_runtime']}; torch {env['torch']} "
+              f"(CUDA {env['torch_cuda']}); timed with CUDA events behind a {SPIN_CYCLES}-cycle spin kernel")
+    for pid, info in infos.items():
+        if pid in peer_ids:
+            print(f"{peer_name(pid, DEVICE)}: " + (info["version"] if info["available"] else
+                                                   f"not available ({info['reason']})"))
+    print(f"python {env['python']}")
+    if DEVICE == "cpu" and (env["torch_threads"] != threads or env["mpzero_threads"] != threads):
         print(f"warning: thread counts disagree: torch {env['torch_threads']}, mpzero {env['mpzero_threads']}, "
               f"requested {threads}", file=sys.stderr)
-    if load_before and load_before[0] > 0.5:
+    if DEVICE == "cpu" and load_before and load_before[0] > 0.5:
         print(f"warning: load average {load_before[0]:.2f}: other processes share the CPUs, and a step's OpenMP "
               "region waits for any of its threads that is not running; the timings measure that too",
               file=sys.stderr)
@@ -871,24 +1186,28 @@ def main():
               file=sys.stderr)
 
     peers = []
-    for p in peer_ids:
-        extra = {"deepspeed": ds, "torchao": ao}.get(p)
-        if extra is not None:
-            peers.append({"name": PEERS[p], "available": extra["available"], "version": extra["version"],
-                          "reason": extra["reason"]})
+    for pid in peer_ids:
+        info = infos.get(pid)
+        if info is not None:
+            peers.append({"name": peer_name(pid, DEVICE), "available": info["available"], "version": info["version"],
+                          "reason": info["reason"]})
         else:
-            peers.append({"name": PEERS[p], "available": True, "version": torch.__version__, "reason": None})
+            peers.append({"name": peer_name(pid, DEVICE), "available": True, "version": torch.__version__,
+                          "reason": None})
     results = []
     for config in configs:
         for n in sizes:
             for layout in layouts:
                 numels = [n] if layout == "single" else mixed_sizes(n, a.tensors, HPARAMS["seed"] + n)
-                row = run_row(lib, threads, config, numels, layout, [PEERS[p] for p in peer_ids], ds, ao,
-                              a.warmup, a.rounds)
+                row = run_row(lib, threads, config, numels, layout, peer_ids, infos, a.warmup, a.rounds)
                 results.append(row)
                 gc.collect()
+                if DEVICE == "cuda":
+                    torch.cuda.empty_cache()
 
     env["loadavg_after"] = loadavg()
+    if DEVICE == "cuda":
+        env["nvidia_smi_after"] = nvidia_smi()
     print("load average after " + (" ".join(f"{x:.2f}" for x in env["loadavg_after"])
                                     if env["loadavg_after"] else "unknown"))
     doc = {"format": FORMAT, "command": sys.argv, "environment": env, "hyperparameters": HPARAMS,
@@ -902,8 +1221,8 @@ def main():
         with open(a.out, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"\nresults written to {a.out}; render them with: python3 bench/peers_render.py {a.out} --markdown")
-    for info, key in ((ds, "deepspeed"), (ao, "torchao")):
-        if not info["available"] and key in peer_ids:
+    for pid, info in infos.items():
+        if not info["available"] and pid in peer_ids:
             print(f"\n{info['reason']}")
 
 

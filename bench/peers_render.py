@@ -4,8 +4,11 @@ time relative to mpzero's: one row per configuration x size x layout, one column
 peer, each cell the median over the rounds of peer time / mpzero time (above 1: mpzero
 is faster) with the min-max over the rounds, or why that peer did not run. A peer that
 ran the configuration another way than natively (an fp32-master composite, or its
-nearest rounding in place of stochastic rounding) carries a note number; the notes and
-reasons (each naming its peer) follow the table.
+nearest rounding in place of stochastic rounding, or a reference that computes another
+update) carries a note number; the notes and reasons (each naming its peer) follow the
+table. Two columns lead: mpzero's step time and its share of copy bandwidth (the time of
+torch's copy_ of the step's volume over the step's time), and one closes each row: the
+fastest peer that computes the same update (native or composite) as a ratio.
 
   python3 bench/peers_render.py results.json               aligned text
   python3 bench/peers_render.py results.json --markdown    markdown (docs)
@@ -13,11 +16,15 @@ reasons (each naming its peer) follow the table.
 
 The format (checked by validate(), which bench/peers.py also runs before writing):
   format        "mpzero-peers/1"
-  environment   dict: cpu_model, threads, torch, deepspeed and torchao (null when absent),
-                mpzero_commit, mpzero_host_simd, loadavg_before, loadavg_after, ...
+  environment   dict: device ("cpu" when absent, or "cuda"), cpu_model, threads, torch,
+                deepspeed and torchao (null when absent), mpzero_commit, mpzero_host_simd
+                (cpu), gpu, nvidia_smi_before (cuda), loadavg_before, loadavg_after, ...
   hyperparameters, rounds, warmup, threads
   peers         [{name, available, version, reason}]
   results       [{config, numel, layout ("single"|"multi"), tensors,
+                  copy (optional): {bytes (read + written), median_s, times_s, ratios,
+                        ratio_median, ratio_min, ratio_max}: torch's copy_ of the step's
+                        volume in the same rounds; the ratios are copy / mpzero,
                   mpzero: {status "timed", median_s, times_s, nearest (bf16_all_sr rows:
                            {median_s, times_s, ratios, ratio_median, ratio_min, ratio_max},
                            mpzero's nearest rounding over the same tensors in the same rounds;
@@ -27,7 +34,8 @@ The format (checked by validate(), which bench/peers.py also runs before writing
   A peer's status is "timed" (then the timing keys are present), "differs" (failed the
   start-up check against mpzero), "unsupported", "unavailable", "skipped" (the benchmark
   chose not to run it there) or "error" (then reason says why); how is "native",
-  "composite" or "substitute" for a peer that ran.
+  "composite", "substitute" or "reference" (another update: not checked against mpzero's)
+  for a peer that ran.
 """
 import argparse
 import json
@@ -35,7 +43,8 @@ import sys
 
 FORMAT = "mpzero-peers/1"
 STATUSES = ("timed", "differs", "unsupported", "unavailable", "skipped", "error")
-HOWS = ("native", "composite", "substitute")
+HOWS = ("native", "composite", "substitute", "reference")
+SAME_UPDATE = ("native", "composite")  # the hows that compute mpzero's update
 
 
 class FormatError(ValueError):
@@ -58,6 +67,12 @@ def _positive_number(d, key, where):
     if not v > 0:
         raise FormatError(f"{where}.{key}: must be positive, got {v}")
     return v
+
+
+def _ratios(d, where):
+    lo, med, hi = (_positive_number(d, k, where) for k in ("ratio_min", "ratio_median", "ratio_max"))
+    if not lo <= med <= hi:
+        raise FormatError(f"{where}: ratio_min <= ratio_median <= ratio_max does not hold ({lo}, {med}, {hi})")
 
 
 def validate(doc):
@@ -84,10 +99,11 @@ def validate(doc):
         m = _need(r, "mpzero", dict, where)
         _positive_number(m, "median_s", where + ".mpzero")
         if m.get("nearest") is not None:
-            lo, med, hi = (_positive_number(m["nearest"], k, where + ".mpzero.nearest")
-                           for k in ("ratio_min", "ratio_median", "ratio_max"))
-            if not lo <= med <= hi:
-                raise FormatError(f"{where}.mpzero.nearest: ratio_min <= ratio_median <= ratio_max does not hold")
+            _ratios(m["nearest"], where + ".mpzero.nearest")
+        if r.get("copy") is not None:
+            _positive_number(r["copy"], "bytes", where + ".copy")
+            _positive_number(r["copy"], "median_s", where + ".copy")
+            _ratios(r["copy"], where + ".copy")
         for name, e in _need(r, "peers", dict, where).items():
             w = f"{where}.peers[{name!r}]"
             if name not in names:
@@ -99,9 +115,7 @@ def validate(doc):
                 if e.get("how") not in HOWS:
                     raise FormatError(f"{w}.how: {e.get('how')!r} is not one of {', '.join(HOWS)}")
                 _positive_number(e, "median_s", w)
-                lo, med, hi = (_positive_number(e, k, w) for k in ("ratio_min", "ratio_median", "ratio_max"))
-                if not lo <= med <= hi:
-                    raise FormatError(f"{w}: ratio_min <= ratio_median <= ratio_max does not hold ({lo}, {med}, {hi})")
+                _ratios(e, w)
             elif not isinstance(e.get("reason"), str) or not e["reason"]:
                 raise FormatError(f"{w}: status {status!r} needs a reason")
     return doc
@@ -145,11 +159,16 @@ def table(doc, dash):
             notes.append(text)
         return f"[{notes.index(text) + 1}]"
 
-    header = ["config", "elements", "layout", "mpzero ms"] + names
+    copies = any(r.get("copy") for r in doc["results"])  # results of older runs have no copy baseline
+    header = ["config", "elements", "layout", "mpzero ms"] + (["% of copy"] if copies else []) + names + \
+        ["fastest same update"]
     rows = []
     for r in doc["results"]:
         layout = "1 tensor" if r["layout"] == "single" else f"{r['tensors']} tensors"
         cells = [r["config"], fmt_size(r["numel"]), layout, f"{r['mpzero']['median_s'] * 1e3:.3f}"]
+        if copies:
+            c = r.get("copy")
+            cells.append(f"{c['ratio_median']:.1%} ({c['ratio_min']:.1%}{dash}{c['ratio_max']:.1%})" if c else "")
         for name in names:
             e = r["peers"].get(name)
             if e is None:
@@ -161,21 +180,41 @@ def table(doc, dash):
                 cells.append(c)
             else:
                 cells.append(f"{e['status']} " + ref(e["reason"]))
+        best = fastest_same_update(r)
+        cells.append(f"{best[1]:.2f} {best[0]}" if best else "none timed")
         rows.append(cells)
     return header, rows, notes
+
+
+def fastest_same_update(row):
+    """(name, ratio_median) of the timed peer with the lowest median ratio among those that
+    compute mpzero's update (native or composite), or None."""
+    same = [(n, e["ratio_median"]) for n, e in row["peers"].items()
+            if e["status"] == "timed" and e.get("how") in SAME_UPDATE]
+    return min(same, key=lambda x: x[1]) if same else None
 
 
 def summary(doc):
     env = doc["environment"]
     load = lambda k: " ".join(f"{x:.2f}" for x in env[k]) if env.get(k) else "?"  # noqa: E731
+    versions = (f"torch {env.get('torch', '?')}, deepspeed {env.get('deepspeed') or 'not run'}, torchao "
+                f"{env.get('torchao') or 'not run'}")
+    cells = "Cells: peer time / mpzero time, median (min-max) over the rounds; above 1, mpzero is faster."
+    if env.get("device") == "cuda":
+        smi = env.get("nvidia_smi_before") or {}
+        return (f"{env.get('gpu', '?')} (driver {smi.get('driver_version', '?')}, SM clock "
+                f"{smi.get('clocks.sm', '?')} of {smi.get('clocks.max.sm', '?')} before); mpzero "
+                f"{env.get('mpzero_commit') or env.get('mpzero_version') or '?'} (kernels for "
+                f"{env.get('mpzero_cuda_archs') or '?'}), {versions}, TransformerEngine {env.get('te') or 'not run'}, "
+                f"bitsandbytes {env.get('bnb') or 'not run'}, python {env.get('python', '?')}; {doc['rounds']} rounds, "
+                f"CUDA events; CPU load average {load('loadavg_before')} before, {load('loadavg_after')} after. "
+                + cells)
     return (f"{env.get('cpu_model', '?')}, {doc.get('threads', env.get('threads', '?'))} threads; "
             f"mpzero {env.get('mpzero_commit') or env.get('mpzero_version') or '?'} (host step "
-            f"{env.get('mpzero_host_simd', '?')}), torch {env.get('torch', '?')}, deepspeed "
-            f"{env.get('deepspeed') or 'not run'}, torchao {env.get('torchao') or 'not run'}, "
+            f"{env.get('mpzero_host_simd', '?')}), {versions}, "
             f"python {env.get('python', '?')}; {doc['rounds']} rounds; "
             f"tensors on {'huge pages' if env.get('huge_pages') else '4 KiB pages' if env.get('thp_mode') != 'always' else 'THP (always)'}; "
-            f"load average {load('loadavg_before')} before, {load('loadavg_after')} after. "
-            "Cells: peer time / mpzero time, median (min-max) over the rounds; above 1, mpzero is faster.")
+            f"load average {load('loadavg_before')} before, {load('loadavg_after')} after. " + cells)
 
 
 def sr_over_nearest(doc):
@@ -254,7 +293,9 @@ def plot(doc, path):
     ax.set_xticklabels(labels, fontsize=7, rotation=60, ha="right", rotation_mode="anchor")
     ax.set_ylabel("peer time / mpzero time (>1: mpzero faster)")
     env = doc["environment"]
-    ax.set_title(f"AdamW step on CPU: {env.get('cpu_model', '?')}, {doc.get('threads', '?')} threads", fontsize=9)
+    where = (env.get("gpu", "?") if env.get("device") == "cuda" else
+             f"CPU: {env.get('cpu_model', '?')}, {doc.get('threads', '?')} threads")
+    ax.set_title(f"AdamW step on {where}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

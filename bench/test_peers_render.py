@@ -90,15 +90,17 @@ with tempfile.TemporaryDirectory() as tmp:
     rc, out, err = run(path, "--markdown")
     lines = out.splitlines()
     check(rc == 0, f"--markdown: exit status {rc}, stderr {err!r}")
-    check("| config | elements | layout | mpzero ms | DeepSpeedCPUAdam | torch fused |" in lines,
-          f"markdown header: {out!r}")
-    check("| fp32 | 1M | 1 tensor | 1.000 | 1.20 (1.10–1.30) | 2.00 (1.50–2.50) |" in lines,
+    check("| config | elements | layout | mpzero ms | DeepSpeedCPUAdam | torch fused | fastest same update |" in lines,
+          f"markdown header (no copy column: no row has a copy baseline): {out!r}")
+    check("| fp32 | 1M | 1 tensor | 1.000 | 1.20 (1.10–1.30) | 2.00 (1.50–2.50) | 1.20 DeepSpeedCPUAdam |" in lines,
           f"fp32 row: {out!r}")
-    check("| bf16_all_sr | 1M | 200 tensors | 0.500 | differs [1] | 2.00 (1.75–3.12) [2] |" in lines,
+    # A substitute computes another update: not the fastest of the same update.
+    check("| bf16_all_sr | 1M | 200 tensors | 0.500 | differs [1] | 2.00 (1.75–3.12) [2] | none timed |" in lines,
           f"substitute and differs row: {out!r}")
-    check("| bf16_all | 1M | 200 tensors | 0.400 | skipped [3] | 2.00 (1.50–2.50) |" in lines,
+    check("| bf16_all | 1M | 200 tensors | 0.400 | skipped [3] | 2.00 (1.50–2.50) | 2.00 torch fused |" in lines,
           f"a skipped peer: {out!r}")
-    check("| bf16_master_fp32_states | 16M | 1 tensor | 10.000 | unavailable [4] | unsupported [5] |" in lines,
+    check("| bf16_master_fp32_states | 16M | 1 tensor | 10.000 | unavailable [4] | unsupported [5] | none timed |"
+          in lines,
           f"rows of peers that did not run: {out!r}")
     check("mpzero's stochastic rounding over its nearest rounding, the same tensors in the same rounds "
           "(bf16_all_sr / bf16_all, median (min-max) over the rounds): 1M 200 tensors 1.25 (1.10–1.40)" in lines,
@@ -157,6 +159,52 @@ with tempfile.TemporaryDirectory() as tmp:
     rc, out, err = run(os.path.join(tmp, "absent.json"))
     check(rc != 0 and "cannot read" in err and "absent.json" in err, f"absent file: rc {rc}, {err!r}")
 
+# A GPU run: the device's summary, the copy column, a reference peer (another update: never
+# the fastest of the same update) and a composite.
+REF_NOTE = "bitsandbytes AdamW8bit keeps 8-bit states: another update, not compared"
+gpu = copy.deepcopy(doc)
+gpu["environment"].update(device="cuda", gpu="NVIDIA Test GPU", mpzero_cuda_archs="900", te=None, bnb="0.50.2",
+                          nvidia_smi_before={"driver_version": "580.1", "clocks.sm": "1980 MHz",
+                                             "clocks.max.sm": "1980 MHz"})
+gpu["peers"] = [{"name": "DeepSpeed FusedAdam", "available": True, "version": "0.19.8", "reason": None},
+                {"name": "bitsandbytes AdamW8bit", "available": True, "version": "0.50.2", "reason": None}]
+gpu["results"] = [
+    {"config": "bf16_fp32_master", "numel": 16 << 20, "layout": "single", "tensors": 1,
+     "copy": {"bytes": 28 * (16 << 20), "median_s": 9e-5, "times_s": [9e-5], "ratios": [0.88, 0.9, 0.95],
+              "ratio_median": 0.9, "ratio_min": 0.88, "ratio_max": 0.95},
+     "mpzero": {"status": "timed", "median_s": 1e-4, "times_s": [1e-4]},
+     "peers": {"DeepSpeed FusedAdam": timed("composite", 1.6e-4, 1.5, 1.6, 1.7, note="composite"),
+               "bitsandbytes AdamW8bit": timed("reference", 0.9e-4, 0.85, 0.9, 0.95, note=REF_NOTE)}},
+    {"config": "fp32", "numel": 1 << 20, "layout": "single", "tensors": 1,
+     "mpzero": {"status": "timed", "median_s": 1e-5, "times_s": [1e-5]},
+     "peers": {"DeepSpeed FusedAdam": timed("native", 1.2e-5, 1.1, 1.2, 1.3),
+               "bitsandbytes AdamW8bit": not_run("error", "bitsandbytes failed: no GPU library")}},
+]
+text = peers_render.render(peers_render.validate(copy.deepcopy(gpu)), markdown=True)
+gl = text.splitlines()
+check(gl[0].startswith("NVIDIA Test GPU (driver 580.1, SM clock 1980 MHz of 1980 MHz before)") and "CUDA events" in gl[0]
+      and "bitsandbytes 0.50.2" in gl[0], f"GPU summary: {gl[0]!r}")
+check("| config | elements | layout | mpzero ms | % of copy | DeepSpeed FusedAdam | bitsandbytes AdamW8bit | "
+      "fastest same update |" in gl, f"GPU header: {text!r}")
+check("| bf16_fp32_master | 16M | 1 tensor | 0.100 | 90.0% (88.0%–95.0%) | 1.60 (1.50–1.70) [1] | 0.90 (0.85–0.95) [2] "
+      "| 1.60 DeepSpeed FusedAdam |" in gl, f"GPU row with copy and a reference: {text!r}")
+check("| fp32 | 1M | 1 tensor | 0.010 |  | 1.20 (1.10–1.30) | error [3] | 1.20 DeepSpeed FusedAdam |" in gl,
+      f"GPU row without copy: {text!r}")
+bad_copy = copy.deepcopy(gpu)
+bad_copy["results"][0]["copy"]["ratio_min"] = 0.99
+try:
+    peers_render.validate(bad_copy)
+    check(False, "validate() accepts a copy ratio_min above its median")
+except peers_render.FormatError as e:
+    check("copy" in str(e), f"copy ratios error names the copy: {e}")
+bad_how = copy.deepcopy(gpu)
+bad_how["results"][0]["peers"]["bitsandbytes AdamW8bit"]["how"] = "approximate"
+try:
+    peers_render.validate(bad_how)
+    check(False, "validate() accepts an unknown how")
+except peers_render.FormatError as e:
+    check("approximate" in str(e), f"unknown how named: {e}")
+
 # validate() is what peers.py runs on its own output before writing it.
 try:
     peers_render.validate(copy.deepcopy(doc))
@@ -182,6 +230,16 @@ r = peers.ratio_summary([2.0, 4.0, 3.0], [1.0, 2.0, 1.0])
 check(r["ratios"] == [2.0, 2.0, 3.0] and r["ratio_median"] == 2.0 and r["ratio_min"] == 2.0 and
       r["ratio_max"] == 3.0, f"ratio_summary: {r}")
 check(peers.rotated(["a", "b", "c"], 4) == ["b", "c", "a"], "rotated")
+# Bytes a step reads and writes per element, from the definition: param and master read and
+# written, gradient read, two states read and written.
+check(peers.step_bytes("fp32") == 4 + 4 + 4 + 16 and peers.step_bytes("bf16_fp32_master") == 4 + 8 + 2 + 16
+      and peers.step_bytes("bf16_all") == 4 + 2 + 8 and peers.step_bytes("bf16_master_fp32_states") == 4 + 2 + 16,
+      "step_bytes")
+check(peers.peer_ids_for("cpu") == ["deepspeed", "fused", "foreach", "forloop", "torchao"] and
+      peers.peer_ids_for("cuda") == ["deepspeed", "fused", "foreach", "forloop", "torchao", "te", "bnb"],
+      f"peer_ids_for: {peers.peer_ids_for('cpu')}, {peers.peer_ids_for('cuda')}")
+check(peers.peer_name("deepspeed", "cpu") == "DeepSpeedCPUAdam" and
+      peers.peer_name("deepspeed", "cuda") == "DeepSpeed FusedAdam", "peer_name")
 check(peers.HPARAMS["beta2"] == peers.as_float32(peers.HPARAMS["beta2"]) and abs(peers.HPARAMS["beta2"] - 0.999) < 1e-7,
       "hyperparameters must be float32 values")
 
