@@ -13,6 +13,7 @@
 #include <exception>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <mpzero/cuda/fused_step.cuh>
@@ -136,7 +137,13 @@ void BM_cuda_step(benchmark::State& state) {
       fill<typename Policy::state_type>(*states[k], n, state_fill(k, ns), se.stream);
       t.states[k] = states[k]->as<typename Policy::state_type>();
     }
-    const fused_step<Policy, Optimizer> step(std::vector<tensor>{t}, plan_for<Tuning>());
+    // The library's shape gets the library's plan (smaller chunks for a small step); a
+    // shape of the sweep below keeps its own chunk.
+    const std::vector<tensor> ts{t};
+    const plan_options plan = std::is_same_v<Tuning, cuda_step_tuning<Policy::rounding::stochastic>>
+                                  ? plan_for<Tuning>(ts, mpzero::cuda::multiprocessors())
+                                  : plan_for<Tuning>();
+    const fused_step<Policy, Optimizer> step(ts, plan);
     mpzero::cuda::fused_step_launcher<Policy, Optimizer, Tuning> launcher(step);
     device_buffer workspace(launcher.workspace_bytes());
     launcher.upload(workspace.as<void>(), workspace.bytes(), se.stream);
@@ -243,6 +250,15 @@ void sweep_size(benchmark::internal::Benchmark* b) {
   BENCHMARK_TEMPLATE(BM_cuda_step, P, optim::adamw, tuning<256, 16>)->Apply(sweep_size);                       \
   BENCHMARK_TEMPLATE(BM_cuda_step, P, optim::adamw, tuning<512, 8, 16384>)->Apply(sweep_size);                 \
   BENCHMARK_TEMPLATE(BM_cuda_step, P, optim::adamw, tuning<512, 8, 262144>)->Apply(sweep_size);
+// At a million elements the library's shapes with their own chunks, as the library ran
+// them before it shrank the chunks of small steps (16K: 64 blocks; 64K: 16 blocks),
+// beside the library's rows above.
+void small_size(benchmark::internal::Benchmark* b) {
+  b->Arg(std::int64_t{1} << 20)->UseManualTime()->Unit(benchmark::kMicrosecond);
+}
+BENCHMARK_TEMPLATE(BM_cuda_step, policies::fp32, optim::adamw, tuning<512, 8, 16384>)->Apply(small_size);
+BENCHMARK_TEMPLATE(BM_cuda_step, policies::bf16_all, optim::adamw, tuning<512, 8, 16384>)->Apply(small_size);
+BENCHMARK_TEMPLATE(BM_cuda_step, policies::bf16_all_sr, optim::adamw, tuning<1024, 8, 65536>)->Apply(small_size);
 MPZERO_TUNING_SWEEP(policies::fp32)
 MPZERO_TUNING_SWEEP(policies::bf16_fp32_master)
 MPZERO_TUNING_SWEEP(policies::bf16_all_sr)

@@ -35,8 +35,7 @@ class cuda_stepper final : public mpzero_peers::stepper {
   cuda_stepper(std::uint64_t n, void* const* params, void* const* masters, const void* const* grads,
                void* const* exp_avgs, void* const* exp_avg_sqs, const std::uint64_t* numels,
                const mpzero_peers_hparams& h)
-      : step_(mpzero_peers::make_tensors<Policy>(n, params, masters, grads, exp_avgs, exp_avg_sqs, numels),
-              mpzero::plan_for<tuning>()),
+      : step_(planned(mpzero_peers::make_tensors<Policy>(n, params, masters, grads, exp_avgs, exp_avg_sqs, numels))),
         launcher_(step_),
         hparams_(h) {
     (void)mpzero_peers::prepare(h, 1);  // reject bad hyperparameters here, not at the first step
@@ -58,6 +57,13 @@ class cuda_stepper final : public mpzero_peers::stepper {
     // The tables may still be read by a step in flight.
     (void)cudaStreamSynchronize(g_stream);
     if (workspace_ != nullptr) (void)cudaFree(workspace_);
+  }
+
+  // The library's plan, as its CUDA backend makes it (small steps get smaller chunks).
+  static mpzero::fused_step<Policy, mpzero_peers::adamw> planned(
+      std::vector<mpzero::step_tensor<Policy, mpzero_peers::adamw>> tensors) {
+    const mpzero::plan_options plan = mpzero::plan_for<tuning>(tensors, mpzero::cuda::multiprocessors());
+    return mpzero::fused_step<Policy, mpzero_peers::adamw>(std::move(tensors), plan);
   }
 
   // Asynchronous on the stream, as the peers' steps are: the script times it with CUDA

@@ -11,6 +11,7 @@
 
 #include <mpzero/error.hpp>
 #include <mpzero/multi_tensor/plan.hpp>
+#include <mpzero/multi_tensor/tuning.hpp>
 
 using mpzero::multi_tensor_plan;
 using mpzero::plan_options;
@@ -219,6 +220,60 @@ TEST_CASE("chunk_size edge cases", "[multi_tensor]") {
   }
   SECTION("the default chunk size") {
     check_plan({65535, 65536, 65537, 300000}, {});
+  }
+}
+
+namespace {
+struct sized {
+  std::uint64_t numel;
+};
+// A launch shape whose chunk is three block iterations of 1024 elements.
+struct odd_shape {
+  static constexpr int threads = 256;
+  static constexpr int ilp = 4;
+  static constexpr std::uint32_t chunk = 3 * 1024;
+};
+// The number of chunks of `numels` at `chunk` elements each, from the definition.
+std::uint64_t chunks_of(const std::vector<sized>& ts, std::uint64_t chunk) {
+  std::uint64_t n = 0;
+  for (const sized& t : ts) n += t.numel / chunk + (t.numel % chunk != 0 ? 1 : 0);
+  return n;
+}
+}  // namespace
+
+TEST_CASE("a small step's chunks shrink until it has two per SM, down to one block iteration", "[multi_tensor]") {
+  using nearest = mpzero::cuda_step_tuning<false>;    // 512 threads x 8: 4096 per iteration, chunk 16384
+  using stochastic = mpzero::cuda_step_tuning<true>;  // 1024 x 8: 8192 per iteration, chunk 65536
+  SECTION("large steps keep the shape's chunk") {
+    const std::vector<sized> big = {{64u << 20}};
+    CHECK(mpzero::plan_for<nearest>(big, 132).chunk_size == 16384);
+    CHECK(mpzero::plan_for<stochastic>(big, 132).chunk_size == 65536);
+    // 264 chunks of 16K exactly: two per SM already.
+    CHECK(mpzero::plan_for<nearest>(std::vector<sized>{{264u * 16384}}, 132).chunk_size == 16384);
+  }
+  SECTION("a million elements on 132 SMs") {
+    const std::vector<sized> m = {{1u << 20}};
+    // 64 chunks of 16K, 128 of 8K, 256 of 4K: one iteration is the floor.
+    CHECK(mpzero::plan_for<nearest>(m, 132).chunk_size == 4096);
+    // 16 of 64K, ..., 128 of 8K: the floor again, with fewer than 264 chunks.
+    CHECK(mpzero::plan_for<stochastic>(m, 132).chunk_size == 8192);
+  }
+  SECTION("the first halving that reaches two chunks per SM stops it") {
+    const std::vector<sized> ts = {{3u << 20}, {5000}, {0}};
+    const auto o = mpzero::plan_for<nearest>(ts, 132);
+    CHECK(chunks_of(ts, o.chunk_size) >= 264);
+    CHECK(chunks_of(ts, o.chunk_size * 2) < 264);
+    CHECK(o.chunk_size == 8192);  // 384 + 1 chunks; at 16K, 192 + 1
+    REQUIRE(violation(mpzero::multi_tensor_plan(std::vector<std::uint64_t>{3u << 20, 5000, 0}, o),
+                      {3u << 20, 5000, 0}) == "");
+  }
+  SECTION("many small tensors already fill the GPU; no tensors and no SMs are harmless") {
+    CHECK(mpzero::plan_for<nearest>(std::vector<sized>(300, sized{100}), 132).chunk_size == 16384);
+    CHECK(mpzero::plan_for<nearest>(std::vector<sized>{}, 132).chunk_size == 4096);
+    CHECK(mpzero::plan_for<stochastic>(std::vector<sized>{{1u << 30}}, 0).chunk_size == 65536);
+  }
+  SECTION("a shape whose chunk is an odd number of iterations keeps whole iterations") {
+    CHECK(mpzero::plan_for<odd_shape>(std::vector<sized>{{2048}}, 8).chunk_size == 1024);
   }
 }
 

@@ -331,7 +331,7 @@ struct cuda_backend {
    public:
     stepper(const cuda_backend& b, std::vector<step_tensor<Policy, Optimizer>> tensors)
         : stream_(b.stream),
-          step_(std::move(tensors), plan_for<cuda_step_tuning<Policy::rounding::stochastic>>()),
+          step_(planned(std::move(tensors))),
           launcher_(step_),
           workspace_(launcher_.workspace_bytes(), stream_) {
       launcher_.upload(workspace_.data(), workspace_.size(), stream_);
@@ -339,6 +339,12 @@ struct cuda_backend {
     void run(const step_args<Optimizer>& args) const { launcher_.run(args, stream_); }
 
    private:
+    // The plan is read off the tensors before they move into the step.
+    static fused_step<Policy, Optimizer> planned(std::vector<step_tensor<Policy, Optimizer>> tensors) {
+      const plan_options plan = plan_for<cuda_step_tuning<Policy::rounding::stochastic>>(tensors, cuda::multiprocessors());
+      return fused_step<Policy, Optimizer>(std::move(tensors), plan);
+    }
+
     cudaStream_t stream_;
     fused_step<Policy, Optimizer> step_;
     cuda::fused_step_launcher<Policy, Optimizer> launcher_;

@@ -81,10 +81,18 @@ inline void require_workspace(const void* ws, std::size_t given, std::size_t nee
 
 }  // namespace detail
 
+// The current device's SM count: what plan_for(tensors, multiprocessors) fills.
+inline int multiprocessors() {
+  int device = 0, n = 0;
+  MPZERO_CUDA_CHECK(cudaGetDevice(&device));
+  MPZERO_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  return n;
+}
+
 // Runs a fused_step on a CUDA stream. The tensors' pointers must be device memory.
 // Tuning: the launch shape (threads per block, elements per thread); by default the
-// policy's cuda_step_tuning, whose plan_for<>() the fused_step is best built with (any
-// plan works: one block runs one chunk of it).
+// policy's cuda_step_tuning, whose plan_for<Tuning>(tensors, multiprocessors()) the
+// fused_step is best built with (any plan works: one block runs one chunk of it).
 template <precision_policy Policy, optim::rule Optimizer, class Tuning = cuda_step_tuning<Policy::rounding::stochastic>>
 class fused_step_launcher {
  public:
