@@ -15,6 +15,7 @@
 #include <mpzero/torch/engine.hpp>
 
 #include <ATen/ops/_fused_adamw.h>
+#include <torch/cuda.h>
 
 #include <benchmark/benchmark.h>
 
@@ -108,7 +109,9 @@ void BM_zero3_watch(benchmark::State& state, bool unit) {
 // (at::_fused_adamw_, one call over every parameter), gradients set to None after each
 // step; "engine" is the same model and batch through the engine at ZeRO stage 0, fp32,
 // world size 1 (the hooks take each gradient, the step runs mpzero's fused AdamW, the
-// parameters are views of its buffer). Both use LibTorch's intra-op threads.
+// parameters are views of its buffer). Both use LibTorch's intra-op threads. On a CUDA
+// device (the ".../cuda" rows, registered when LibTorch sees one) both synchronize the
+// device at the end of each step, so that a step's time is its GPU work and launches.
 struct MlpImpl : torch::nn::Module {
   MlpImpl(std::int64_t width, int layers) {
     torch::manual_seed(7);
@@ -131,9 +134,13 @@ TORCH_MODULE(Mlp);
 
 constexpr double kLr = 1e-4, kBeta1 = 0.9, kBeta2 = 0.999, kWd = 0.01, kEps = 1e-8;
 
-void BM_overhead(benchmark::State& state, bool engine_side, std::int64_t width, int layers) {
-  const torch::Tensor x = torch::randn({32, width}), y = torch::randn({32, width});
+void BM_overhead(benchmark::State& state, bool engine_side, std::int64_t width, int layers, torch::Device device) {
+  const torch::Tensor x = torch::randn({32, width}).to(device), y = torch::randn({32, width}).to(device);
   Mlp model(width, layers);
+  model->to(device);
+  const auto sync = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize();
+  };
   std::int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   if (engine_side) {
@@ -145,6 +152,7 @@ void BM_overhead(benchmark::State& state, bool engine_side, std::int64_t width, 
     auto one = [&] {
       torch::mse_loss(engine(x), y).backward();
       engine.step();
+      sync();
     };
     one();
     for (auto _ : state) one();
@@ -154,7 +162,7 @@ void BM_overhead(benchmark::State& state, bool engine_side, std::int64_t width, 
     for (const auto& t : p) {
       m.push_back(torch::zeros_like(t));
       v.push_back(torch::zeros_like(t));
-      steps.push_back(torch::zeros({}, torch::kFloat));
+      steps.push_back(torch::zeros({}, t.options().dtype(torch::kFloat)));  // the fused kernel's device
     }
     auto one = [&] {
       torch::mse_loss(model->forward(x), y).backward();
@@ -166,6 +174,7 @@ void BM_overhead(benchmark::State& state, bool engine_side, std::int64_t width, 
         at::_fused_adamw_(p, g, m, v, {}, steps, kLr, kBeta1, kBeta2, kWd, kEps, /*amsgrad=*/false, /*maximize=*/false);
       }
       for (auto& t : p) t.mutable_grad().reset();
+      sync();
     };
     one();
     for (auto _ : state) one();
@@ -177,9 +186,19 @@ void BM_overhead(benchmark::State& state, bool engine_side, std::int64_t width, 
 void register_benchmarks() {
   for (const bool engine_side : {false, true}) {
     const std::string name = std::string("overhead/") + (engine_side ? "engine" : "plain") + "/mlp_2048x8";
-    benchmark::RegisterBenchmark(name.c_str(), BM_overhead, engine_side, std::int64_t{2048}, 8)
+    benchmark::RegisterBenchmark(name.c_str(), BM_overhead, engine_side, std::int64_t{2048}, 8, torch::Device(torch::kCPU))
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
+  }
+  // On a GPU, a model where the step matters: 8 x Linear(4096, 4096), 134M parameters.
+  if (torch::cuda::is_available()) {
+    for (const bool engine_side : {false, true}) {
+      const std::string name = std::string("overhead/") + (engine_side ? "engine" : "plain") + "/mlp_4096x8/cuda";
+      benchmark::RegisterBenchmark(name.c_str(), BM_overhead, engine_side, std::int64_t{4096}, 8,
+                                   torch::Device(torch::kCUDA))
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+    }
   }
   for (const bool unit : {true, false}) {
     benchmark::RegisterBenchmark(unit ? "zero3_watch/unit" : "zero3_watch/outside", BM_zero3_watch, unit)

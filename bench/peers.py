@@ -1,9 +1,17 @@
 #!/usr/bin/env python3
-"""mpzero's CPU AdamW step against its peers, side by side in one process over the same
-tensors: DeepSpeed's DeepSpeedCPUAdam, torch.optim.AdamW (fused=True, foreach=True and
-the for-loop) and torchao's AdamW (torchao.optim._AdamW, compiled by torch.compile; with
-bf16 stochastic rounding where mpzero rounds stochastically) on CPU tensors, with
-mpzero's host step (mpzero::host::run, optim::adamw) called through bench/peers_step.cpp's C functions (libmpzero_peers_step.so, ctypes).
+"""mpzero's AdamW step against its peers, side by side in one process over the same
+tensors, on the CPU (--device cpu, the default) or a CUDA GPU (--device cuda).
+
+CPU: DeepSpeed's DeepSpeedCPUAdam, torch.optim.AdamW (fused=True, foreach=True and the
+for-loop) and torchao's AdamW (torchao.optim._AdamW, compiled by torch.compile; with bf16
+stochastic rounding where mpzero rounds stochastically), with mpzero's host step
+(mpzero::host::run, optim::adamw) called through bench/peers_step.cpp's C functions
+(libmpzero_peers_step.so, ctypes).
+GPU: torch.optim.AdamW (fused, foreach, for-loop), DeepSpeed's FusedAdam (its fused_adam
+op built on first use), torchao's AdamW, TransformerEngine's FusedAdam (natively with
+its fp32 master and state dtypes) and bitsandbytes' AdamW8bit (a reference: 8-bit states,
+another update), with mpzero's CUDA step (cuda::fused_step_launcher) called through
+bench/peers_step_cuda.cu's (libmpzero_peers_step_cuda.so) on torch's current stream.
 
 Every contender steps the very same tensors (mpzero gets their data_ptr()), with the same
 hyperparameters (AdamW: lr 1e-3, betas 0.9/0.999, eps 1e-8, weight decay 0.01, each as
@@ -34,14 +42,16 @@ rounding too). A peer that disagrees is marked "differs" and not timed.
 
 Timing: --warmup steps of each contender, then --rounds rounds; each round runs every
 contender once, in an order that rotates from round to round, timed with
-time.perf_counter around the step call. Reported: each contender's median time and, per
-peer, the ratio peer time / mpzero time of each round (above 1: mpzero is faster), with
-the median and the min-max over the rounds.
+time.perf_counter around the step call (CPU) or with CUDA events behind a spin kernel that
+holds the stream while the step is enqueued (GPU). Reported: each contender's median time
+and, per peer, the ratio peer time / mpzero time of each round (above 1: mpzero is
+faster), with the median and the min-max over the rounds; and mpzero's share of copy
+bandwidth: torch's copy_ of the step's volume, timed in the same rounds.
 
-  python3 bench/peers.py [--lib build-bench/bench/libmpzero_peers_step.so]
+  python3 bench/peers.py [--device cpu|cuda] [--lib PATH]
       [--sizes 1M,16M,64M] [--configs fp32,bf16_all,...] [--layouts single,multi]
-      [--peers deepspeed,fused,foreach,forloop] [--rounds 15] [--threads N]
-      [--quick] [--out results.json]
+      [--peers deepspeed,fused,foreach,forloop,torchao,te,bnb] [--rounds 15] [--threads N]
+      [--quick] [--huge-pages] [--out results.json]
   python3 bench/peers_render.py results.json [--markdown] [--plot ratios.png]
 
 DeepSpeed is optional:  DS_BUILD_OPS=0 python3 -m pip install deepspeed  (its cpu_adam op
@@ -440,14 +450,17 @@ class OptimizerPeer:
     "group" (TransformerEngine: the parameter group's count) or "own" (a reference peer
     whose states are its own: not injected). plan["master_state"] names the state that
     holds an optimizer's own fp32 master (TransformerEngine's "master_param"): the row's
-    master is injected there."""
+    master is injected there. plan["init_state"](optimizer, tensor), where given, lets the
+    optimizer set up a tensor's state first (TransformerEngine keeps a scale per state
+    beside it), and the row's tensors then replace its own."""
 
     def __init__(self, plan, model):
-        self.composite, self.model = plan["how"] == "composite", model
+        self.model = model
         self.step_kind = plan.get("step", "tensor")
-        targets = model.masters if self.composite or plan["how"] == "reference" and model.masters else model.params
-        grads = model.grads32() if targets is model.masters else model.grads
-        self.composite = targets is model.masters
+        # A composite, or a reference of a configuration with masters, steps the fp32 masters.
+        self.composite = plan["how"] == "composite" or (plan["how"] == "reference" and model.masters is not None)
+        targets = model.masters if self.composite else model.params
+        grads = model.grads32() if self.composite else model.grads
         for t, g in zip(targets, grads):
             t.grad = g
         self.opt = plan["make"](targets)
@@ -455,7 +468,10 @@ class OptimizerPeer:
         if self.step_kind != "own":
             step_device = DEVICE if plan.get("step_on_device") else "cpu"
             for i, (t, m, v) in enumerate(zip(targets, model.exp_avgs, model.exp_avg_sqs)):
-                st = {"exp_avg": m, "exp_avg_sq": v}
+                if plan.get("init_state"):  # the optimizer's own bookkeeping first, then the row's tensors
+                    plan["init_state"](self.opt, t)
+                st = self.opt.state[t] if plan.get("init_state") else {}
+                st.update(exp_avg=m, exp_avg_sq=v)
                 if self.step_kind == "int":
                     st["step"] = 0
                 elif self.step_kind == "tensor":
@@ -522,6 +538,18 @@ def torchao_maker(ao, sr):
 
 def te_maker(te, **dtypes):
     return lambda targets: te["cls"](targets, **adamw_kwargs(bias_correction=True, adam_w_mode=True, **dtypes))
+
+
+def te_init_state(opt, t):
+    """TransformerEngine's FusedAdam.initialize_state (with store_param_remainders off
+    where it takes it): its states and their scales, which its step reads for states
+    other than fp32."""
+    import inspect
+    init = opt.initialize_state
+    if "store_param_remainders" in inspect.signature(init).parameters:
+        init(t, store_param_remainders=False)
+    else:
+        init(t)
 
 
 def bnb_maker(bnb):
@@ -630,11 +658,11 @@ def plan_te(config, te):
     dtypes = {"exp_avg_dtype": dtype_of(s), "exp_avg_sq_dtype": dtype_of(s)}
     if m is not None:
         return {"status": "run", "how": "native", "step": "group", "master_state": "master_param",
+                "init_state": te_init_state,
                 "make": te_maker(te, master_weights=True, master_weight_dtype=torch.float32, **dtypes),
                 "note": f"{label} with master_weights=True keeps the fp32 master itself (its 'master_param' state)"}
-    plan = {"status": "run", "how": "substitute" if sr else "native", "step": "group", "make": te_maker(te, **dtypes),
-            "note": substitute_note(label, p) if sr else None}
-    return plan
+    return {"status": "run", "how": "substitute" if sr else "native", "step": "group", "init_state": te_init_state,
+            "make": te_maker(te, **dtypes), "note": substitute_note(label, p) if sr else None}
 
 
 def plan_bnb(config, bnb):

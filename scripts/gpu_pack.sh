@@ -7,7 +7,8 @@
 #
 #   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
 #         -DCMAKE_DISABLE_FIND_PACKAGE_MPI=ON -DMPZERO_BENCH_NATIVE=OFF -DMPZERO_TORCH_CUDA=ON
-#   cmake --build build-gpu --target test_gpu test_zero_gpu test_comm_gpu test_torch_gpu mpzero_bench_cuda train_gpt
+#   cmake --build build-gpu --target test_gpu test_zero_gpu test_comm_gpu test_torch_gpu mpzero_bench_cuda train_gpt \
+#         mpzero_peers_step_cuda mpzero_bench_engine
 #   scripts/gpu_pack.sh [BUILD_DIR]          (default build-gpu)
 #
 # No MPI (a GPU machine without development packages has none to link) and no

@@ -15,6 +15,13 @@
 #           GPT_NAME names the run (default gpt; results under DIR/$GPT_NAME)
 #   states  train_gpt again, on a model whose memory is mostly model states (STATES_ARGS,
 #           default below; results under DIR/states): the memory and step-time targets
+#   peers   bench/peers.py --device cuda: mpzero's CUDA step beside torch's fused, foreach
+#           and for-loop AdamW, DeepSpeed's FusedAdam, torchao, TransformerEngine's
+#           FusedAdam and bitsandbytes (those installed, or carried as wheels in .whl/ by
+#           scripts/gpu_wheels.sh: installed into .gpu/site first), with the copy baseline;
+#           GPU_RUN_PEERS_ARGS adds flags (default below); peers_cuda.{json,txt,md,png}
+#   overhead  mpzero_bench_engine's overhead/*/cuda rows: the engine against plain LibTorch
+#           with its fused AdamW on a 134M-parameter MLP (engine_overhead_cuda.json)
 #   seeds   train_gpt once per seed of GPU_RUN_SEEDS (default "1 2 3 4 5") with SEEDS_ARGS
 #           (default below; results under DIR/seeds/seed<N>), then
 #           examples/gpt/compare_seeds.py over the seeds done so far (seeds/summary.json):
@@ -129,7 +136,8 @@ else
   failed_list="$work/failed_targets"
   rm -f "$failed_list"  # a fresh list: no stale entries from an earlier run
 fi
-all_targets=(test_gpu test_zero_gpu test_comm_gpu test_torch_gpu mpzero_bench_cuda train_gpt)
+all_targets=(test_gpu test_zero_gpu test_comm_gpu test_torch_gpu mpzero_bench_cuda train_gpt mpzero_peers_step_cuda
+  mpzero_bench_engine)
 test_targets=(test_gpu test_zero_gpu test_comm_gpu test_torch_gpu)
 # The states run: about 151M parameters, 4 x 128 tokens a step, so that model states
 # (not activations) dominate peak memory, as in the DeepSpeed blog's 7B model.
@@ -139,6 +147,8 @@ default_states_args="--big --dim 1024 --layers 12 --heads 16 --seq 128 --batch 4
 # rate that decides the loss criterion (a constant rate's per-seed spread is 20 times
 # wider: docs/perf.md, "GPT comparison on the GPU: held-out loss after 1000 steps").
 default_seeds_args="--big --steps 1000 --lr-schedule cosine --configs fp32/z0,bf16/z2,bf16-all-sr/z2"
+# The peers run: every configuration, size and layout, 9 rounds.
+default_peers_args="--rounds 9"
 failed=0
 
 # Configures build-gpu/ (again: cheap when it exists, and it refreshes a stale cache).
@@ -184,7 +194,8 @@ ensure_built() {
   if [ "$prebuilt" = 1 ]; then
     local ok=0
     for t in "$@"; do
-      if [ -z "$(find -L "$build" -type f -name "$t" -perm -u+x -print -quit)" ]; then
+      # A program is named as its target, a shared library lib<target>.so.
+      if [ -z "$(find -L "$build" -type f \( -name "$t" -o -name "lib$t.so" \) -perm -u+x -print -quit)" ]; then
         echo "gpu_run: $t is not in the prebuilt bundle (scripts/gpu_pack.sh)"
         echo "$t" >>"$failed_list"
         ok=1
@@ -259,6 +270,35 @@ phase_bench() {
   # shellcheck disable=SC2086
   "$build/bench/mpzero_bench_cuda" --benchmark_out="$work/bench_cuda.json" --benchmark_out_format=json \
     --benchmark_min_time=0.2 ${GPU_RUN_BENCH_ARGS:-} 2>&1 | tee "$work/bench_cuda.txt" | tail -60
+  return "${PIPESTATUS[0]}"
+}
+phase_peers() {
+  ensure_built mpzero_peers_step_cuda || return 1
+  local lib
+  lib="$(find -L "$build" -type f -name libmpzero_peers_step_cuda.so -print -quit)"
+  # The peers carried as wheels (scripts/gpu_wheels.sh), installed beside the machine's
+  # own packages, never over them.
+  if ls "$root"/.whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$root/.gpu/site" "$root"/.whl/*.whl \
+      >"$work/peers_wheels.log" 2>&1 || { tail -5 "$work/peers_wheels.log"; return 1; }
+    export PYTHONPATH="$root/.gpu/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 python3 "$root/bench/peers.py" --device cuda --lib "$lib" --out "$work/peers_cuda.json" \
+    ${GPU_RUN_PEERS_ARGS:-$default_peers_args} 2>&1 | tee "$work/peers_cuda.txt" | grep -E "^==|mpzero  |differs|error|warning" | tail -80
+  local rc=${PIPESTATUS[0]}
+  if [ -f "$work/peers_cuda.json" ]; then
+    python3 "$root/bench/peers_render.py" "$work/peers_cuda.json" --markdown --plot "$work/peers_cuda.png" \
+      >"$work/peers_cuda.md" 2>&1
+    cat "$work/peers_cuda.md"
+  fi
+  return "$rc"
+}
+phase_overhead() {
+  ensure_built mpzero_bench_engine || return 1
+  "$build/bench/mpzero_bench_engine" --benchmark_filter='^overhead/.*/cuda' --benchmark_repetitions=7 \
+    --benchmark_enable_random_interleaving=true --benchmark_min_time=1 --benchmark_report_aggregates_only=true \
+    --benchmark_out="$work/engine_overhead_cuda.json" --benchmark_out_format=json 2>&1 | tee "$work/engine_overhead_cuda.txt"
   return "${PIPESTATUS[0]}"
 }
 phase_gpt() {
@@ -371,7 +411,9 @@ for p in "$@"; do
     test) GPU_RUN_TARGETS+=" ${test_targets[*]}" ;;
     bench) GPU_RUN_TARGETS+=" mpzero_bench_cuda" ;;
     gpt | states | seeds) GPU_RUN_TARGETS+=" train_gpt" ;;
-    *) echo "gpu_run: unknown phase '$p' (build, test, bench, gpt, states, seeds)" >&2; exit 2 ;;
+    peers) GPU_RUN_TARGETS+=" mpzero_peers_step_cuda" ;;
+    overhead) GPU_RUN_TARGETS+=" mpzero_bench_engine" ;;
+    *) echo "gpu_run: unknown phase '$p' (build, test, bench, peers, overhead, gpt, states, seeds)" >&2; exit 2 ;;
   esac
 done
 export GPU_RUN_TARGETS

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Collects the peers of bench/peers.py --device cuda as wheels in .whl/ (git-ignored),
+# for a GPU machine that has torch but no package registry; scripts/gpu_run.sh's peers
+# phase installs whatever .whl/ holds (pip --no-index, into .gpu/site) before it runs:
+#
+#   scripts/gpu_wheels.sh [--python-version 3.12] [--with-bnb]
+#
+#   deepspeed   built here from PyPI's source with DS_BUILD_OPS=0: a pure-Python wheel
+#               that compiles its fused_adam op with ninja and nvcc on first use (there,
+#               for the GPU's own architecture: about a minute), plus hjson and pydantic,
+#               which a CUDA image with torch rarely has
+#   torchao     the version installed here, else the newest
+#   bitsandbytes  with --with-bnb only: about 43 MB, most of a transfer of 64 MB
+#
+# TransformerEngine is not collected: its PyTorch extension (transformer_engine_torch)
+# has no binary wheel on PyPI, and transformer_engine_cu13 alone is 276 MB. Where TE is
+# installed, bench/peers.py runs it.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="$root/.whl"
+pyver=3.12
+bnb=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --python-version) pyver="$2"; shift 2 ;;
+    --with-bnb) bnb=1; shift ;;
+    *) echo "gpu_wheels: unknown argument '$1' (--python-version X.Y, --with-bnb)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$out"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+# Binary wheels for the GPU machine's Python (not this one's).
+download() {
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$out" "$@"
+}
+# The versions installed here (read from their metadata: importing deepspeed prints), else the newest.
+installed() { python3 -c 'import sys, importlib.metadata as m; print(m.version(sys.argv[1]))' "$1" 2>/dev/null || true; }
+ds_version="$(installed deepspeed)"
+if ! ls "$out"/deepspeed-*.whl >/dev/null 2>&1; then
+  python3 -m pip download -q --no-deps --no-binary=:all: -d "$tmp" "deepspeed${ds_version:+==$ds_version}"
+  tar -C "$tmp" -xzf "$tmp"/deepspeed-*.tar.gz
+  # No op is compiled here (DS_BUILD_OPS=0, no accelerator probed): the wheel is pure Python.
+  (cd "$tmp"/deepspeed-*/ && DS_BUILD_OPS=0 DS_ACCELERATOR=cpu python3 -m pip wheel -q --no-deps \
+    --no-build-isolation -w "$out" .)
+fi
+download hjson "pydantic>=2" pydantic-core annotated-types typing-inspection
+ao_version="$(installed torchao)"
+download "torchao${ao_version:+==$ao_version}"
+[ "$bnb" = 1 ] && download bitsandbytes
+ls -la "$out"
+du -sh "$out"
