@@ -889,7 +889,7 @@ def time_round(order):
 def run_row(lib, threads, config, numels, layout, peer_ids, infos, warmup, rounds):
     n = sum(numels)
     title = f"{config}, {fmt_size(n)} elements, " + ("one tensor" if layout == "single" else f"{len(numels)} tensors")
-    print(f"\n== {title}", flush=True)
+    print(f" == {title}", flush=True)
     row = {"config": config, "numel": n, "layout": layout, "tensors": len(numels),
            "mpzero": {"status": "timed"}, "peers": {}}
     model = Model(config, numels, HPARAMS["seed"] + n + len(numels))
@@ -1223,31 +1223,37 @@ def main():
             peers.append({"name": peer_name(pid, DEVICE), "available": True, "version": torch.__version__,
                           "reason": None})
     results = []
-    for config in configs:
-        for n in sizes:
-            for layout in layouts:
-                numels = [n] if layout == "single" else mixed_sizes(n, a.tensors, HPARAMS["seed"] + n)
-                row = run_row(lib, threads, config, numels, layout, peer_ids, infos, a.warmup, a.rounds)
-                results.append(row)
-                gc.collect()
-                if DEVICE == "cuda":
-                    torch.cuda.empty_cache()
-
-    env["loadavg_after"] = loadavg()
-    if DEVICE == "cuda":
-        env["nvidia_smi_after"] = nvidia_smi()
-    print("load average after " + (" ".join(f"{x:.2f}" for x in env["loadavg_after"])
-                                    if env["loadavg_after"] else "unknown"))
     doc = {"format": FORMAT, "command": sys.argv, "environment": env, "hyperparameters": HPARAMS,
            "threads": threads, "rounds": a.rounds, "warmup": a.warmup, "tensors_multi": a.tensors,
-           "peers": peers, "results": results}
-    peers_render.validate(doc)
+           "peers": peers, "results": results, "complete": False}
+
+    def finish_doc(complete):
+        env["loadavg_after"] = loadavg()
+        if DEVICE == "cuda":
+            env["nvidia_smi_after"] = nvidia_smi()
+        doc["complete"] = complete
+        peers_render.validate(doc)
+        if a.out:  # rewritten after every row: a run stopped early keeps the rows it measured
+            import json
+            with open(a.out + ".tmp", "w") as f:
+                json.dump(doc, f, indent=1)
+            os.replace(a.out + ".tmp", a.out)
+
+    rows = [(config, n, layout) for config in configs for n in sizes for layout in layouts]
+    for k, (config, n, layout) in enumerate(rows):
+        numels = [n] if layout == "single" else mixed_sizes(n, a.tensors, HPARAMS["seed"] + n)
+        print(f"\n[{k + 1}/{len(rows)}]", end="")
+        results.append(run_row(lib, threads, config, numels, layout, peer_ids, infos, a.warmup, a.rounds))
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        finish_doc(complete=k + 1 == len(rows))
+
+    print("load average after " + (" ".join(f"{x:.2f}" for x in env["loadavg_after"])
+                                    if env["loadavg_after"] else "unknown"))
     print()
     print(peers_render.render(doc, markdown=False))
     if a.out:
-        import json
-        with open(a.out, "w") as f:
-            json.dump(doc, f, indent=1)
         print(f"\nresults written to {a.out}; render them with: python3 bench/peers_render.py {a.out} --markdown")
     for pid, info in infos.items():
         if not info["available"] and pid in peer_ids:

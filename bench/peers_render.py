@@ -20,6 +20,8 @@ The format (checked by validate(), which bench/peers.py also runs before writing
                 deepspeed and torchao (null when absent), mpzero_commit, mpzero_host_simd
                 (cpu), gpu, nvidia_smi_before (cuda), loadavg_before, loadavg_after, ...
   hyperparameters, rounds, warmup, threads
+  complete      (optional) false while the run is under way or when it stopped early:
+                peers.py rewrites the file after every row
   peers         [{name, available, version, reason}]
   results       [{config, numel, layout ("single"|"multi"), tensors,
                   copy (optional): {bytes (read + written), median_s, times_s, ratios,
@@ -83,6 +85,8 @@ def validate(doc):
         raise FormatError(f"format is {doc.get('format')!r}, expected {FORMAT!r}")
     _need(doc, "environment", dict, "document")
     _need(doc, "rounds", int, "document")
+    if "complete" in doc:
+        _need(doc, "complete", bool, "document")
     peers = _need(doc, "peers", list, "document")
     names = []
     for i, p in enumerate(peers):
@@ -242,6 +246,8 @@ def sr_line(doc, dash="-"):
 def render(doc, markdown=False):
     header, rows, notes = table(doc, "–" if markdown else "-")
     out = []
+    if doc.get("complete") is False:
+        out.append(f"Partial results: the run stopped after {len(doc['results'])} row(s).")
     if markdown:
         out.append(summary(doc))
         out.append("")

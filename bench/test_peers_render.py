@@ -205,6 +205,19 @@ try:
 except peers_render.FormatError as e:
     check("approximate" in str(e), f"unknown how named: {e}")
 
+# A run stopped early (peers.py rewrites its file after every row) says so above the table.
+partial = copy.deepcopy(doc)
+partial["complete"] = False
+text = peers_render.render(peers_render.validate(partial))
+check(text.startswith("Partial results: the run stopped after 4 row(s).\n"), f"partial run: {text[:120]!r}")
+check(not peers_render.render(peers_render.validate(dict(copy.deepcopy(doc), complete=True))).startswith("Partial"),
+      "a complete run is not called partial")
+try:
+    peers_render.validate(dict(copy.deepcopy(doc), complete="no"))
+    check(False, "validate() accepts a string as complete")
+except peers_render.FormatError as e:
+    check("complete" in str(e), f"complete's type error names it: {e}")
+
 # validate() is what peers.py runs on its own output before writing it.
 try:
     peers_render.validate(copy.deepcopy(doc))

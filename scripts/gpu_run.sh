@@ -285,7 +285,7 @@ phase_peers() {
   fi
   # shellcheck disable=SC2086
   PYTHONUNBUFFERED=1 python3 "$root/bench/peers.py" --device cuda --lib "$lib" --out "$work/peers_cuda.json" \
-    ${GPU_RUN_PEERS_ARGS:-$default_peers_args} 2>&1 | tee "$work/peers_cuda.txt" | grep -E "^==|mpzero  |differs|error|warning" | tail -80
+    ${GPU_RUN_PEERS_ARGS:-$default_peers_args} 2>&1 | tee "$work/peers_cuda.txt" | grep -E "^\[[0-9]+/[0-9]+\] ==|mpzero  |differs|error|warning" | tail -80
   local rc=${PIPESTATUS[0]}
   if [ -f "$work/peers_cuda.json" ]; then
     python3 "$root/bench/peers_render.py" "$work/peers_cuda.json" --markdown --plot "$work/peers_cuda.png" \
