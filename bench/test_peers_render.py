@@ -190,20 +190,22 @@ check("| bf16_fp32_master | 16M | 1 tensor | 0.100 | 90.0% (88.0%–95.0%) | 1.6
       "| 1.60 DeepSpeed FusedAdam |" in gl, f"GPU row with copy and a reference: {text!r}")
 check("| fp32 | 1M | 1 tensor | 0.010 |  | 1.20 (1.10–1.30) | error [3] | 1.20 DeepSpeed FusedAdam |" in gl,
       f"GPU row without copy: {text!r}")
-bad_copy = copy.deepcopy(gpu)
-bad_copy["results"][0]["copy"]["ratio_min"] = 0.99
-try:
-    peers_render.validate(bad_copy)
-    check(False, "validate() accepts a copy ratio_min above its median")
-except peers_render.FormatError as e:
-    check("copy" in str(e), f"copy ratios error names the copy: {e}")
-bad_how = copy.deepcopy(gpu)
-bad_how["results"][0]["peers"]["bitsandbytes AdamW8bit"]["how"] = "approximate"
-try:
-    peers_render.validate(bad_how)
-    check(False, "validate() accepts an unknown how")
-except peers_render.FormatError as e:
-    check("approximate" in str(e), f"unknown how named: {e}")
+
+
+def rejected(base, mutate, expect, what):
+    """validate() refuses `base` changed by `mutate`, with a message that contains `expect`."""
+    d = copy.deepcopy(base)
+    mutate(d)
+    try:
+        peers_render.validate(d)
+        check(False, f"validate() accepts {what}")
+    except peers_render.FormatError as e:
+        check(expect in str(e), f"{what}: the message names {expect!r}: {e}")
+
+
+rejected(gpu, lambda d: d["results"][0]["copy"].update(ratio_min=0.99), "copy", "a copy ratio_min above its median")
+rejected(gpu, lambda d: d["results"][0]["peers"]["bitsandbytes AdamW8bit"].update(how="approximate"), "approximate",
+         "an unknown how")
 
 # A run stopped early (peers.py rewrites its file after every row) says so above the table.
 partial = copy.deepcopy(doc)
@@ -212,11 +214,7 @@ text = peers_render.render(peers_render.validate(partial))
 check(text.startswith("Partial results: the run stopped after 4 row(s).\n"), f"partial run: {text[:120]!r}")
 check(not peers_render.render(peers_render.validate(dict(copy.deepcopy(doc), complete=True))).startswith("Partial"),
       "a complete run is not called partial")
-try:
-    peers_render.validate(dict(copy.deepcopy(doc), complete="no"))
-    check(False, "validate() accepts a string as complete")
-except peers_render.FormatError as e:
-    check("complete" in str(e), f"complete's type error names it: {e}")
+rejected(doc, lambda d: d.update(complete="no"), "complete", "a string as complete")
 
 # validate() is what peers.py runs on its own output before writing it.
 try:
