@@ -280,12 +280,17 @@ phase_peers() {
   # own packages, never over them.
   if ls "$root"/.whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$root/.gpu/site" "$root"/.whl/*.whl \
-      >"$work/peers_wheels.log" 2>&1 || { tail -5 "$work/peers_wheels.log"; return 1; }
+      >"$work/peers_wheels.log" 2>&1 || {
+      tail -5 "$work/peers_wheels.log"
+      echo "gpu_run: the wheels in .whl/ do not install here; make them for this machine's Python with" \
+        "scripts/gpu_wheels.sh --python-version $(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+      return 1
+    }
     export PYTHONPATH="$root/.gpu/site${PYTHONPATH:+:$PYTHONPATH}"
   fi
   # shellcheck disable=SC2086
   PYTHONUNBUFFERED=1 python3 "$root/bench/peers.py" --device cuda --lib "$lib" --out "$work/peers_cuda.json" \
-    ${GPU_RUN_PEERS_ARGS:-$default_peers_args} 2>&1 | tee "$work/peers_cuda.txt" | grep -E "^\[[0-9]+/[0-9]+\] ==|mpzero  |differs|error|warning" | tail -80
+    ${GPU_RUN_PEERS_ARGS:-$default_peers_args} 2>&1 | tee "$work/peers_cuda.txt" | grep -E "^\[[0-9]+/[0-9]+\] ==|^peers.py|mpzero  |differs|error|warning" | tail -80
   local rc=${PIPESTATUS[0]}
   if [ -f "$work/peers_cuda.json" ]; then
     python3 "$root/bench/peers_render.py" "$work/peers_cuda.json" --markdown --plot "$work/peers_cuda.png" \
@@ -299,7 +304,13 @@ phase_overhead() {
   "$build/bench/mpzero_bench_engine" --benchmark_filter='^overhead/.*/cuda' --benchmark_repetitions=7 \
     --benchmark_enable_random_interleaving=true --benchmark_min_time=1 --benchmark_report_aggregates_only=true \
     --benchmark_out="$work/engine_overhead_cuda.json" --benchmark_out_format=json 2>&1 | tee "$work/engine_overhead_cuda.txt"
-  return "${PIPESTATUS[0]}"
+  local rc=${PIPESTATUS[0]}
+  # The rows exist only where LibTorch sees a CUDA device.
+  if ! grep -q '"name": "overhead/engine/mlp_4096x8/cuda' "$work/engine_overhead_cuda.json" 2>/dev/null; then
+    echo "gpu_run: mpzero_bench_engine ran no overhead/*/cuda row: its LibTorch sees no CUDA device"
+    return 1
+  fi
+  return "$rc"
 }
 phase_gpt() {
   ensure_built train_gpt || return 1
