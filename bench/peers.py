@@ -577,7 +577,10 @@ def probe(key, make, pdtype, sdtype):
         p.grad = torch.full((64,), 1e-3, dtype=dtype_of(pdtype), device=DEVICE)
         try:
             opt = make([p])
-            opt.state[p] = {"step": torch.zeros((), dtype=torch.float32) if key[0] != "deepspeed" else 0,
+            # As each keeps it: DeepSpeed an int, torch's fused kernels a tensor on the device.
+            step = 0 if key[0] == "deepspeed" else \
+                torch.zeros((), dtype=torch.float32, device=DEVICE if key[0] == "torch fused" else "cpu")
+            opt.state[p] = {"step": step,
                             "exp_avg": torch.zeros(64, dtype=dtype_of(sdtype), device=DEVICE),
                             "exp_avg_sq": torch.zeros(64, dtype=dtype_of(sdtype), device=DEVICE)}
             opt.step()
