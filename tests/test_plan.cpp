@@ -241,31 +241,33 @@ std::uint64_t chunks_of(const std::vector<sized>& ts, std::uint64_t chunk) {
 }
 }  // namespace
 
-TEST_CASE("a small step's chunks shrink until it has two per SM, down to one block iteration", "[multi_tensor]") {
+TEST_CASE("a small step's chunks shrink until every SM gets one, down to one block iteration", "[multi_tensor]") {
   using nearest = mpzero::cuda_step_tuning<false>;    // 512 threads x 8: 4096 per iteration, chunk 16384
   using stochastic = mpzero::cuda_step_tuning<true>;  // 1024 x 8: 8192 per iteration, chunk 65536
   SECTION("large steps keep the shape's chunk") {
     const std::vector<sized> big = {{64u << 20}};
     CHECK(mpzero::plan_for<nearest>(big, 132).chunk_size == 16384);
     CHECK(mpzero::plan_for<stochastic>(big, 132).chunk_size == 65536);
-    // 264 chunks of 16K exactly: two per SM already.
-    CHECK(mpzero::plan_for<nearest>(std::vector<sized>{{264u * 16384}}, 132).chunk_size == 16384);
+    // 132 chunks of 16K exactly: one per SM already; one element less is 132 chunks too.
+    CHECK(mpzero::plan_for<nearest>(std::vector<sized>{{132u * 16384}}, 132).chunk_size == 16384);
+    CHECK(mpzero::plan_for<nearest>(std::vector<sized>{{131u * 16384 + 1}}, 132).chunk_size == 16384);
+    CHECK(mpzero::plan_for<nearest>(std::vector<sized>{{131u * 16384}}, 132).chunk_size == 8192);
   }
   SECTION("a million elements on 132 SMs") {
     const std::vector<sized> m = {{1u << 20}};
-    // 64 chunks of 16K, 128 of 8K, 256 of 4K: one iteration is the floor.
+    // 64 chunks of 16K, 128 of 8K, 256 of 4K.
     CHECK(mpzero::plan_for<nearest>(m, 132).chunk_size == 4096);
-    // 16 of 64K, ..., 128 of 8K: the floor again, with fewer than 264 chunks.
+    // 16 of 64K, ..., 128 of 8K: one block iteration is the floor, with fewer than 132 chunks.
     CHECK(mpzero::plan_for<stochastic>(m, 132).chunk_size == 8192);
   }
-  SECTION("the first halving that reaches two chunks per SM stops it") {
-    const std::vector<sized> ts = {{3u << 20}, {5000}, {0}};
+  SECTION("the first halving that reaches one chunk per SM stops it") {
+    const std::vector<sized> ts = {{3u << 19}, {5000}, {0}};
     const auto o = mpzero::plan_for<nearest>(ts, 132);
-    CHECK(chunks_of(ts, o.chunk_size) >= 264);
-    CHECK(chunks_of(ts, o.chunk_size * 2) < 264);
-    CHECK(o.chunk_size == 8192);  // 384 + 1 chunks; at 16K, 192 + 1
-    REQUIRE(violation(mpzero::multi_tensor_plan(std::vector<std::uint64_t>{3u << 20, 5000, 0}, o),
-                      {3u << 20, 5000, 0}) == "");
+    CHECK(chunks_of(ts, o.chunk_size) >= 132);
+    CHECK(chunks_of(ts, o.chunk_size * 2) < 132);
+    CHECK(o.chunk_size == 8192);  // 192 + 1 chunks; at 16K, 96 + 1
+    REQUIRE(violation(mpzero::multi_tensor_plan(std::vector<std::uint64_t>{3u << 19, 5000, 0}, o),
+                      {3u << 19, 5000, 0}) == "");
   }
   SECTION("many small tensors already fill the GPU; no tensors and no SMs are harmless") {
     CHECK(mpzero::plan_for<nearest>(std::vector<sized>(300, sized{100}), 132).chunk_size == 16384);

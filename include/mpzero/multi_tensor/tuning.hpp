@@ -41,17 +41,18 @@ constexpr plan_options plan_for() noexcept {
 }
 
 // The plan options for a step over `tensors` (anything with a .numel) on a GPU of
-// `multiprocessors` SMs: the shape's chunk, halved while the step would have fewer than
-// two chunks per SM (a chunk is one block) and a chunk is more than one block iteration
-// (threads x ilp elements). A small step then fills the GPU instead of leaving SMs idle:
-// a million elements are 64 chunks of 16K, or 16 of 64K with stochastic rounding, for the
-// 132 SMs of an H100, and a ZeRO partition shrinks as ranks are added. Large steps keep
-// the shape's chunk. The chunk changes no result (see cuda_step_tuning).
+// `multiprocessors` SMs: the shape's chunk, halved while the step would have fewer chunks
+// than SMs (a chunk is one block, so some SMs would get none) and a chunk is more than one
+// block iteration (threads x ilp elements). A small step then reaches every SM: a million
+// elements are 64 chunks of 16K, or 16 of 64K with stochastic rounding, for the 132 SMs
+// of an H100, and a ZeRO partition shrinks as ranks are added. A step that already gives
+// every SM a block keeps the shape's chunk, as its sweep chose it (docs/perf.md, "CUDA
+// launch shapes"). The chunk changes no result (see cuda_step_tuning).
 template <class Tuning, class Tensors>
 constexpr plan_options plan_for(const Tensors& tensors, int multiprocessors) noexcept {
   plan_options o = plan_for<Tuning>();
   constexpr std::uint32_t iteration = static_cast<std::uint32_t>(Tuning::threads) * Tuning::ilp;
-  const std::uint64_t wanted = 2 * static_cast<std::uint64_t>(multiprocessors > 0 ? multiprocessors : 1);
+  const std::uint64_t wanted = static_cast<std::uint64_t>(multiprocessors > 0 ? multiprocessors : 1);
   const auto chunks = [&](std::uint32_t size) {
     std::uint64_t n = 0;
     for (const auto& t : tensors) n += (t.numel + size - 1) / size;
