@@ -18,7 +18,7 @@
 # installed, bench/peers.py runs it.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-out="$root/.whl"
+dest="$root/.whl"
 pyver=3.12
 bnb=1
 cuda="$(python3 -c 'import torch; print(torch.version.cuda or "")' 2>/dev/null || true)"
@@ -30,24 +30,24 @@ while [ $# -gt 0 ]; do
     *) echo "gpu_wheels: unknown argument '$1' (--python-version X.Y, --cuda X.Y, --no-bnb)" >&2; exit 2 ;;
   esac
 done
-mkdir -p "$out"
+mkdir -p "$dest"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 # Binary wheels for the GPU machine's Python (not this one's).
 download() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$out" "$@"
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dest" "$@"
 }
 # The versions installed here (read from their metadata: importing deepspeed prints), else the newest.
 installed() { python3 -c 'import sys, importlib.metadata as m; print(m.version(sys.argv[1]))' "$1" 2>/dev/null || true; }
 ds_version="$(installed deepspeed)"
-if ! ls "$out"/deepspeed-*.whl >/dev/null 2>&1; then
+if ! ls "$dest"/deepspeed-*.whl >/dev/null 2>&1; then
   python3 -m pip download -q --no-deps --no-binary=:all: -d "$tmp" "deepspeed${ds_version:+==$ds_version}"
   tar -C "$tmp" -xzf "$tmp"/deepspeed-*.tar.gz
   # No op is compiled here (DS_BUILD_OPS=0, no accelerator probed): the wheel is pure Python.
   (cd "$tmp"/deepspeed-*/ && DS_BUILD_OPS=0 DS_ACCELERATOR=cpu python3 -m pip wheel -q --no-deps \
-    --no-build-isolation -w "$out" .)
+    --no-build-isolation -w "$dest" .)
 fi
 download hjson "pydantic>=2" pydantic-core annotated-types typing-inspection
 ao_version="$(installed torchao)"
@@ -58,7 +58,7 @@ if [ "$bnb" = 1 ]; then
     --platform manylinux_2_24_x86_64 -d "$tmp" bitsandbytes
   # The wheel carries a native library per CUDA, ROCm and XPU version; one is loaded, the
   # one of torch's CUDA. The others, and their lines in RECORD, are left out.
-  python3 - "$tmp"/bitsandbytes-*.whl "$out" "$cuda" <<'PY'
+  python3 - "$tmp"/bitsandbytes-*.whl "$dest" "$cuda" <<'PY'
 import os, re, sys, zipfile
 src, out, cuda = sys.argv[1], sys.argv[2], sys.argv[3].replace(".", "")
 keep = re.compile(rf"libbitsandbytes_(cpu|cuda{cuda})\.so$")
@@ -78,5 +78,5 @@ with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED
 print(f"gpu_wheels: {os.path.basename(dst)} with the libraries of CUDA {sys.argv[3]} and the CPU only")
 PY
 fi
-ls -la "$out"
-du -sh "$out"
+ls -la "$dest"
+du -sh "$dest"
