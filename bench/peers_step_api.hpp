@@ -14,7 +14,8 @@
 // `masters` (or `master`) is ignored, and may be null, for policies whose master is the
 // parameter. Pointers are to the policy's storage types: float, bf16 or fp16 bits.
 // `threads` is the host step's OpenMP thread count (0: OpenMP's default); the CUDA
-// library launches on the stream of mpzero_peers_set_stream instead and ignores it.
+// library launches on the stream mpzero_peers_set_stream named when the handle was made,
+// and ignores it.
 // Functions that can fail return null or a non-zero status; mpzero_peers_last_error()
 // then says why (no C++ exception crosses the C interface).
 #pragma once

@@ -12,8 +12,8 @@
 
 namespace {
 
-// The stream every step is launched on: torch's current stream, set by the script (0,
-// the legacy default stream, is torch's default).
+// The stream of the steppers created next: torch's current stream, set by the script (0,
+// the legacy default stream, is torch's default). A stepper keeps the one it was made on.
 cudaStream_t g_stream = nullptr;
 
 void require_device_memory(const void* p, std::uint64_t tensor, const char* role) {
@@ -37,7 +37,8 @@ class cuda_stepper final : public mpzero_peers::stepper {
                const mpzero_peers_hparams& h)
       : step_(planned(mpzero_peers::make_tensors<Policy>(n, params, masters, grads, exp_avgs, exp_avg_sqs, numels))),
         launcher_(step_),
-        hparams_(h) {
+        hparams_(h),
+        stream_(g_stream) {
     (void)mpzero_peers::prepare(h, 1);  // reject bad hyperparameters here, not at the first step
     for (std::uint64_t i = 0; i < n; ++i) {
       require_device_memory(params[i], i, "parameter");
@@ -48,14 +49,14 @@ class cuda_stepper final : public mpzero_peers::stepper {
     }
     const std::size_t bytes = launcher_.workspace_bytes();
     if (bytes > 0) MPZERO_CUDA_CHECK(cudaMalloc(&workspace_, bytes));
-    launcher_.upload(workspace_, bytes, g_stream);
-    MPZERO_CUDA_CHECK(cudaStreamSynchronize(g_stream));
+    launcher_.upload(workspace_, bytes, stream_);
+    MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
   cuda_stepper(const cuda_stepper&) = delete;
   cuda_stepper& operator=(const cuda_stepper&) = delete;
   ~cuda_stepper() override {
     // The tables may still be read by a step in flight.
-    (void)cudaStreamSynchronize(g_stream);
+    (void)cudaStreamSynchronize(stream_);
     if (workspace_ != nullptr) (void)cudaFree(workspace_);
   }
 
@@ -69,13 +70,14 @@ class cuda_stepper final : public mpzero_peers::stepper {
   // Asynchronous on the stream, as the peers' steps are: the script times it with CUDA
   // events on that stream.
   void run(std::uint64_t step, int /*threads*/) const override {
-    launcher_.run(mpzero_peers::prepare(hparams_, step), g_stream);
+    launcher_.run(mpzero_peers::prepare(hparams_, step), stream_);
   }
 
  private:
   mpzero::fused_step<Policy, mpzero_peers::adamw> step_;
   mpzero::cuda::fused_step_launcher<Policy, mpzero_peers::adamw, tuning> launcher_;
   mpzero_peers_hparams hparams_;
+  cudaStream_t stream_;
   void* workspace_ = nullptr;
 };
 
@@ -83,8 +85,8 @@ class cuda_stepper final : public mpzero_peers::stepper {
 
 MPZERO_PEERS_LIBRARY(cuda_stepper, "cuda")
 
-// The stream of every later create, step and run (a cudaStream_t; null: the legacy default
-// stream).
+// The stream of every later create and one-shot step (a cudaStream_t; null: the legacy
+// default stream); a handle runs on the stream it was created on.
 MPZERO_PEERS_API void mpzero_peers_set_stream(void* stream) { g_stream = static_cast<cudaStream_t>(stream); }
 
 // The GPU architectures the kernels were compiled for (nvcc's __CUDA_ARCH_LIST__, e.g.
