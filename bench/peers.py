@@ -1078,6 +1078,9 @@ def main():
                          "every contender streams them with fewer TLB misses; without it, 4 KiB pages unless "
                          "the kernel's THP mode is 'always'")
     ap.add_argument("--out", help="write the results as JSON (bench/peers_render.py reads it)")
+    ap.add_argument("--stop-by", type=float, metavar="EPOCH_S",
+                    help="start no row that would not end by this time (seconds since the epoch), judged by the "
+                         "longest row so far: the rows left are listed and the run ends with its table")
     a = ap.parse_args()
     DEVICE = a.device
     if a.huge_pages:
@@ -1243,10 +1246,19 @@ def main():
             os.replace(a.out + ".tmp", a.out)
 
     rows = [(config, n, layout) for config in configs for n in sizes for layout in layouts]
+    longest = 0.0
     for k, (config, n, layout) in enumerate(rows):
+        if a.stop_by is not None and time.time() + longest > a.stop_by:
+            doc["not_run"] = [{"config": c, "numel": m, "layout": x} for c, m, x in rows[k:]]
+            print(f"\n--stop-by: {len(rows) - k} row(s) not started (a row takes up to {longest:.0f} s): "
+                  + ", ".join(f"{c} {fmt_size(m)} {x}" for c, m, x in rows[k:]))
+            finish_doc(complete=False)
+            break
         numels = [n] if layout == "single" else mixed_sizes(n, a.tensors, HPARAMS["seed"] + n)
         print(f"\n[{k + 1}/{len(rows)}]", end="")
+        t0 = time.time()
         results.append(run_row(lib, threads, config, numels, layout, peer_ids, infos, a.warmup, a.rounds))
+        longest = max(longest, time.time() - t0)
         gc.collect()
         if DEVICE == "cuda":
             torch.cuda.empty_cache()

@@ -22,6 +22,7 @@ The format (checked by validate(), which bench/peers.py also runs before writing
   hyperparameters, rounds, warmup, threads
   complete      (optional) false while the run is under way or when it stopped early:
                 peers.py rewrites the file after every row
+  not_run       (optional) [{config, numel, layout}]: rows a time limit kept from starting
   peers         [{name, available, version, reason}]
   results       [{config, numel, layout ("single"|"multi"), tensors,
                   copy (optional): {bytes (read + written), median_s, times_s, ratios,
@@ -87,6 +88,9 @@ def validate(doc):
     _need(doc, "rounds", int, "document")
     if "complete" in doc:
         _need(doc, "complete", bool, "document")
+    for i, r in enumerate(doc.get("not_run") or []):
+        for key, types in (("config", str), ("numel", int), ("layout", str)):
+            _need(r, key, types, f"not_run[{i}]")
     peers = _need(doc, "peers", list, "document")
     names = []
     for i, p in enumerate(peers):
@@ -247,7 +251,10 @@ def render(doc, markdown=False):
     header, rows, notes = table(doc, "–" if markdown else "-")
     out = []
     if doc.get("complete") is False:
-        out.append(f"Partial results: the run stopped after {len(doc['results'])} row(s).")
+        left = doc.get("not_run") or []
+        out.append(f"Partial results: the run stopped after {len(doc['results'])} row(s)."
+                   + (" Not started: " + ", ".join(f"{r['config']} {fmt_size(r['numel'])} {r['layout']}" for r in left)
+                      + "." if left else ""))
     if markdown:
         out.append(summary(doc))
         out.append("")

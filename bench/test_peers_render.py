@@ -215,6 +215,11 @@ check(text.startswith("Partial results: the run stopped after 4 row(s).\n"), f"p
 check(not peers_render.render(peers_render.validate(dict(copy.deepcopy(doc), complete=True))).startswith("Partial"),
       "a complete run is not called partial")
 rejected(doc, lambda d: d.update(complete="no"), "complete", "a string as complete")
+partial["not_run"] = [{"config": "fp16_fp32_master", "numel": 1 << 20, "layout": "multi"}]
+text = peers_render.render(peers_render.validate(partial))
+check(text.startswith("Partial results: the run stopped after 4 row(s). Not started: fp16_fp32_master 1M multi.\n"),
+      f"rows a time limit kept from starting: {text[:160]!r}")
+rejected(partial, lambda d: d["not_run"][0].pop("numel"), "numel", "a row not run without its size")
 
 # validate() is what peers.py runs on its own output before writing it.
 try:

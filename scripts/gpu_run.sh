@@ -19,7 +19,8 @@
 #           and for-loop AdamW, DeepSpeed's FusedAdam, torchao, TransformerEngine's
 #           FusedAdam and bitsandbytes (those installed, or carried as wheels in .whl/ by
 #           scripts/gpu_wheels.sh: installed into .gpu/site first), with the copy baseline;
-#           GPU_RUN_PEERS_ARGS adds flags (default below); peers_cuda.{json,txt,md,png}
+#           GPU_RUN_PEERS_ARGS adds flags (default below); peers_cuda.{json,txt,md,png};
+#           under GPU_RUN_TIME_LIMIT_S no row starts that would not end in time (--stop-by)
 #   overhead  mpzero_bench_engine's overhead/*/cuda rows: the engine against plain LibTorch
 #           with its fused AdamW on a 134M-parameter MLP (engine_overhead_cuda.json)
 #   seeds   train_gpt once per seed of GPU_RUN_SEEDS (default "1 2 3 4 5") with SEEDS_ARGS
@@ -288,8 +289,11 @@ phase_peers() {
     }
     export PYTHONPATH="$root/.gpu/site${PYTHONPATH:+:$PYTHONPATH}"
   fi
+  # Under a time limit no row starts that would not end in time, and the table is made.
+  local stop=()
+  [ -n "${GPU_RUN_PHASE_END:-}" ] && stop=(--stop-by "$((GPU_RUN_PHASE_END - 20))")
   # shellcheck disable=SC2086
-  PYTHONUNBUFFERED=1 python3 "$root/bench/peers.py" --device cuda --lib "$lib" --out "$work/peers_cuda.json" \
+  PYTHONUNBUFFERED=1 python3 "$root/bench/peers.py" --device cuda --lib "$lib" --out "$work/peers_cuda.json" "${stop[@]}" \
     ${GPU_RUN_PEERS_ARGS:-$default_peers_args} 2>&1 | tee "$work/peers_cuda.txt" | grep -E "^\[[0-9]+/[0-9]+\] ==|^peers.py|mpzero  |differs|error|warning" | tail -80
   local rc=${PIPESTATUS[0]}
   if [ -f "$work/peers_cuda.json" ]; then
@@ -404,6 +408,12 @@ finish() {
       python3 "$root/examples/gpt/plot.py" "$work/$name/results.json" 2>&1 | tail -2
     fi
   done
+  # The peers' table, when their phase was stopped before it made it (the results file is
+  # rewritten after every row).
+  if [ -f "$work/peers_cuda.json" ] && [ "$work/peers_cuda.json" -nt "$work/peers_cuda.md" ]; then
+    python3 "$root/bench/peers_render.py" "$work/peers_cuda.json" --markdown --plot "$work/peers_cuda.png" \
+      >"$work/peers_cuda.md" 2>&1
+  fi
   echo "== gpu_run: results in $work"
 }
 
