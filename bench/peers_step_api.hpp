@@ -22,7 +22,6 @@
 
 #include <cstdint>
 #include <exception>
-#include <memory>
 #include <span>
 #include <stdexcept>
 #include <string>
