@@ -470,7 +470,7 @@ class OptimizerPeer:
             for i, (t, m, v) in enumerate(zip(targets, model.exp_avgs, model.exp_avg_sqs)):
                 if plan.get("init_state"):  # the optimizer's own bookkeeping first, then the row's tensors
                     plan["init_state"](self.opt, t)
-                st = self.opt.state[t] if plan.get("init_state") else {}
+                st = self.opt.state[t]  # torch.optim's state is a defaultdict: a new tensor gets {}
                 st.update(exp_avg=m, exp_avg_sq=v)
                 if self.step_kind == "int":
                     st["step"] = 0
@@ -478,7 +478,6 @@ class OptimizerPeer:
                     st["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
                 if plan.get("master_state"):
                     st[plan["master_state"]] = model.masters[i]
-                self.opt.state[t] = st
                 self.states.append(st)
         self.set_step(HPARAMS["first_step"])
 

@@ -273,6 +273,11 @@ phase_bench() {
     --benchmark_min_time=0.2 ${GPU_RUN_BENCH_ARGS:-} 2>&1 | tee "$work/bench_cuda.txt" | tail -60
   return "${PIPESTATUS[0]}"
 }
+# The peers' table and plot from their results file (rewritten after every row).
+render_peers() {
+  python3 "$root/bench/peers_render.py" "$work/peers_cuda.json" --markdown --plot "$work/peers_cuda.png" \
+    >"$work/peers_cuda.md" 2>&1
+}
 phase_peers() {
   ensure_built mpzero_peers_step_cuda || return 1
   local lib
@@ -297,8 +302,7 @@ phase_peers() {
     ${GPU_RUN_PEERS_ARGS:-$default_peers_args} 2>&1 | tee "$work/peers_cuda.txt" | grep -E "^\[[0-9]+/[0-9]+\] ==|^peers.py|mpzero  |differs|error|warning" | tail -80
   local rc=${PIPESTATUS[0]}
   if [ -f "$work/peers_cuda.json" ]; then
-    python3 "$root/bench/peers_render.py" "$work/peers_cuda.json" --markdown --plot "$work/peers_cuda.png" \
-      >"$work/peers_cuda.md" 2>&1
+    render_peers
     cat "$work/peers_cuda.md"
   fi
   return "$rc"
@@ -408,12 +412,8 @@ finish() {
       python3 "$root/examples/gpt/plot.py" "$work/$name/results.json" 2>&1 | tail -2
     fi
   done
-  # The peers' table, when their phase was stopped before it made it (the results file is
-  # rewritten after every row).
-  if [ -f "$work/peers_cuda.json" ] && [ "$work/peers_cuda.json" -nt "$work/peers_cuda.md" ]; then
-    python3 "$root/bench/peers_render.py" "$work/peers_cuda.json" --markdown --plot "$work/peers_cuda.png" \
-      >"$work/peers_cuda.md" 2>&1
-  fi
+  # The peers' table, when their phase was stopped before it made it.
+  if [ -f "$work/peers_cuda.json" ] && [ "$work/peers_cuda.json" -nt "$work/peers_cuda.md" ]; then render_peers; fi
   echo "== gpu_run: results in $work"
 }
 
