@@ -2,7 +2,8 @@
 // native-endian 32-bit words, for statistical test batteries that read a stream
 // (dieharder -g 200). Runs until stdout closes.
 //
-//   mpzero_rounding_stream elements [seed] [step]   words 0 and 1 of elements 0, 1, 2, ...
+//   mpzero_rounding_stream elements [seed] [step]   words 0-3 of pairs 0, 1, 2, ... (every bit a step
+//                                                   can draw, in the order of the elements)
 //   mpzero_rounding_stream steps [seed] [element]   word 0 of elements e .. e + 7 at steps 1, 2, ...
 //                                                   (the bits one parameter sees over training)
 #include <cstdint>
@@ -25,10 +26,16 @@ int main(int argc, char** argv) {
   const mpzero::rounding_key key = mpzero::rounding_key_of(seed, fixed);  // elements: the one step's
   for (std::uint64_t n = 0;; n += buf.size()) {
     if (elements) {
-      for (std::size_t i = 0; i < buf.size(); i += 2) {
-        const mpzero::element_bits e = mpzero::element_rounding_bits<2>(key, (n + i) / 2);
-        buf[i] = e.w[0];
-        buf[i + 1] = e.w[1];
+      // Pair p = elements 2 p, 2 p + 1: word 0 and word 1 (each element's w0), then
+      // words 2 and 3 (each split in halves between the two elements' w1).
+      for (std::size_t i = 0; i < buf.size(); i += 4) {
+        const std::uint64_t p = (n + i) / 4;
+        const mpzero::element_bits even = mpzero::element_rounding_bits<4>(key, 2 * p);
+        const mpzero::element_bits odd = mpzero::element_rounding_bits<4>(key, 2 * p + 1);
+        buf[i] = even.w[0];
+        buf[i + 1] = odd.w[0];
+        buf[i + 2] = (even.w[1] & 0xffffu) | (odd.w[1] << 16);
+        buf[i + 3] = (even.w[1] >> 16) | (odd.w[1] & 0xffff0000u);
       }
     } else {
       for (std::size_t i = 0; i < buf.size(); i += 8) {

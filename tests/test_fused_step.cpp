@@ -213,7 +213,7 @@ void check_split_invariance(const typename O::options& opt) {
   INFO(optim_test::policy_name<P>() << " x " << O::name);
   constexpr std::uint64_t N = 20011;
   // An odd first index, and one that puts global index 2^33 inside the data, where the
-  // rounding counter's high word changes.
+  // rounding pair index's high word changes.
   for (const std::uint64_t first : {std::uint64_t{1}, (std::uint64_t{1} << 33) - 9999}) {
     INFO("first global index " << first);
     const auto whole = run_split<P, O>(N, {}, first, opt, {}, {.threads = 1});

@@ -295,19 +295,27 @@ TEST_CASE("element random bits depend on seed, step and index only", "[numeric]"
 
 namespace {
 
-// Stream 2 from its definition (numeric/rounding_bits.hpp, docs/precision.md), written
-// out here rather than calling the library's pieces: word j of element g hashes the
-// counter c = 2 g + j under a key drawn from Philox4x32-10.
-std::uint32_t stream2_word(std::uint64_t seed, std::uint64_t step, std::uint64_t g, int j) {
+// Stream 3 from its definition (numeric/rounding_bits.hpp, docs/precision.md), written
+// out here rather than calling the library's pieces: element g = 2 p + t reads word t
+// of pair p whole and half t of words 2 and 3; word u of pair p hashes the pair index
+// under a key drawn from Philox4x32-10, with u's salt before the second multiply.
+std::uint32_t stream3_word(std::uint64_t seed, std::uint64_t step, std::uint64_t p, int u) {
   const philox_u32x4 key =
-      philox4x32_10({{static_cast<std::uint32_t>(step), static_cast<std::uint32_t>(step >> 32), 0x53520002u, 0u}},
+      philox4x32_10({{static_cast<std::uint32_t>(step), static_cast<std::uint32_t>(step >> 32), 0x53520003u, 0u}},
                     static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32));
-  const std::uint64_t c = 2 * g + static_cast<std::uint64_t>(j);
-  std::uint32_t x = static_cast<std::uint32_t>(c) ^ key.v[0];
+  const std::uint32_t salt[4] = {0u, 0x6a09e667u, 0xbb67ae85u, 0x3c6ef372u};
+  std::uint32_t x = static_cast<std::uint32_t>(p) ^ key.v[0];
   x = (x ^ (x >> 16)) * 0x21f0aaadu;
-  x = (x ^ (x >> 15) ^ key.v[1] ^ static_cast<std::uint32_t>(c >> 32) * 0x9e3779b9u) * 0x735a2d97u;
+  x = (x ^ (x >> 15) ^ key.v[1] ^ static_cast<std::uint32_t>(p >> 32) * 0x9e3779b9u ^ salt[u]) * 0x735a2d97u;
   x = (x ^ (x >> 15) ^ key.v[2]) * 0x31848babu;
   return x ^ (x >> 14);
+}
+
+std::uint16_t stream3_half(std::uint64_t seed, std::uint64_t step, std::uint64_t g, int h) {
+  const std::uint64_t p = g / 2;
+  const int t = static_cast<int>(g % 2);
+  const std::uint32_t word = h < 2 ? stream3_word(seed, step, p, t) : stream3_word(seed, step, p, h);
+  return static_cast<std::uint16_t>(word >> (16 * (h < 2 ? h : t)));
 }
 
 // Pearson's chi-square of `counts` against a uniform expectation.
@@ -328,42 +336,49 @@ double chi_square_bound(std::size_t bins) {
 
 }  // namespace
 
-TEST_CASE("stochastic-rounding bits: stream 2 from its definition", "[numeric]") {
+TEST_CASE("stochastic-rounding bits: stream 3 from its definition", "[numeric]") {
   const std::uint64_t seeds[] = {0, 42, 0x0123456789ABCDEFull};
   const std::uint64_t steps[] = {1, 7, (1ull << 32) + 3};
-  // Around the counter's high word changing (g = 2^31, 2^32, 2^33) and near the top.
+  // Both elements of pairs around the pair index's high word changing (g = 2^33) and
+  // near the top.
   const std::uint64_t indices[] = {0, 1, 2, 3, 1000, 1001, (1ull << 31) - 1, 1ull << 31, (1ull << 32) + 1,
-                                   (1ull << 33) - 1, 1ull << 33, (1ull << 62) + 12345};
+                                   (1ull << 33) - 2, (1ull << 33) - 1, 1ull << 33, (1ull << 33) + 1, (1ull << 62) + 12345};
   int mismatches = 0;
   for (const std::uint64_t seed : seeds) {
     for (const std::uint64_t step : steps) {
       const rounding_key key = rounding_key_of(seed, step);
       for (const std::uint64_t g : indices) {
-        const std::uint32_t w0 = stream2_word(seed, step, g, 0), w1 = stream2_word(seed, step, g, 1);
+        std::uint16_t want[4];
+        for (int h = 0; h < 4; ++h) want[h] = stream3_half(seed, step, g, h);
         const element_bits e = element_rounding_bits(seed, step, g);
-        mismatches += e.w[0] != w0;
-        mismatches += e.w[1] != w1;
-        mismatches += element_rounding_bits<2>(key, g).w[1] != w1;
-        mismatches += element_rounding_bits<1>(key, g).w[0] != w0;
-        for (int h = 0; h < 4; ++h) mismatches += e.half(h) != static_cast<std::uint16_t>((h < 2 ? w0 : w1) >> (16 * (h % 2)));
+        for (int h = 0; h < 4; ++h) mismatches += e.half(h) != want[h];
+        // Fewer halves: the ones read are the same, the others zero.
+        const element_bits e1 = element_rounding_bits<1>(key, g), e2 = element_rounding_bits<2>(key, g),
+                           e3 = element_rounding_bits<3>(key, g);
+        mismatches += e1.w[0] != e.w[0] || e1.w[1] != 0;
+        mismatches += e2.w[0] != e.w[0] || e2.w[1] != 0;
+        mismatches += e3.w[0] != e.w[0] || e3.half(2) != want[2] || e3.half(3) != 0;
+        mismatches += element_rounding_bits<4>(key, g).w[1] != e.w[1];
       }
     }
   }
   CHECK(mismatches == 0);
-  CHECK(rounding_stream == 2);
-  // Seed, step and the index's high bits all reach the bits.
+  CHECK(rounding_stream == 3);
+  // Seed, step, the pair's other element and the index's high bits all reach the bits.
   const element_bits e = element_rounding_bits(9, 2, 500);
   CHECK(element_rounding_bits(9, 2, 501).w[0] != e.w[0]);
+  CHECK(element_rounding_bits(9, 2, 501).half(2) != e.half(2));
+  CHECK(element_rounding_bits(9, 2, 502).w[0] != e.w[0]);
   CHECK(element_rounding_bits(10, 2, 500).w[0] != e.w[0]);
   CHECK(element_rounding_bits(9, 3, 500).w[0] != e.w[0]);
   CHECK(element_rounding_bits(9, 2, 500 + (1ull << 33)).w[0] != e.w[0]);
-  static_assert(element_rounding_bits(1, 2, 3).half(3) == element_rounding_bits<2>(rounding_key_of(1, 2), 3).half(3),
+  static_assert(element_rounding_bits(1, 2, 3).half(3) == element_rounding_bits<4>(rounding_key_of(1, 2), 3).half(3),
                 "usable in constant expressions");
 }
 
-TEST_CASE("stochastic-rounding bits: halves uniform, no dependence across neighbours, words or steps", "[numeric]") {
+TEST_CASE("stochastic-rounding bits: halves uniform, no dependence across elements, pairs, words or steps", "[numeric]") {
   constexpr std::uint64_t n = 1 << 20;
-  const std::uint64_t first = (1ull << 31) - n / 2;  // across a change of the counter's high word
+  const std::uint64_t first = (1ull << 33) - n / 2;  // across a change of the pair index's high word
   std::vector<element_bits> now(n), next(n);
   const rounding_key k5 = rounding_key_of(3, 5), k6 = rounding_key_of(3, 6);
   for (std::uint64_t i = 0; i < n; ++i) {
@@ -386,27 +401,42 @@ TEST_CASE("stochastic-rounding bits: halves uniform, no dependence across neighb
     INFO("bit " << bit);
     CHECK(std::fabs(static_cast<double>(ones) - n / 2.0) < 6.0 * std::sqrt(n / 4.0));
   }
-  // Joint distributions of the top 4 bits of two halves (16 x 16 bins): neighbouring
-  // elements, the two words of one element, the same element at consecutive steps, and
-  // an element against the one 2^k away (a simple counter relation).
-  const auto joint = [&](auto&& a, auto&& b, std::uint64_t count) {
-    std::vector<std::uint64_t> counts(256);
-    for (std::uint64_t i = 0; i < count; ++i) ++counts[(a(i) >> 12) * 16 + (b(i) >> 12)];
-    return chi_square(counts, count);
-  };
+  // Joint distributions of 4 bits of two halves (16 x 16 bins), the top 4 and the
+  // bottom 4 (the words of a pair branch from one state, and a multiply's low bits
+  // depend on its input's low bits alone): the elements of a pair and of neighbouring
+  // pairs, the halves of one element (from one word and from two), the same element at
+  // consecutive steps, and an element against the one 2^k away (a simple counter relation).
   const double bound = chi_square_bound(256);
-  CHECK(joint([&](std::uint64_t i) { return now[i].half(0); }, [&](std::uint64_t i) { return now[i + 1].half(0); }, n - 1) <
-        bound);
-  CHECK(joint([&](std::uint64_t i) { return now[i].half(1); }, [&](std::uint64_t i) { return now[i + 1].half(1); }, n - 1) <
-        bound);
-  CHECK(joint([&](std::uint64_t i) { return now[i].half(0); }, [&](std::uint64_t i) { return now[i].half(2); }, n) < bound);
-  CHECK(joint([&](std::uint64_t i) { return now[i].half(1); }, [&](std::uint64_t i) { return now[i].half(3); }, n) < bound);
-  CHECK(joint([&](std::uint64_t i) { return now[i].half(0); }, [&](std::uint64_t i) { return next[i].half(0); }, n) < bound);
-  CHECK(joint([&](std::uint64_t i) { return now[i].half(2); }, [&](std::uint64_t i) { return next[i].half(2); }, n) < bound);
-  for (const std::uint64_t d : {2ull, 16ull, 1024ull}) {
-    INFO("distance " << d);
-    CHECK(joint([&](std::uint64_t i) { return now[i].half(0); }, [&](std::uint64_t i) { return now[i + d].half(0); },
-                n - d) < bound);
+  const auto half_of = [&](const std::vector<element_bits>& v, int h, std::uint64_t offset) {
+    return [&v, h, offset](std::uint64_t i) { return v[i + offset].half(h); };
+  };
+  for (const int shift : {12, 0}) {
+    // count pairs (a(i), b(i)), i = 0, stride, 2 stride, ...
+    const auto joint = [&](auto&& a, auto&& b, std::uint64_t count, std::uint64_t stride = 1) {
+      std::vector<std::uint64_t> counts(256);
+      std::uint64_t total = 0;
+      for (std::uint64_t i = 0; i < count; i += stride, ++total)
+        ++counts[((a(i) >> shift) & 15u) * 16 + ((b(i) >> shift) & 15u)];
+      return chi_square(counts, total);
+    };
+    INFO("4 bits from bit " << shift);
+    for (const int h : {0, 1, 2}) {
+      INFO("half " << h << " of the two elements of a pair, and of neighbours in different pairs");
+      CHECK(joint(half_of(now, h, 0), half_of(now, h, 1), n - 1, 2) < bound);
+      CHECK(joint(half_of(now, h, 1), half_of(now, h, 2), n - 2, 2) < bound);
+    }
+    CHECK(joint(half_of(now, 0, 0), half_of(now, 1, 0), n) < bound);
+    CHECK(joint(half_of(now, 0, 0), half_of(now, 2, 0), n) < bound);
+    CHECK(joint(half_of(now, 1, 0), half_of(now, 2, 0), n) < bound);
+    CHECK(joint(half_of(now, 2, 0), half_of(now, 3, 0), n) < bound);
+    CHECK(joint(half_of(now, 0, 0), half_of(now, 2, 1), n - 1, 2) < bound);  // across a pair's words
+    CHECK(joint(half_of(now, 0, 0), half_of(next, 0, 0), n) < bound);
+    CHECK(joint(half_of(now, 2, 0), half_of(next, 2, 0), n) < bound);
+    for (const std::uint64_t d : {2ull, 16ull, 1024ull}) {
+      INFO("distance " << d);
+      CHECK(joint(half_of(now, 0, 0), half_of(now, 0, d), n - d) < bound);
+      CHECK(joint(half_of(now, 2, 0), half_of(now, 2, d), n - d) < bound);
+    }
   }
 }
 

@@ -3,10 +3,10 @@
 //
 // The reference is update_element() element by element, each making the step's key and
 // drawing its own bits (element_rounding_bits). The host loop makes the key once per
-// range and hashes the counters inside its vectorized element loop, the key word of
-// the counters' high half once per block; it must give the reference's bits exactly,
-// at odd and even first indices, in ranges of any length, and where the counter's high
-// half changes (global index 2^33).
+// range and hashes a block's pairs of elements in a loop of their own, the key word of
+// the pair index's high half once per block; it must give the reference's bits exactly,
+// at odd and even first indices (a block that starts mid-pair), in ranges of any length,
+// and where the pair index's high half changes (global index 2^33).
 #include <catch2/catch.hpp>
 
 #include "support/reference_step.hpp"
@@ -121,7 +121,7 @@ void check_against_reference() {
   typename Opt::options o{};
   o.lr = 1e-2;
   // Odd and even first indices; the last puts global index 2^33 inside the tensor,
-  // where the counter's high word changes.
+  // where the pair index's high word changes.
   for (const std::uint64_t offset : {std::uint64_t{12345}, std::uint64_t{12346}, (std::uint64_t{1} << 33) - 20001}) {
     state<Policy, Opt> ref(n, offset);
     for (std::uint64_t step = 1; step <= 3; ++step) ref.reference_step(make_step_args<Opt>(o, step, 0.5f, 77));

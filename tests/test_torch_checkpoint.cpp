@@ -228,7 +228,7 @@ TEST_CASE("engine checkpoint: a checkpoint of another stochastic-rounding stream
   std::ifstream in(log);
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   if (R() == 0) {
-    CHECK_THAT(text, Catch::Contains("written with stochastic-rounding stream 1; this build draws stream 2") &&
+    CHECK_THAT(text, Catch::Contains("written with stochastic-rounding stream 1; this build draws stream 3") &&
                          Catch::Contains("The loaded values are exact"));
   } else {
     CHECK(text.find("stochastic-rounding stream") == std::string::npos);  // said once, by rank 0

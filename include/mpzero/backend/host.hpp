@@ -4,9 +4,11 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <concepts>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <span>
 #include <utility>
 #include <vector>
@@ -183,16 +185,21 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
   state_t* MPZERO_RESTRICT s0 = t.states[0] + begin;
   state_t* MPZERO_RESTRICT s1 = n > 1 ? t.states[n > 1 ? 1 : 0] + begin : nullptr;
   state_t* MPZERO_RESTRICT s2 = n > 2 ? t.states[n > 2 ? 2 : 0] + begin : nullptr;
-  // Blocks of `block` elements. Under stochastic rounding the element loop hashes each
-  // element's counter itself (numeric/rounding_bits.hpp: 32-bit lane arithmetic, which
-  // vectorizes with the update); the key is made once per range, and the key word of the
-  // counters' high half once per block, so a block never spans a multiple of 2^31
+  // Blocks of `block` elements. Under stochastic rounding a loop over the block's pairs
+  // of elements hashes each pair's state once and branches the words its elements read
+  // (numeric/rounding_bits.hpp: 32-bit lane arithmetic, vectorized), into buffers the
+  // element loop reads from; the key is made once per range, and the key word of the
+  // pairs' high half once per block, so a block never spans a multiple of 2^33
   // elements in global index (where that half changes).
   constexpr bool sr = Policy::rounding::stochastic;
-  constexpr int words = rounding_words<Policy, Optimizer>;
+  constexpr int halves = rounding_halves<Policy, Optimizer>;
   constexpr std::uint32_t block = 1024;
   rounding_key key{};
   if constexpr (sr) key = rounding_key_of(a.seed, a.step);
+  // Element j of a block reads position j + (first index odd) of these: w0 (halves 0
+  // and 1) and the 16-bit halves 2 and 3.
+  alignas(64) std::uint32_t w0buf[sr ? block + 2 : 1];
+  alignas(64) std::uint16_t h2buf[sr && halves > 2 ? block + 2 : 1], h3buf[sr && halves > 3 ? block + 2 : 1];
   // fp16 blocks converted by Half: gradients and the master read, the master written
   // under nearest rounding (stochastic rounding stays in the element loop), the
   // parameter copy written (always nearest).
@@ -202,15 +209,35 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
   constexpr bool half_param = Half::enabled && !Policy::master_is_param && std::same_as<param_t, fp16>;
   alignas(64) float gbuf[half_grad ? block : 1], mbuf[half_master ? block : 1], pbuf[half_param ? block : 1];
   const std::uint64_t first = t.global_offset + begin;
-  constexpr std::uint64_t high_span = std::uint64_t{1} << 31;  // elements per counter high word
+  constexpr std::uint64_t high_span = std::uint64_t{1} << 33;  // elements per pair-index high word
   for (std::uint64_t b = 0, next = 0; b < size; b = next) {
     const auto len = static_cast<std::uint32_t>(
         std::min<std::uint64_t>({block, size - b, high_span - ((first + b) & (high_span - 1))}));
     next = b + len;
-    std::uint32_t inner = 0, counter0 = 0;
+    std::uint32_t odd = 0;
     if constexpr (sr) {
-      inner = rounding_inner_key(key, static_cast<std::uint32_t>((first + b) >> 31));
-      counter0 = static_cast<std::uint32_t>(2 * (first + b));
+      const std::uint64_t g0 = first + b;
+      odd = static_cast<std::uint32_t>(g0 & 1u);
+      const std::uint32_t inner = rounding_inner_key(key, static_cast<std::uint32_t>(g0 >> 33));
+      const auto pair0 = static_cast<std::uint32_t>(g0 >> 1);
+      const std::uint32_t pairs = (odd + len + 1) / 2;
+      // Half t of a word goes to element 2 q + t: on a little-endian host, the word's
+      // own bytes (a plain store, no shuffle).
+      const auto halves_of = [](std::uint16_t* to, std::uint32_t h) MPZERO_FORCEINLINE_LAMBDA {
+        if constexpr (std::endian::native == std::endian::little) {
+          std::memcpy(to, &h, sizeof h);
+        } else {
+          to[0] = static_cast<std::uint16_t>(h);
+          to[1] = static_cast<std::uint16_t>(h >> 16);
+        }
+      };
+      for (std::uint32_t q = 0; q < pairs; ++q) {
+        const std::uint32_t x = rounding_pair_state(key, pair0 + q);
+        w0buf[2 * q] = rounding_word(key, inner, x, rounding_salt(0));
+        w0buf[2 * q + 1] = rounding_word(key, inner, x, rounding_salt(1));
+        if constexpr (halves > 2) halves_of(h2buf + 2 * q, rounding_word(key, inner, x, rounding_salt(2)));
+        if constexpr (halves > 3) halves_of(h3buf + 2 * q, rounding_word(key, inner, x, rounding_salt(3)));
+      }
     }
     if constexpr (half_grad) Half::widen(grad + b, gbuf, len);
     if constexpr (half_master) Half::widen(master + b, mbuf, len);
@@ -218,9 +245,9 @@ MPZERO_FORCEINLINE void step_range_body(const step_tensor<Policy, Optimizer>& t,
       const std::uint64_t i = b + j;
       element_bits bits{};
       if constexpr (sr) {
-        const std::uint32_t c = counter0 + 2u * j;
-        bits.w[0] = rounding_word(key, inner, c);
-        if constexpr (words > 1) bits.w[1] = rounding_word(key, inner, c + 1u);
+        bits.w[0] = w0buf[j + odd];
+        if constexpr (halves > 2) bits.w[1] = h2buf[j + odd];
+        if constexpr (halves > 3) bits.w[1] |= std::uint32_t{h3buf[j + odd]} << 16;
       }
       master_t w = master[i];
       state_t s[n];

@@ -113,10 +113,11 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void fused_step_thread(const step_tensor<P
   }
   const std::uint64_t base = t.global_offset + c.begin;
   const std::uint32_t n_vec = vec_ok ? (c.size / Ilp) * Ilp : 0u;
-  // Stochastic rounding: the step's key once per thread, then two hashes per element
-  // (numeric/rounding_bits.hpp); the bits depend on the global index alone.
+  // Stochastic rounding: the step's key once per thread, then per element its pair's
+  // state and the words its halves come from (numeric/rounding_bits.hpp); the bits
+  // depend on the global index alone.
   constexpr bool sr = Policy::rounding::stochastic;
-  constexpr int words = rounding_words<Policy, Optimizer>;
+  constexpr int halves = rounding_halves<Policy, Optimizer>;
   rounding_key key{};
   if constexpr (sr) key = rounding_key_of(args.seed, args.step);
 
@@ -132,7 +133,7 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void fused_step_thread(const step_tensor<P
     MPZERO_UNROLL
     for (int j = 0; j < Ilp; ++j) {
       element_bits bits{};
-      if constexpr (sr) bits = element_rounding_bits<words>(key, base + i + j);
+      if constexpr (sr) bits = element_rounding_bits<halves>(key, base + i + j);
       state_t sj[n];
       MPZERO_UNROLL
       for (int k = 0; k < n; ++k) sj[k] = s[k][j];
@@ -153,7 +154,7 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE void fused_step_thread(const step_tensor<P
     for (int k = 0; k < n; ++k) s[k] = states[k][i];
     param_t p{};
     element_bits bits{};
-    if constexpr (sr) bits = element_rounding_bits<words>(key, base + i);
+    if constexpr (sr) bits = element_rounding_bits<halves>(key, base + i);
     update_element_with_bits<Policy, Optimizer, Mode>(args, bits, w, grad[i], s, p);
     master[i] = w;
     if constexpr (!Policy::master_is_param) param[i] = p;

@@ -66,11 +66,11 @@ step_args<Optimizer> make_step_args(const typename Optimizer::options& o, std::u
   return step_args<Optimizer>{Optimizer::prepare(o, step), grad_scale, seed, step};
 }
 
-// How many words of element_bits a policy's step reads: half 0 rounds the master,
-// half 1 + k state k, so 16-bit states beyond the first need the second word. Loops
-// draw only these (element_rounding_bits<Words>).
+// How many halves of element_bits a policy's step reads: half 0 rounds the master,
+// half 1 + k state k (16-bit states only). Loops hash only the words these come from
+// (element_rounding_bits<Halves>).
 template <precision_policy Policy, optim::rule Optimizer>
-inline constexpr int rounding_words = sizeof(typename Policy::state_type) == 2 && Optimizer::n_states >= 2 ? 2 : 1;
+inline constexpr int rounding_halves = sizeof(typename Policy::state_type) == 2 ? 1 + Optimizer::n_states : 1;
 
 // The whole update of one element, in registers, from float inputs: `wf` is the
 // master value, `g` the gradient before the multiplier. Writes the master rounded to
