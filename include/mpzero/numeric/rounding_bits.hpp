@@ -28,9 +28,9 @@ inline constexpr std::uint32_t rounding_stream = 3;
 // triple32's last multiplier and shift; the key enters before every multiply) of the
 // pair index, with the salt before the second multiply. Element g = 2 p + t (t = g % 2)
 // takes both halves of word t (w0: master, state 0) and half t of words 2 and 3 (w1:
-// states 1 and 2). So a pair's three roundings each under Adam cost 1 + 3 x 2 = 7
-// multiplies (3.5 per element; stream 2: 6), and every bit still goes through three
-// multiplies after its counter. Two rounds after the counter fail dieharder's 4-D
+// states 1 and 2). Under Adam with 16-bit states an element rounds three values, so a
+// pair hashes its state and three words: 1 + 3 x 2 = 7 multiplies, 3.5 per element
+// (stream 2: 6), and every bit still goes through three multiplies after its counter. Two rounds after the counter fail dieharder's 4-D
 // minimum-distance test in element order; three pass the whole battery (docs/perf.md).
 // Statistical checks: tests/test_numeric.cpp (uniform halves, no dependence across
 // neighbours, pairs, words or steps) and docs/precision.md (dieharder).
@@ -62,11 +62,13 @@ MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr std::uint32_t rounding_pair_stat
   return x ^ (x >> 15);
 }
 
-// Word u (0-3) of a pair: `state` is rounding_pair_state of the pair's low half, `inner`
-// rounding_inner_key of its high half.
+// The salt of word u (0-3): what sets a pair's words apart before their second multiply.
 MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr std::uint32_t rounding_salt(unsigned u) noexcept {
   return u == 0 ? 0u : u == 1 ? 0x6a09e667u : u == 2 ? 0xbb67ae85u : 0x3c6ef372u;
 }
+
+// A word of a pair: `state` is rounding_pair_state of the pair index's low half, `inner`
+// rounding_inner_key of its high half, `salt` rounding_salt of the word's number.
 MPZERO_HOST_DEVICE MPZERO_FORCEINLINE constexpr std::uint32_t rounding_word(const rounding_key& key, std::uint32_t inner,
                                                                           std::uint32_t state, std::uint32_t salt) noexcept {
   std::uint32_t y = state ^ inner ^ salt;
