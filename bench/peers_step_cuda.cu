@@ -1,12 +1,12 @@
 // mpzero's CUDA step behind bench/peers.py's C interface (peers_step_api.hpp):
-// libmpzero_peers_step_cuda.so. The same launch as mpzero_bench_cuda's BM_cuda_step
-// (cuda::fused_step_launcher with the policy's cuda_step_tuning), over device memory
+// libmpzero_peers_step_cuda.so. The CUDA backend's step (cuda_backend::stepper: the
+// policy's cuda_step_tuning, planned for this GPU's SMs), over device memory
 // that Python owns (CUDA tensors' data_ptr()), so that mpzero and its peers (torch's
 // fused AdamW, DeepSpeed's and TransformerEngine's FusedAdam, torchao) step the very same
 // tensors in one process, on one stream.
 #include <cuda_runtime.h>
 
-#include <mpzero/cuda/fused_step.cuh>
+#include <mpzero/backend/cuda_backend.cuh>
 
 #include "peers_step_api.hpp"
 
@@ -27,19 +27,28 @@ void require_device_memory(const void* p, std::uint64_t tensor, const char* role
   }
 }
 
+// The CUDA backend's own stepper (its plan, launch shape and workspace), on the stream
+// that was current when the handle was made.
 template <mpzero::precision_policy Policy>
 class cuda_stepper final : public mpzero_peers::stepper {
-  using tuning = mpzero::cuda_step_tuning<Policy::rounding::stochastic>;
-
  public:
   cuda_stepper(std::uint64_t n, void* const* params, void* const* masters, const void* const* grads,
                void* const* exp_avgs, void* const* exp_avg_sqs, const std::uint64_t* numels,
                const mpzero_peers_hparams& h)
-      : step_(planned(mpzero_peers::make_tensors<Policy>(n, params, masters, grads, exp_avgs, exp_avg_sqs, numels))),
-        launcher_(step_),
-        hparams_(h),
-        stream_(g_stream) {
+      : step_(checked(n, params, masters, grads, exp_avgs, exp_avg_sqs),
+              mpzero_peers::make_tensors<Policy>(n, params, masters, grads, exp_avgs, exp_avg_sqs, numels)),
+        hparams_(h) {
     (void)mpzero_peers::prepare(h, 1);  // reject bad hyperparameters here, not at the first step
+  }
+
+  // Asynchronous on the stream, as the peers' steps are: the script times it with CUDA
+  // events on that stream.
+  void run(std::uint64_t step, int /*threads*/) const override { step_.run(mpzero_peers::prepare(hparams_, step)); }
+
+ private:
+  // The backend to build the step with, once every pointer is known to be device memory.
+  static mpzero::cuda_backend checked(std::uint64_t n, void* const* params, void* const* masters,
+                                      const void* const* grads, void* const* exp_avgs, void* const* exp_avg_sqs) {
     for (std::uint64_t i = 0; i < n; ++i) {
       require_device_memory(params[i], i, "parameter");
       if constexpr (!Policy::master_is_param) require_device_memory(masters[i], i, "master");
@@ -47,38 +56,11 @@ class cuda_stepper final : public mpzero_peers::stepper {
       require_device_memory(exp_avgs[i], i, "exp_avg");
       require_device_memory(exp_avg_sqs[i], i, "exp_avg_sq");
     }
-    const std::size_t bytes = launcher_.workspace_bytes();
-    if (bytes > 0) MPZERO_CUDA_CHECK(cudaMalloc(&workspace_, bytes));
-    launcher_.upload(workspace_, bytes, stream_);
-    MPZERO_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  }
-  cuda_stepper(const cuda_stepper&) = delete;
-  cuda_stepper& operator=(const cuda_stepper&) = delete;
-  ~cuda_stepper() override {
-    // The tables may still be read by a step in flight.
-    (void)cudaStreamSynchronize(stream_);
-    if (workspace_ != nullptr) (void)cudaFree(workspace_);
+    return mpzero::cuda_backend(g_stream);
   }
 
-  // The library's plan, as its CUDA backend makes it (small steps get smaller chunks).
-  static mpzero::fused_step<Policy, mpzero_peers::adamw> planned(
-      std::vector<mpzero::step_tensor<Policy, mpzero_peers::adamw>> tensors) {
-    const mpzero::plan_options plan = mpzero::plan_for<tuning>(tensors, mpzero::cuda::multiprocessors());
-    return mpzero::fused_step<Policy, mpzero_peers::adamw>(std::move(tensors), plan);
-  }
-
-  // Asynchronous on the stream, as the peers' steps are: the script times it with CUDA
-  // events on that stream.
-  void run(std::uint64_t step, int /*threads*/) const override {
-    launcher_.run(mpzero_peers::prepare(hparams_, step), stream_);
-  }
-
- private:
-  mpzero::fused_step<Policy, mpzero_peers::adamw> step_;
-  mpzero::cuda::fused_step_launcher<Policy, mpzero_peers::adamw, tuning> launcher_;
+  mpzero::cuda_backend::stepper<Policy, mpzero_peers::adamw> step_;
   mpzero_peers_hparams hparams_;
-  cudaStream_t stream_;
-  void* workspace_ = nullptr;
 };
 
 }  // namespace
