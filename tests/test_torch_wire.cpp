@@ -832,7 +832,7 @@ TEST_CASE("torch: low-precision model states through initialize, backward and st
       Tensor w = master[i].to(torch::kFloat) * decay;
       const Tensor mi = m[i].to(torch::kFloat) * f32(b1) + gi * f32(1.0 - b1);
       const Tensor vi = v[i].to(torch::kFloat) * f32(b2) + (gi * f32(1.0 - b2)) * gi;
-      const Tensor denom = vi.sqrt() * inv_sqrt_bias2 + f32(eps);
+      const Tensor denom = ieee_sqrt(vi) * inv_sqrt_bias2 + f32(eps);
       w = w - (mi / denom) * step_size;
       master[i] = w.to(c.master);
       m[i] = mi.to(c.state);

@@ -6,6 +6,7 @@
 
 #include "torch_mpi.hpp"  // LibTorch, then Catch and MPI
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -47,6 +48,18 @@ inline batch random_batch(std::uint64_t seed, std::int64_t out_features = 4) {
 inline std::vector<Tensor> fp32_masters(const std::vector<Tensor>& params) {
   std::vector<Tensor> out;
   for (const auto& p : params) out.push_back(p.detach().to(::torch::kFloat).clone().set_requires_grad(true));
+  return out;
+}
+
+// The square root of each element of an fp32 tensor, correctly rounded as IEEE 754
+// requires and as the fused step computes it. LibTorch's CPU sqrt goes through MKL's
+// vector math, which is correctly rounded on some CPUs and within one ulp on others (an
+// AMD EPYC gives 0x1.1a473ep-7 for the square root of 0x1.374106p-14, where IEEE gives
+// 0x1.1a473cp-7), so a bit-exact reference cannot use it.
+inline Tensor ieee_sqrt(const Tensor& x) {
+  Tensor out = x.to(::torch::kFloat).contiguous().clone();
+  float* p = out.data_ptr<float>();
+  for (std::int64_t i = 0; i < out.numel(); ++i) p[i] = std::sqrt(p[i]);
   return out;
 }
 
