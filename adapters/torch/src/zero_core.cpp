@@ -287,6 +287,7 @@ std::unique_ptr<zero_core> make_zero_core(const core_spec& spec, any_communicato
                           : std::move(parts.kernel);
     comm = std::move(parts.comm);
 #else
+    (void)place;  // where a CUDA core would run; this build has none
     no_cuda_cores();
 #endif
   } else {
