@@ -26,16 +26,13 @@ int main(int argc, char** argv) {
   const mpzero::rounding_key key = mpzero::rounding_key_of(seed, fixed);  // elements: the one step's
   for (std::uint64_t n = 0;; n += buf.size()) {
     if (elements) {
-      // Pair p = elements 2 p, 2 p + 1: word 0 and word 1 (each element's w0), then
-      // words 2 and 3 (each split in halves between the two elements' w1).
+      // Pair p = elements 2 p, 2 p + 1: its words 0-3 (word t is element t's w0; words 2
+      // and 3 are split in halves between the two elements' w1).
       for (std::size_t i = 0; i < buf.size(); i += 4) {
         const std::uint64_t p = (n + i) / 4;
-        const mpzero::element_bits even = mpzero::element_rounding_bits<4>(key, 2 * p);
-        const mpzero::element_bits odd = mpzero::element_rounding_bits<4>(key, 2 * p + 1);
-        buf[i] = even.w[0];
-        buf[i + 1] = odd.w[0];
-        buf[i + 2] = (even.w[1] & 0xffffu) | (odd.w[1] << 16);
-        buf[i + 3] = (even.w[1] >> 16) | (odd.w[1] & 0xffff0000u);
+        const std::uint32_t inner = mpzero::rounding_inner_key(key, static_cast<std::uint32_t>(p >> 32));
+        const std::uint32_t x = mpzero::rounding_pair_state(key, static_cast<std::uint32_t>(p));
+        for (unsigned u = 0; u < 4; ++u) buf[i + u] = mpzero::rounding_word(key, inner, x, mpzero::rounding_salt(u));
       }
     } else {
       for (std::size_t i = 0; i < buf.size(); i += 8) {

@@ -30,8 +30,9 @@ inline constexpr std::uint32_t rounding_stream = 3;
 // takes both halves of word t (w0: master, state 0) and half t of words 2 and 3 (w1:
 // states 1 and 2). Under Adam with 16-bit states an element rounds three values, so a
 // pair hashes its state and three words: 1 + 3 x 2 = 7 multiplies, 3.5 per element
-// (stream 2: 6), and every bit still goes through three multiplies after its counter. Two rounds after the counter fail dieharder's 4-D
-// minimum-distance test in element order; three pass the whole battery (docs/perf.md).
+// (stream 2: 6), and every bit still goes through three multiplies after its counter.
+// Two rounds after the counter fail dieharder's 4-D minimum-distance test in element
+// order; three pass the whole battery (docs/perf.md).
 // Statistical checks: tests/test_numeric.cpp (uniform halves, no dependence across
 // neighbours, pairs, words or steps) and docs/precision.md (dieharder).
 struct rounding_key {
